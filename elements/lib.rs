@@ -1,0 +1,35 @@
+//! gst-vlm's GStreamer glue: the three elements, the meta they share and their typed events.
+//! The heavy work is in `vlm_runtime`; the elements stay thin.
+
+use std::sync::LazyLock;
+
+pub mod events;
+pub mod meta;
+pub mod vlmcontext;
+pub mod vlmencode;
+pub mod vlmquery;
+
+static LLAMA_CAT: LazyLock<gst::DebugCategory> =
+    LazyLock::new(|| gst::DebugCategory::new("vlm-llama", gst::DebugColorFlags::empty(), Some("llama.cpp and libmtmd log")));
+
+/// Route llama.cpp's own log into the `vlm-llama` debug category.
+fn route_llama_log() {
+    use vlm_runtime::llama::LogLevel;
+    vlm_runtime::llama::set_log_sink(|level, line| {
+        let level = match level {
+            LogLevel::Error => gst::DebugLevel::Error,
+            LogLevel::Warn => gst::DebugLevel::Warning,
+            LogLevel::Info => gst::DebugLevel::Info,
+            LogLevel::Debug => gst::DebugLevel::Debug,
+        };
+        gst::log_with_level!(*LLAMA_CAT, level, "{}", line);
+    });
+}
+
+pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
+    route_llama_log();
+    vlmencode::register(plugin)?;
+    vlmcontext::register(plugin)?;
+    vlmquery::register(plugin)?;
+    Ok(())
+}

@@ -1,0 +1,130 @@
+//! `VlmFrameMeta`: what gst-vlm attaches to a video buffer.
+//!
+//! `vlmencode` sets the frame's projected embeddings (a shared handle: no float is copied on the
+//! way to `vlmcontext`); `vlmcontext` adds the stream and the frame's number in it, which is how
+//! `vlmquery` knows which version of the history a question that follows this buffer needs.
+
+use std::fmt;
+use std::ptr;
+use std::sync::{Arc, OnceLock};
+
+use gst::prelude::*;
+use vlm_runtime::Frame;
+
+#[repr(C)]
+pub struct VlmFrameMeta {
+    parent: gst::ffi::GstMeta,
+    frame: Option<Arc<Frame>>,
+    stream: u64,
+    number: u64,
+}
+
+// SAFETY: the fields are Send + Sync Rust values.
+unsafe impl Send for VlmFrameMeta {}
+unsafe impl Sync for VlmFrameMeta {}
+
+impl VlmFrameMeta {
+    /// Attach encoded embeddings to `buffer` (vlmencode).
+    pub fn add(buffer: &mut gst::BufferRef, frame: Arc<Frame>) -> gst::MetaRefMut<'_, Self, gst::meta::Standalone> {
+        // SAFETY: info() registers a meta whose init writes every field; the returned pointer is
+        // a VlmFrameMeta owned by the buffer.
+        unsafe {
+            let meta = gst::ffi::gst_buffer_add_meta(buffer.as_mut_ptr(), info(), ptr::null_mut()).cast::<VlmFrameMeta>();
+            (*meta).frame = Some(frame);
+            Self::from_mut_ptr(buffer, meta)
+        }
+    }
+
+    pub fn frame(&self) -> Option<&Arc<Frame>> {
+        self.frame.as_ref()
+    }
+
+    /// Stream id (see `vlm_runtime::stream::lookup`) and frame number, once `vlmcontext` has
+    /// registered the frame; `None` before.
+    pub fn position(&self) -> Option<(u64, u64)> {
+        (self.number > 0).then_some((self.stream, self.number))
+    }
+
+    pub fn set_position(&mut self, stream: u64, number: u64) {
+        self.stream = stream;
+        self.number = number;
+    }
+}
+
+unsafe impl MetaAPI for VlmFrameMeta {
+    type GstType = VlmFrameMeta;
+
+    fn meta_api() -> glib::Type {
+        // SAFETY: info() registers the API type first.
+        unsafe { glib::translate::from_glib((*info()).api) }
+    }
+}
+
+impl fmt::Debug for VlmFrameMeta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VlmFrameMeta").field("frame", &self.frame).field("stream", &self.stream).field("number", &self.number).finish()
+    }
+}
+
+unsafe extern "C" fn init(meta: *mut gst::ffi::GstMeta, _: glib::ffi::gpointer, _: *mut gst::ffi::GstBuffer) -> glib::ffi::gboolean {
+    // SAFETY: GStreamer allocated size_of::<VlmFrameMeta>() bytes; the Rust fields are written
+    // before anything reads them.
+    unsafe {
+        let m = meta.cast::<VlmFrameMeta>();
+        ptr::write(&mut (*m).frame, None);
+        ptr::write(&mut (*m).stream, 0);
+        ptr::write(&mut (*m).number, 0);
+    }
+    glib::ffi::GTRUE
+}
+
+unsafe extern "C" fn free(meta: *mut gst::ffi::GstMeta, _: *mut gst::ffi::GstBuffer) {
+    // SAFETY: init ran on this meta; the Arc is dropped exactly once.
+    unsafe { ptr::drop_in_place(&mut (*meta.cast::<VlmFrameMeta>()).frame) }
+}
+
+unsafe extern "C" fn transform(
+    dest: *mut gst::ffi::GstBuffer,
+    meta: *mut gst::ffi::GstMeta,
+    _src: *mut gst::ffi::GstBuffer,
+    _kind: glib::ffi::GQuark,
+    _data: glib::ffi::gpointer,
+) -> glib::ffi::gboolean {
+    // SAFETY: `meta` is a VlmFrameMeta; the copy gets clones of its shared handles.
+    unsafe {
+        let src = &*meta.cast::<VlmFrameMeta>();
+        let copy = gst::ffi::gst_buffer_add_meta(dest, info(), ptr::null_mut()).cast::<VlmFrameMeta>();
+        if copy.is_null() {
+            return glib::ffi::GFALSE;
+        }
+        (*copy).frame = src.frame.clone();
+        (*copy).stream = src.stream;
+        (*copy).number = src.number;
+    }
+    glib::ffi::GTRUE
+}
+
+struct Info(*const gst::ffi::GstMetaInfo);
+// SAFETY: GstMetaInfo is immutable after registration.
+unsafe impl Send for Info {}
+unsafe impl Sync for Info {}
+
+fn info() -> *const gst::ffi::GstMetaInfo {
+    static INFO: OnceLock<Info> = OnceLock::new();
+    INFO.get_or_init(|| {
+        // SAFETY: registration with NUL-terminated names and an empty, NULL-terminated tag list.
+        unsafe {
+            let mut tags = [ptr::null::<std::ffi::c_char>()];
+            let api = gst::ffi::gst_meta_api_type_register(c"GstVlmFrameMetaAPI".as_ptr(), tags.as_mut_ptr());
+            Info(gst::ffi::gst_meta_register(
+                api,
+                c"GstVlmFrameMeta".as_ptr(),
+                std::mem::size_of::<VlmFrameMeta>(),
+                Some(init),
+                Some(free),
+                Some(transform),
+            ))
+        }
+    })
+    .0
+}

@@ -1,0 +1,419 @@
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
+
+use gst::glib;
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use parking_lot::Mutex;
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::{Engine, EngineConfig, Error, Stream, StreamConfig, models};
+
+use crate::events::{ModelQuery, StreamEvent};
+use crate::meta::VlmFrameMeta;
+
+static CAT: LazyLock<gst::DebugCategory> =
+    LazyLock::new(|| gst::DebugCategory::new("vlmcontext", gst::DebugColorFlags::empty(), Some("gst-vlm versioned stream history")));
+
+const DEFAULT_CONTEXT_SIZE: u32 = 2048;
+const DEFAULT_MAX_STREAMS: u32 = 2;
+const DEFAULT_MAX_PENDING: u32 = 4;
+/// Cells kept free after the history for a question and its answer.
+const ANSWER_RESERVE: i32 = 256;
+
+#[derive(Debug, Clone)]
+struct Settings {
+    model: String,
+    retain: bool,
+    system_prompt: String,
+    context_size: u32,
+    max_streams: u32,
+    max_pending: u32,
+    threads: u32,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            model: String::new(),
+            retain: true,
+            system_prompt: DEFAULT_SYSTEM_PROMPT.into(),
+            context_size: DEFAULT_CONTEXT_SIZE,
+            max_streams: DEFAULT_MAX_STREAMS,
+            max_pending: DEFAULT_MAX_PENDING,
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
+        }
+    }
+}
+
+/// One stream: a sink pad, its source pad, and the runtime stream behind them.
+struct StreamPads {
+    sink: gst::Pad,
+    src: gst::Pad,
+    stream: Mutex<Option<Arc<Stream>>>,
+    /// Set while flushing or stopping: unblocks a chain function waiting for backpressure.
+    cancel: AtomicBool,
+    dropped: Mutex<u64>,
+}
+
+#[derive(Default)]
+struct State {
+    engine: Option<Arc<Engine>>,
+    prompt: Option<Arc<Prompt>>,
+}
+
+#[derive(Default)]
+pub struct VlmContext {
+    settings: Mutex<Settings>,
+    state: Mutex<State>,
+    pads: Mutex<Vec<Arc<StreamPads>>>,
+}
+
+impl VlmContext {
+    fn pads_of(&self, pad: &gst::Pad) -> Option<Arc<StreamPads>> {
+        self.pads.lock().iter().find(|p| &p.sink == pad || &p.src == pad).cloned()
+    }
+
+    /// The runtime stream of `pads`, opened on first use.
+    fn stream(&self, pads: &StreamPads) -> Result<Arc<Stream>, gst::ErrorMessage> {
+        let mut slot = pads.stream.lock();
+        if let Some(s) = slot.as_ref() {
+            return Ok(Arc::clone(s));
+        }
+        let (engine, prompt) = {
+            let st = self.state.lock();
+            match (&st.engine, &st.prompt) {
+                (Some(e), Some(p)) => (Arc::clone(e), Arc::clone(p)),
+                _ => return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"])),
+            }
+        };
+        let settings = self.settings.lock().clone();
+        let config = StreamConfig {
+            name: pads.sink.name().to_string(),
+            retain: settings.retain,
+            max_pending: settings.max_pending as usize,
+            answer_reserve: ANSWER_RESERVE,
+        };
+        let stream = Stream::open(&engine, prompt, config).map_err(|e| gst::error_msg!(gst::ResourceError::Failed, ["{}: {}", pads.sink.name(), e]))?;
+        gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
+        *slot = Some(Arc::clone(&stream));
+        Ok(stream)
+    }
+
+    fn sink_chain(&self, pads: &StreamPads, mut buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let frame = buffer.meta::<VlmFrameMeta>().and_then(|m| m.frame().cloned());
+        if let Some(frame) = frame {
+            let stream = self.stream(pads).map_err(|e| {
+                self.post_error_message(e);
+                gst::FlowError::Error
+            })?;
+            match stream.register(frame, &pads.cancel) {
+                Ok(number) => {
+                    gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
+                    let buf = buffer.make_mut();
+                    if let Some(mut m) = buf.meta_mut::<VlmFrameMeta>() {
+                        m.set_position(stream.id(), number);
+                    }
+                }
+                Err(Error::Cancelled) => return Err(gst::FlowError::Flushing),
+                Err(e @ Error::HistoryFull { .. }) => {
+                    let mut dropped = pads.dropped.lock();
+                    if *dropped == 0 {
+                        gst::element_imp_warning!(
+                            self,
+                            gst::ResourceError::NoSpaceLeft,
+                            ["{}: {}; later frames pass without joining the history (raise context-size)", pads.sink.name(), e]
+                        );
+                    }
+                    *dropped += 1;
+                }
+                Err(e) => {
+                    gst::element_imp_error!(self, gst::StreamError::Failed, ["{}: prefill failed: {}", pads.sink.name(), e]);
+                    return Err(gst::FlowError::Error);
+                }
+            }
+        }
+        pads.src.push(buffer)
+    }
+
+    fn sink_event(&self, pads: &StreamPads, event: gst::Event) -> bool {
+        match event.view() {
+            gst::EventView::FlushStart(_) => pads.cancel.store(true, Ordering::Release),
+            gst::EventView::FlushStop(_) => pads.cancel.store(false, Ordering::Release),
+            gst::EventView::StreamStart(_) => {
+                let forwarded = pads.src.push_event(event);
+                return match self.stream(pads) {
+                    Ok(stream) => forwarded && pads.src.push_event(StreamEvent::new(stream.id(), stream.name())),
+                    Err(e) => {
+                        self.post_error_message(e);
+                        false
+                    }
+                };
+            }
+            _ => (),
+        }
+        pads.src.push_event(event)
+    }
+
+    fn sink_query(&self, pads: &StreamPads, query: &mut gst::QueryRef) -> bool {
+        if ModelQuery::is(query) {
+            ModelQuery::answer(query, &self.settings.lock().model);
+            return true;
+        }
+        pads.src.peer_query(query)
+    }
+
+    fn start(&self) -> Result<(), gst::ErrorMessage> {
+        let s = self.settings.lock().clone();
+        let config = EngineConfig {
+            name: "cpu".into(),
+            threads: s.threads as i32,
+            context_per_sequence: s.context_size,
+            max_streams: s.max_streams,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::start(&PathBuf::from(&s.model), config).map_err(|e| match e {
+            Error::File { .. } | Error::Config(_) => gst::error_msg!(gst::ResourceError::OpenRead, ["vlmcontext: {}", e]),
+            e => gst::error_msg!(gst::ResourceError::Failed, ["vlmcontext: {}", e]),
+        })?;
+        let prompt = Prompt::new(engine.model(), &s.system_prompt).map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ["vlmcontext: {}", e]))?;
+        gst::info!(
+            CAT,
+            imp = self,
+            "engine {} ready: {} ({} owners of its weights), {} cells per sequence",
+            engine.name(),
+            s.model,
+            models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu),
+            engine.n_ctx_per_seq()
+        );
+        *self.state.lock() = State { engine: Some(engine), prompt: Some(Arc::new(prompt)) };
+        Ok(())
+    }
+
+    fn stop(&self) {
+        for pads in self.pads.lock().iter() {
+            pads.cancel.store(true, Ordering::Release);
+            if let Some(s) = pads.stream.lock().take() {
+                s.close();
+            }
+        }
+        // Streams still referenced downstream (by pending questions) keep the engine alive.
+        *self.state.lock() = State::default();
+    }
+}
+
+#[glib::object_subclass]
+impl ObjectSubclass for VlmContext {
+    const NAME: &'static str = "GstVlmContext";
+    type Type = super::VlmContext;
+    type ParentType = gst::Element;
+}
+
+impl ObjectImpl for VlmContext {
+    fn properties() -> &'static [glib::ParamSpec] {
+        static PROPS: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
+            let d = Settings::default();
+            vec![
+                glib::ParamSpecString::builder("model").nick("Model").blurb("Path to the language-model GGUF").mutable_ready().build(),
+                glib::ParamSpecBoolean::builder("retain")
+                    .nick("Retain")
+                    .blurb("Keep each stream's language KV; false re-prefills the whole history for every question (the baseline)")
+                    .default_value(true)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("system-prompt")
+                    .nick("System prompt")
+                    .blurb("System message that starts every stream's history")
+                    .default_value(Some(DEFAULT_SYSTEM_PROMPT))
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("context-size")
+                    .nick("Context size")
+                    .blurb("KV cells per stream (history + question + answer)")
+                    .minimum(512)
+                    .maximum(131072)
+                    .default_value(DEFAULT_CONTEXT_SIZE)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("max-streams")
+                    .nick("Max streams")
+                    .blurb("Streams (sink pads) the engine holds KV for")
+                    .minimum(1)
+                    .maximum(64)
+                    .default_value(DEFAULT_MAX_STREAMS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("max-pending")
+                    .nick("Max pending frames")
+                    .blurb("Frames per stream registered but not yet prefilled before upstream is blocked (backpressure)")
+                    .minimum(1)
+                    .maximum(1024)
+                    .default_value(DEFAULT_MAX_PENDING)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("threads")
+                    .nick("Threads")
+                    .blurb("CPU threads of the language engine")
+                    .minimum(1)
+                    .maximum(256)
+                    .default_value(d.threads)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("model-owners")
+                    .nick("Model owners")
+                    .blurb("Owners of this model's loaded weights in the process (one copy shared by all)")
+                    .read_only()
+                    .build(),
+                glib::ParamSpecUInt64::builder("frames-dropped")
+                    .nick("Frames dropped")
+                    .blurb("Encoded frames that did not join a history because it was full")
+                    .read_only()
+                    .build(),
+            ]
+        });
+        PROPS.as_ref()
+    }
+
+    fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
+        let mut s = self.settings.lock();
+        match pspec.name() {
+            "model" => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
+            "retain" => s.retain = value.get().unwrap(),
+            "system-prompt" => s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
+            "context-size" => s.context_size = value.get().unwrap(),
+            "max-streams" => s.max_streams = value.get().unwrap(),
+            "max-pending" => s.max_pending = value.get().unwrap(),
+            "threads" => s.threads = value.get().unwrap(),
+            _ => unreachable!(),
+        }
+    }
+
+    fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
+        let s = self.settings.lock();
+        match pspec.name() {
+            "model" => s.model.to_value(),
+            "retain" => s.retain.to_value(),
+            "system-prompt" => s.system_prompt.to_value(),
+            "context-size" => s.context_size.to_value(),
+            "max-streams" => s.max_streams.to_value(),
+            "max-pending" => s.max_pending.to_value(),
+            "threads" => s.threads.to_value(),
+            "model-owners" => (models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu) as u32).to_value(),
+            "frames-dropped" => self.pads.lock().iter().map(|p| *p.dropped.lock()).sum::<u64>().to_value(),
+            _ => unreachable!(),
+        }
+    }
+}
+
+impl GstObjectImpl for VlmContext {}
+
+impl ElementImpl for VlmContext {
+    fn metadata() -> Option<&'static gst::subclass::ElementMetadata> {
+        static META: LazyLock<gst::subclass::ElementMetadata> = LazyLock::new(|| {
+            gst::subclass::ElementMetadata::new(
+                "VLM stream context",
+                "Filter/Analyzer/Video",
+                "Keeps a versioned language-model history (KV) per video stream, published when each frame's prefill completes",
+                "gst-vlm developers",
+            )
+        });
+        Some(&*META)
+    }
+
+    fn pad_templates() -> &'static [gst::PadTemplate] {
+        static TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
+            let caps = gst::Caps::builder("video/x-raw").any_features().build();
+            vec![
+                gst::PadTemplate::new("sink_%u", gst::PadDirection::Sink, gst::PadPresence::Request, &caps).unwrap(),
+                gst::PadTemplate::new("src_%u", gst::PadDirection::Src, gst::PadPresence::Sometimes, &caps).unwrap(),
+            ]
+        });
+        TEMPLATES.as_ref()
+    }
+
+    fn request_new_pad(&self, templ: &gst::PadTemplate, name: Option<&str>, _caps: Option<&gst::Caps>) -> Option<gst::Pad> {
+        let mut pads = self.pads.lock();
+        let index = match name.and_then(|n| n.strip_prefix("sink_")) {
+            Some(i) => i.parse::<u32>().ok()?,
+            None => (0..).find(|i| !pads.iter().any(|p| p.sink.name() == format!("sink_{i}")))?,
+        };
+        if pads.iter().any(|p| p.sink.name() == format!("sink_{index}")) {
+            return None;
+        }
+        let sink = gst::Pad::builder_from_template(templ)
+            .name(format!("sink_{index}"))
+            .chain_function(|pad, parent, buffer| {
+                VlmContext::catch_panic_pad_function(
+                    parent,
+                    || Err(gst::FlowError::Error),
+                    |imp| match imp.pads_of(pad.upcast_ref()) {
+                        Some(p) => imp.sink_chain(&p, buffer),
+                        None => Err(gst::FlowError::NotLinked),
+                    },
+                )
+            })
+            .event_function(|pad, parent, event| {
+                VlmContext::catch_panic_pad_function(parent, || false, |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| imp.sink_event(&p, event)))
+            })
+            .query_function(|pad, parent, query| {
+                VlmContext::catch_panic_pad_function(parent, || false, |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| imp.sink_query(&p, query)))
+            })
+            .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
+            .build();
+        let src_templ = self.obj().pad_template("src_%u").unwrap();
+        let src = gst::Pad::builder_from_template(&src_templ)
+            .name(format!("src_{index}"))
+            .query_function(|pad, parent, query| {
+                VlmContext::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.peer_query(query)),
+                )
+            })
+            .event_function(|pad, parent, event| {
+                VlmContext::catch_panic_pad_function(parent, || false, |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.push_event(event)))
+            })
+            .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
+            .build();
+        let entry = Arc::new(StreamPads { sink: sink.clone(), src: src.clone(), stream: Mutex::new(None), cancel: AtomicBool::new(false), dropped: Mutex::new(0) });
+        pads.push(entry);
+        drop(pads);
+        if self.obj().current_state() > gst::State::Ready {
+            sink.set_active(true).ok()?;
+            src.set_active(true).ok()?;
+        }
+        self.obj().add_pad(&sink).ok()?;
+        self.obj().add_pad(&src).ok()?;
+        Some(sink)
+    }
+
+    fn release_pad(&self, pad: &gst::Pad) {
+        let Some(entry) = self.pads_of(pad) else { return };
+        entry.cancel.store(true, Ordering::Release);
+        if let Some(s) = entry.stream.lock().take() {
+            s.close();
+        }
+        self.pads.lock().retain(|p| !Arc::ptr_eq(p, &entry));
+        let _ = entry.src.set_active(false);
+        let _ = entry.sink.set_active(false);
+        let _ = self.obj().remove_pad(&entry.src);
+        let _ = self.obj().remove_pad(&entry.sink);
+    }
+
+    fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
+        match transition {
+            gst::StateChange::ReadyToPaused => {
+                if let Err(e) = self.start() {
+                    self.post_error_message(e);
+                    return Err(gst::StateChangeError);
+                }
+                for p in self.pads.lock().iter() {
+                    p.cancel.store(false, Ordering::Release);
+                }
+            }
+            gst::StateChange::PausedToReady => self.stop(),
+            _ => (),
+        }
+        self.parent_change_state(transition)
+    }
+}

@@ -1,0 +1,25 @@
+//! `vlmencode`: runs the vision encoder on sampled video frames and attaches the projected
+//! embeddings to them (`VlmFrameMeta`). Video passes through unchanged, so a `tee` can still
+//! display it.
+//!
+//! ```text
+//! gst-launch-1.0 videotestsrc ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=1000000000 \
+//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! fakesink
+//! ```
+//!
+//! The projector needs the language model it feeds (libmtmd checks the embedding width and uses
+//! its vocabulary): set `model`, or leave it empty and `vlmencode` asks the downstream
+//! `vlmcontext` for its `model`.
+
+use gst::glib;
+use gst::prelude::*;
+
+mod imp;
+
+glib::wrapper! {
+    pub struct VlmEncode(ObjectSubclass<imp::VlmEncode>) @extends gst_base::BaseTransform, gst::Element, gst::Object;
+}
+
+pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
+    gst::Element::register(Some(plugin), "vlmencode", gst::Rank::NONE, VlmEncode::static_type())
+}

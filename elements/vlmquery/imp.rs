@@ -1,0 +1,635 @@
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Instant;
+
+use gst::glib;
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use parking_lot::{Condvar, Mutex};
+use vlm_runtime::{AnswerReport, Question, Sampling, Stream};
+
+use crate::events::{QuestionEvent, StreamEvent};
+use crate::meta::VlmFrameMeta;
+
+static CAT: LazyLock<gst::DebugCategory> =
+    LazyLock::new(|| gst::DebugCategory::new("vlmquery", gst::DebugColorFlags::empty(), Some("gst-vlm question answering")));
+
+const DEFAULT_MAX_TOKENS: u32 = 64;
+const DEFAULT_MAX_QUESTIONS: u32 = 16;
+/// Frames remembered for binding timed questions to running times.
+const FRAME_HISTORY: usize = 4096;
+
+#[derive(Debug, Clone)]
+struct Settings {
+    placement: String,
+    max_tokens: u32,
+    max_questions: u32,
+    sampling: Sampling,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings { placement: "auto".into(), max_tokens: DEFAULT_MAX_TOKENS, max_questions: DEFAULT_MAX_QUESTIONS, sampling: Sampling::default() }
+    }
+}
+
+/// A question bound to a version of a stream's history.
+struct Job {
+    question: Question,
+    stream: Option<Arc<Stream>>,
+    frames: u64,
+    pts: Option<gst::ClockTime>,
+}
+
+enum Item {
+    Answer(Job),
+    Eos,
+}
+
+/// What the video sink pad has seen.
+#[derive(Default)]
+struct Video {
+    stream: Option<Arc<Stream>>,
+    /// (running time, pts, frame number) of recent registered frames.
+    frames: VecDeque<(Option<gst::ClockTime>, Option<gst::ClockTime>, u64)>,
+    /// Running time of the newest video buffer, registered or not.
+    running_time: Option<gst::ClockTime>,
+    segment: Option<gst::FormattedSegment<gst::ClockTime>>,
+    eos: bool,
+}
+
+impl Video {
+    fn newest(&self) -> (u64, Option<gst::ClockTime>) {
+        self.frames.back().map_or((0, None), |&(_, pts, n)| (n, pts))
+    }
+
+    /// The newest frame at or before running time `t`.
+    fn at(&self, t: gst::ClockTime) -> (u64, Option<gst::ClockTime>) {
+        self.frames.iter().rev().find(|(rt, _, _)| rt.is_some_and(|rt| rt <= t)).map_or((0, None), |&(_, pts, n)| (n, pts))
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    video: Video,
+    query_segment: Option<gst::FormattedSegment<gst::ClockTime>>,
+    query_markup: bool,
+    query_eos: bool,
+    queue: VecDeque<Item>,
+    eos_queued: bool,
+    flushing: bool,
+    src_started: bool,
+    /// Cancels the answer being generated.
+    current: Option<Arc<AtomicBool>>,
+    next_id: u64,
+}
+
+pub struct VlmQuery {
+    sinkpad: gst::Pad,
+    querypad: gst::Pad,
+    srcpad: gst::Pad,
+    settings: Mutex<Settings>,
+    shared: Mutex<Shared>,
+    changed: Condvar,
+    answered: Mutex<u64>,
+}
+
+/// Text of a `pango-markup` buffer: tags removed, entities decoded.
+fn strip_markup(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut in_tag = false;
+    for c in s.chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' if in_tag => in_tag = false,
+            c if !in_tag => out.push(c),
+            _ => (),
+        }
+    }
+    out.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&apos;", "'").replace("&amp;", "&")
+}
+
+impl VlmQuery {
+    fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>, shared: &mut Shared) -> Question {
+        let settings = self.settings.lock();
+        shared.next_id += 1;
+        Question {
+            id: id.unwrap_or_else(|| format!("q{}", shared.next_id)),
+            text: text.trim().to_owned(),
+            max_tokens: max_tokens.unwrap_or(settings.max_tokens),
+            sampling: settings.sampling.clone(),
+            arrival: Instant::now(),
+        }
+    }
+
+    /// Queue a bound question; blocks while `max-questions` are already waiting (backpressure).
+    fn enqueue(&self, shared: &mut parking_lot::MutexGuard<'_, Shared>, job: Job) -> Result<(), gst::FlowError> {
+        let max = self.settings.lock().max_questions as usize;
+        while shared.queue.len() >= max && !shared.flushing {
+            self.changed.wait(shared);
+        }
+        if shared.flushing {
+            return Err(gst::FlowError::Flushing);
+        }
+        gst::debug!(CAT, imp = self, "question {} bound to {} frames: {:?}", job.question.id, job.frames, job.question.text);
+        shared.queue.push_back(Item::Answer(job));
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn maybe_finish(&self, shared: &mut Shared) {
+        let query_done = shared.query_eos || !self.querypad.is_linked();
+        if shared.video.eos && query_done && !shared.eos_queued {
+            shared.eos_queued = true;
+            shared.queue.push_back(Item::Eos);
+            self.changed.notify_all();
+        }
+    }
+
+    fn sink_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let mut shared = self.shared.lock();
+        let rt = buffer.pts().and_then(|pts| shared.video.segment.as_ref().and_then(|s| s.to_running_time(pts)));
+        if let Some((stream, number)) = buffer.meta::<VlmFrameMeta>().and_then(|m| m.position()) {
+            if shared.video.stream.as_ref().is_none_or(|s| s.id() != stream) {
+                shared.video.stream = vlm_runtime::stream::lookup(stream);
+            }
+            if shared.video.frames.len() == FRAME_HISTORY {
+                shared.video.frames.pop_front();
+            }
+            shared.video.frames.push_back((rt, buffer.pts(), number));
+        }
+        if rt.is_some() {
+            shared.video.running_time = rt;
+        }
+        self.changed.notify_all();
+        Ok(gst::FlowSuccess::Ok)
+    }
+
+    fn sink_event(&self, event: gst::Event) -> bool {
+        use gst::EventView;
+        if let Some(parsed) = QuestionEvent::parse(&event) {
+            match parsed {
+                Ok(q) => {
+                    let mut shared = self.shared.lock();
+                    let question = self.question(&q.text, q.id, q.max_tokens, &mut shared);
+                    let (frames, pts) = shared.video.newest();
+                    let stream = shared.video.stream.clone();
+                    return self.enqueue(&mut shared, Job { question, stream, frames, pts }).is_ok();
+                }
+                Err(reason) => {
+                    gst::element_imp_warning!(self, gst::StreamError::Format, ["malformed question: {}", reason]);
+                    return true;
+                }
+            }
+        }
+        if let Some(id) = StreamEvent::parse(&event) {
+            self.shared.lock().video.stream = vlm_runtime::stream::lookup(id);
+            return true;
+        }
+        match event.view() {
+            EventView::Segment(s) => {
+                self.shared.lock().video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
+                true
+            }
+            EventView::Eos(_) => {
+                let mut shared = self.shared.lock();
+                shared.video.eos = true;
+                self.maybe_finish(&mut shared);
+                self.changed.notify_all();
+                true
+            }
+            EventView::FlushStart(_) => {
+                self.flush_start();
+                self.srcpad.push_event(event)
+            }
+            EventView::FlushStop(_) => {
+                self.flush_stop();
+                self.srcpad.push_event(event)
+            }
+            EventView::Caps(_) | EventView::StreamStart(_) | EventView::Tag(_) | EventView::Gap(_) => true,
+            _ => gst::Pad::event_default(&self.sinkpad, Some(&*self.obj()), event),
+        }
+    }
+
+    fn query_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let map = buffer.map_readable().map_err(|_| gst::FlowError::Error)?;
+        let Ok(raw) = std::str::from_utf8(&map) else {
+            gst::element_imp_warning!(self, gst::StreamError::Format, ["question buffer is not UTF-8; ignored"]);
+            return Ok(gst::FlowSuccess::Ok);
+        };
+        let mut shared = self.shared.lock();
+        let text = if shared.query_markup { strip_markup(raw) } else { raw.to_owned() };
+        let text = text.trim().to_owned();
+        drop(map);
+        if text.is_empty() {
+            return Ok(gst::FlowSuccess::Ok);
+        }
+        let question = self.question(&text, None, None, &mut shared);
+        let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
+        let (frames, pts) = match t {
+            Some(t) => {
+                // Wait for the video to pass the question's time, so every frame up to it is known.
+                while !shared.flushing && !shared.video.eos && shared.video.running_time.is_none_or(|rt| rt <= t) {
+                    self.changed.wait(&mut shared);
+                }
+                if shared.flushing {
+                    return Err(gst::FlowError::Flushing);
+                }
+                shared.video.at(t)
+            }
+            None => shared.video.newest(),
+        };
+        let stream = shared.video.stream.clone();
+        self.enqueue(&mut shared, Job { question, stream, frames, pts })?;
+        Ok(gst::FlowSuccess::Ok)
+    }
+
+    fn query_event(&self, event: gst::Event) -> bool {
+        use gst::EventView;
+        let mut shared = self.shared.lock();
+        match event.view() {
+            EventView::Caps(c) => {
+                shared.query_markup = c.caps().structure(0).and_then(|s| s.get::<&str>("format").ok()) == Some("pango-markup");
+            }
+            EventView::Segment(s) => shared.query_segment = s.segment().downcast_ref::<gst::ClockTime>().cloned(),
+            EventView::Eos(_) => {
+                shared.query_eos = true;
+                self.maybe_finish(&mut shared);
+            }
+            EventView::FlushStart(_) => {
+                shared.flushing = true;
+                self.changed.notify_all();
+            }
+            EventView::FlushStop(_) => shared.flushing = false,
+            _ => (),
+        }
+        true
+    }
+
+    /// The `ask` action signal: bind to the newest registered frame.
+    fn ask(&self, text: &str) -> Option<String> {
+        if text.trim().is_empty() {
+            gst::element_imp_warning!(self, gst::LibraryError::Settings, ["ask: empty question ignored"]);
+            return None;
+        }
+        let mut shared = self.shared.lock();
+        let question = self.question(text, None, None, &mut shared);
+        let id = question.id.clone();
+        let stream = shared.video.stream.clone();
+        let frames = stream.as_ref().map_or(0, |s| s.registered());
+        let pts = shared.video.frames.iter().rev().find(|f| f.2 <= frames).and_then(|f| f.1);
+        self.enqueue(&mut shared, Job { question, stream, frames, pts }).ok()?;
+        Some(id)
+    }
+
+    fn flush_start(&self) {
+        let mut shared = self.shared.lock();
+        shared.flushing = true;
+        shared.queue.clear();
+        if let Some(c) = &shared.current {
+            c.store(true, Ordering::Release);
+        }
+        self.changed.notify_all();
+    }
+
+    fn flush_stop(&self) {
+        let mut shared = self.shared.lock();
+        let stream = shared.video.stream.take();
+        *shared = Shared { video: Video { stream, ..Video::default() }, next_id: shared.next_id, ..Shared::default() };
+        drop(shared);
+        self.start_task();
+    }
+
+    fn start_task(&self) {
+        let this = self.ref_counted();
+        let _ = self.srcpad.start_task(move || this.task_iteration());
+    }
+
+    /// One iteration of the source pad's task: take the next item and produce it.
+    fn task_iteration(&self) {
+        let item = {
+            let mut shared = self.shared.lock();
+            loop {
+                if shared.flushing {
+                    drop(shared);
+                    let _ = self.srcpad.pause_task();
+                    return;
+                }
+                if let Some(item) = shared.queue.pop_front() {
+                    self.changed.notify_all();
+                    break item;
+                }
+                self.changed.wait(&mut shared);
+            }
+        };
+        self.ensure_src_started();
+        match item {
+            Item::Eos => {
+                gst::debug!(CAT, imp = self, "all questions answered, EOS");
+                self.srcpad.push_event(gst::event::Eos::new());
+                let _ = self.srcpad.pause_task();
+            }
+            Item::Answer(job) => self.answer(job),
+        }
+    }
+
+    fn ensure_src_started(&self) {
+        let segment = {
+            let mut shared = self.shared.lock();
+            if shared.src_started {
+                return;
+            }
+            shared.src_started = true;
+            shared.video.segment.clone().unwrap_or_else(gst::FormattedSegment::<gst::ClockTime>::new)
+        };
+        let stream_id = format!("{}/answers", self.obj().name());
+        self.srcpad.push_event(gst::event::StreamStart::new(&stream_id));
+        self.srcpad.push_event(gst::event::Caps::new(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+        self.srcpad.push_event(gst::event::Segment::new(&segment));
+    }
+
+    fn answer(&self, job: Job) {
+        let cancel = Arc::new(AtomicBool::new(false));
+        self.shared.lock().current = Some(Arc::clone(&cancel));
+        let q = &job.question;
+        let Some(stream) = job.stream.clone().or_else(|| self.shared.lock().video.stream.clone()) else {
+            gst::element_imp_warning!(self, gst::StreamError::Failed, ["question {} arrived before any stream: not answered", q.id]);
+            return;
+        };
+        let placement = self.settings.lock().placement.clone();
+        if placement != "auto" && placement != stream.engine().name() {
+            gst::element_imp_warning!(
+                self,
+                gst::LibraryError::Settings,
+                ["question {}: placement={} names no engine of this stream (engines: {})", q.id, placement, stream.engine().name()]
+            );
+            return;
+        }
+        let result = stream.wait_version(job.frames, &cancel).and_then(|version| vlm_runtime::answer(&version, q, &cancel, |_| {}));
+        self.shared.lock().current = None;
+        match result {
+            Ok(report) if !report.cancelled => self.push_answer(&job, &stream, report),
+            Ok(_) | Err(vlm_runtime::Error::Cancelled) => gst::debug!(CAT, imp = self, "question {} cancelled", q.id),
+            Err(e) => gst::element_imp_warning!(self, gst::StreamError::Failed, ["question {} not answered: {}", q.id, e]),
+        }
+    }
+
+    fn push_answer(&self, job: &Job, stream: &Stream, r: AnswerReport) {
+        let q = &job.question;
+        gst::info!(
+            CAT,
+            imp = self,
+            "answer {} ({} frames, {} on {}): ttft {:.0} ms, {} tokens, {:.0} ms: {:?}",
+            q.id,
+            r.frames,
+            r.path.name(),
+            r.engine,
+            r.ttft_ms,
+            r.tokens,
+            r.total_ms,
+            r.text
+        );
+        let msg = gst::Structure::builder("vlm-answer")
+            .field("id", &q.id)
+            .field("question", &q.text)
+            .field("text", &r.text)
+            .field("stream", stream.name())
+            .field("frames", r.frames)
+            .field("engine", &r.engine)
+            .field("path", r.path.name())
+            .field("ttft-ms", r.ttft_ms)
+            .field("wait-ms", r.wait_ms)
+            .field("queue-ms", r.queue_ms)
+            .field("prepare-ms", r.prepare_ms)
+            .field("tokens", r.tokens)
+            .field("total-ms", r.total_ms)
+            .field("pts", job.pts)
+            .build();
+        let _ = self.obj().post_message(gst::message::Element::builder(msg).src(&*self.obj()).build());
+        *self.answered.lock() += 1;
+        let mut buffer = gst::Buffer::from_mut_slice(r.text.into_bytes());
+        buffer.get_mut().unwrap().set_pts(job.pts);
+        if let Err(e) = self.srcpad.push(buffer) {
+            gst::debug!(CAT, imp = self, "answer push: {e:?}");
+        }
+    }
+
+    fn stop(&self) {
+        self.flush_start();
+        let _ = self.srcpad.stop_task();
+        *self.shared.lock() = Shared::default();
+    }
+}
+
+#[glib::object_subclass]
+impl ObjectSubclass for VlmQuery {
+    const NAME: &'static str = "GstVlmQuery";
+    type Type = super::VlmQuery;
+    type ParentType = gst::Element;
+
+    fn with_class(klass: &Self::Class) -> Self {
+        let sinkpad = gst::Pad::builder_from_template(&klass.pad_template("sink").unwrap())
+            .chain_function(|_, parent, buffer| VlmQuery::catch_panic_pad_function(parent, || Err(gst::FlowError::Error), |imp| imp.sink_chain(buffer)))
+            .event_function(|_, parent, event| VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sink_event(event)))
+            .build();
+        let querypad = gst::Pad::builder_from_template(&klass.pad_template("query").unwrap())
+            .chain_function(|_, parent, buffer| VlmQuery::catch_panic_pad_function(parent, || Err(gst::FlowError::Error), |imp| imp.query_chain(buffer)))
+            .event_function(|_, parent, event| VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.query_event(event)))
+            .build();
+        let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap()).build();
+        VlmQuery {
+            sinkpad,
+            querypad,
+            srcpad,
+            settings: Mutex::new(Settings::default()),
+            shared: Mutex::new(Shared::default()),
+            changed: Condvar::new(),
+            answered: Mutex::new(0),
+        }
+    }
+}
+
+impl ObjectImpl for VlmQuery {
+    fn constructed(&self) {
+        self.parent_constructed();
+        let obj = self.obj();
+        obj.add_pad(&self.sinkpad).unwrap();
+        obj.add_pad(&self.querypad).unwrap();
+        obj.add_pad(&self.srcpad).unwrap();
+    }
+
+    fn properties() -> &'static [glib::ParamSpec] {
+        static PROPS: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
+            let d = Sampling::default();
+            vec![
+                glib::ParamSpecString::builder("placement")
+                    .nick("Placement")
+                    .blurb("Engine that answers: auto (the placer decides) or an engine's name (cpu, gpu)")
+                    .default_value(Some("auto"))
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecUInt::builder("max-tokens")
+                    .nick("Max tokens")
+                    .blurb("Most tokens generated per answer (a question event's max-tokens overrides it)")
+                    .minimum(1)
+                    .maximum(4096)
+                    .default_value(DEFAULT_MAX_TOKENS)
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecUInt::builder("max-questions")
+                    .nick("Max questions")
+                    .blurb("Questions waiting to be answered before their sender is blocked")
+                    .minimum(1)
+                    .maximum(1024)
+                    .default_value(DEFAULT_MAX_QUESTIONS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecFloat::builder("temp")
+                    .nick("Temperature")
+                    .blurb("Sampling temperature; 0 = greedy (answers reproduce)")
+                    .minimum(0.0)
+                    .maximum(10.0)
+                    .default_value(d.temperature)
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecUInt::builder("seed").nick("Seed").blurb("Seed of the sampler (temp > 0)").default_value(d.seed).mutable_playing().build(),
+                glib::ParamSpecInt::builder("top-k")
+                    .nick("Top K")
+                    .blurb("Keep the K most likely tokens (temp > 0; 0 = all)")
+                    .minimum(0)
+                    .default_value(d.top_k)
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecFloat::builder("top-p")
+                    .nick("Top P")
+                    .blurb("Nucleus sampling probability mass (temp > 0)")
+                    .minimum(0.0)
+                    .maximum(1.0)
+                    .default_value(d.top_p)
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecFloat::builder("min-p")
+                    .nick("Min P")
+                    .blurb("Drop tokens below this fraction of the best one's probability (temp > 0)")
+                    .minimum(0.0)
+                    .maximum(1.0)
+                    .default_value(d.min_p)
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecUInt64::builder("answers").nick("Answers").blurb("Answers pushed so far").read_only().build(),
+            ]
+        });
+        PROPS.as_ref()
+    }
+
+    fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
+        let mut s = self.settings.lock();
+        match pspec.name() {
+            "placement" => {
+                let p = value.get::<Option<String>>().unwrap().unwrap_or_default();
+                if p.is_empty() || !p.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+                    gst::error!(CAT, imp = self, "invalid placement {p:?}: use auto or an engine name; keeping {}", s.placement);
+                    drop(s);
+                    gst::element_imp_warning!(self, gst::LibraryError::Settings, ["invalid placement {:?}: use auto or an engine's name", p]);
+                    return;
+                }
+                s.placement = p;
+            }
+            "max-tokens" => s.max_tokens = value.get().unwrap(),
+            "max-questions" => s.max_questions = value.get().unwrap(),
+            "temp" => s.sampling.temperature = value.get().unwrap(),
+            "seed" => s.sampling.seed = value.get().unwrap(),
+            "top-k" => s.sampling.top_k = value.get().unwrap(),
+            "top-p" => s.sampling.top_p = value.get().unwrap(),
+            "min-p" => s.sampling.min_p = value.get().unwrap(),
+            _ => unreachable!(),
+        }
+    }
+
+    fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
+        let s = self.settings.lock();
+        match pspec.name() {
+            "placement" => s.placement.to_value(),
+            "max-tokens" => s.max_tokens.to_value(),
+            "max-questions" => s.max_questions.to_value(),
+            "temp" => s.sampling.temperature.to_value(),
+            "seed" => s.sampling.seed.to_value(),
+            "top-k" => s.sampling.top_k.to_value(),
+            "top-p" => s.sampling.top_p.to_value(),
+            "min-p" => s.sampling.min_p.to_value(),
+            "answers" => self.answered.lock().to_value(),
+            _ => unreachable!(),
+        }
+    }
+
+    fn signals() -> &'static [glib::subclass::Signal] {
+        static SIGNALS: LazyLock<Vec<glib::subclass::Signal>> = LazyLock::new(|| {
+            vec![
+                glib::subclass::Signal::builder("ask")
+                    .param_types([String::static_type()])
+                    .return_type::<Option<String>>()
+                    .action()
+                    .class_handler(|args| {
+                        let element = args[0].get::<super::VlmQuery>().expect("signal arg");
+                        let text = args[1].get::<String>().unwrap_or_default();
+                        Some(element.imp().ask(&text).to_value())
+                    })
+                    .build(),
+            ]
+        });
+        SIGNALS.as_ref()
+    }
+}
+
+impl GstObjectImpl for VlmQuery {}
+
+impl ElementImpl for VlmQuery {
+    fn metadata() -> Option<&'static gst::subclass::ElementMetadata> {
+        static META: LazyLock<gst::subclass::ElementMetadata> = LazyLock::new(|| {
+            gst::subclass::ElementMetadata::new(
+                "VLM question answering",
+                "Filter/Analyzer/Video/Text",
+                "Answers questions about a video stream from a pinned version of its history",
+                "gst-vlm developers",
+            )
+        });
+        Some(&*META)
+    }
+
+    fn pad_templates() -> &'static [gst::PadTemplate] {
+        static TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
+            let video = gst::Caps::builder("video/x-raw").any_features().build();
+            let questions = gst::Caps::builder("text/x-raw").field("format", gst::List::new(["utf8", "pango-markup"])).build();
+            let text = gst::Caps::builder("text/x-raw").field("format", "utf8").build();
+            vec![
+                gst::PadTemplate::new("sink", gst::PadDirection::Sink, gst::PadPresence::Always, &video).unwrap(),
+                gst::PadTemplate::new("query", gst::PadDirection::Sink, gst::PadPresence::Always, &questions).unwrap(),
+                gst::PadTemplate::new("src", gst::PadDirection::Src, gst::PadPresence::Always, &text).unwrap(),
+            ]
+        });
+        TEMPLATES.as_ref()
+    }
+
+    fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
+        if transition == gst::StateChange::PausedToReady {
+            self.stop();
+        }
+        let ret = self.parent_change_state(transition)?;
+        if transition == gst::StateChange::ReadyToPaused {
+            *self.shared.lock() = Shared::default();
+            self.start_task();
+        }
+        Ok(ret)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strip_markup;
+
+    #[test]
+    fn markup_is_stripped() {
+        assert_eq!(strip_markup("<i>Where is</i> the <b>ball</b> &amp; box?"), "Where is the ball & box?");
+    }
+}

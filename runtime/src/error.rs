@@ -1,0 +1,27 @@
+//! The runtime's error type: every failure carries what a user needs to fix it.
+
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// A file named by a setting cannot be used.
+    #[error("{}: {reason}", path.display())]
+    File { path: PathBuf, reason: String },
+    /// A setting is missing or inconsistent.
+    #[error("{0}")]
+    Config(String),
+    /// An input (question, frame, caps) cannot be processed.
+    #[error("{0}")]
+    BadInput(String),
+    /// llama.cpp / libmtmd reported a failure.
+    #[error("{0}")]
+    Engine(String),
+    /// The stream's history has no room for another frame.
+    #[error("history full: {frames} frames fill the {cells} cells of the stream's sequence")]
+    HistoryFull { frames: u64, cells: u32 },
+    /// The work was cancelled (flush, stop) before it finished.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

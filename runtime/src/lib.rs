@@ -1,0 +1,26 @@
+//! gst-vlm's runtime: everything heavy, with no GStreamer types, so it is unit-tested without a
+//! pipeline and benchmarked on machines without GStreamer.
+//!
+//! - [`llama`]: the safe layer over llama.cpp / libmtmd (all `unsafe` lives there);
+//! - [`models`]: one shared copy of each model's weights per device per process;
+//! - [`engine`]: a language engine (one context, one thread, several sequences);
+//! - [`stream`]: a stream's versioned, append-only history;
+//! - [`answer`]: answering a question from a pinned version;
+//! - [`encoder`]: vision encoding of frames into embeddings.
+
+pub mod answer;
+pub mod encoder;
+pub mod engine;
+pub mod error;
+mod gguf;
+pub mod llama;
+pub mod models;
+pub mod prompt;
+pub mod stream;
+pub mod text;
+
+pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer};
+pub use engine::{Engine, EngineConfig};
+pub use error::{Error, Result};
+pub use llama::Device;
+pub use stream::{Frame, Stream, StreamConfig, Version};

