@@ -16,12 +16,13 @@ pub struct QuestionEvent {
 }
 
 impl QuestionEvent {
-    pub fn new(text: &str) -> gst::Event {
-        Self::builder(text, None, None)
-    }
-
-    pub fn builder(text: &str, id: Option<&str>, max_tokens: Option<u32>) -> gst::Event {
-        let s = gst::Structure::builder(QUESTION).field("text", text).field_if_some("id", id).field_if_some("max-tokens", max_tokens).build();
+    /// The event for a question (`id` and `max-tokens` optional).
+    pub fn event(text: &str, id: Option<&str>, max_tokens: Option<u32>) -> gst::Event {
+        let s = gst::Structure::builder(QUESTION)
+            .field("text", text)
+            .field_if_some("id", id)
+            .field_if_some("max-tokens", max_tokens)
+            .build();
         gst::event::CustomDownstream::new(s)
     }
 
@@ -29,13 +30,23 @@ impl QuestionEvent {
     pub fn parse(event: &gst::EventRef) -> Option<Result<QuestionEvent, String>> {
         let s = event.structure().filter(|s| s.name() == QUESTION)?;
         Some((|| {
-            let text = s.get::<String>("text").map_err(|e| format!("vlm-question needs a string field 'text': {e}"))?;
+            let text = s
+                .get::<String>("text")
+                .map_err(|e| format!("vlm-question needs a string field 'text': {e}"))?;
             if text.trim().is_empty() {
                 return Err("vlm-question has an empty 'text'".to_string());
             }
-            let id = s.get_optional::<String>("id").map_err(|e| format!("vlm-question field 'id': {e}"))?;
-            let max_tokens = s.get_optional::<u32>("max-tokens").map_err(|e| format!("vlm-question field 'max-tokens' must be a uint: {e}"))?;
-            Ok(QuestionEvent { text, id, max_tokens })
+            let id = s
+                .get_optional::<String>("id")
+                .map_err(|e| format!("vlm-question field 'id': {e}"))?;
+            let max_tokens = s
+                .get_optional::<u32>("max-tokens")
+                .map_err(|e| format!("vlm-question field 'max-tokens' must be a uint: {e}"))?;
+            Ok(QuestionEvent {
+                text,
+                id,
+                max_tokens,
+            })
         })())
     }
 }
@@ -44,12 +55,21 @@ impl QuestionEvent {
 pub struct StreamEvent;
 
 impl StreamEvent {
-    pub fn new(stream: u64, name: &str) -> gst::Event {
-        gst::event::CustomDownstreamSticky::new(gst::Structure::builder(STREAM).field("id", stream).field("name", name).build())
+    pub fn event(stream: u64, name: &str) -> gst::Event {
+        gst::event::CustomDownstreamSticky::new(
+            gst::Structure::builder(STREAM)
+                .field("id", stream)
+                .field("name", name)
+                .build(),
+        )
     }
 
     pub fn parse(event: &gst::EventRef) -> Option<u64> {
-        event.structure().filter(|s| s.name() == STREAM)?.get::<u64>("id").ok()
+        event
+            .structure()
+            .filter(|s| s.name() == STREAM)?
+            .get::<u64>("id")
+            .ok()
     }
 }
 
@@ -58,7 +78,7 @@ impl StreamEvent {
 pub struct ModelQuery;
 
 impl ModelQuery {
-    pub fn new() -> gst::query::Custom<gst::Query> {
+    pub fn query() -> gst::query::Custom<gst::Query> {
         gst::query::Custom::new(gst::Structure::new_empty(MODEL_QUERY))
     }
 
@@ -71,6 +91,10 @@ impl ModelQuery {
     }
 
     pub fn model(query: &gst::QueryRef) -> Option<String> {
-        query.structure()?.get::<String>("model").ok().filter(|m| !m.is_empty())
+        query
+            .structure()?
+            .get::<String>("model")
+            .ok()
+            .filter(|m| !m.is_empty())
     }
 }

@@ -9,8 +9,13 @@ pub mod vlmcontext;
 pub mod vlmencode;
 pub mod vlmquery;
 
-static LLAMA_CAT: LazyLock<gst::DebugCategory> =
-    LazyLock::new(|| gst::DebugCategory::new("vlm-llama", gst::DebugColorFlags::empty(), Some("llama.cpp and libmtmd log")));
+static LLAMA_CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
+    gst::DebugCategory::new(
+        "vlm-llama",
+        gst::DebugColorFlags::empty(),
+        Some("llama.cpp and libmtmd log"),
+    )
+});
 
 /// Route llama.cpp's own log into the `vlm-llama` debug category.
 fn route_llama_log() {

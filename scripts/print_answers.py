@@ -9,7 +9,7 @@ failed = False
 answers = 0
 for line in sys.stdin:
     if "vlm-answer" in line:
-        f = {k: v.strip('"').replace('\\"', '"').replace("\\ ", " ") for k, _, v in FIELD.findall(line)}
+        f = {k: re.sub(r'\\(.)', r'\1', v.strip('"')) for k, _, v in FIELD.findall(line)}
         answers += 1
         print(f"[{f.get('id')}] Q: {f.get('question')}")
         print(f"     A: {f.get('text')}")

@@ -12,8 +12,13 @@ use vlm_runtime::{Engine, EngineConfig, Error, Stream, StreamConfig, models};
 use crate::events::{ModelQuery, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
-static CAT: LazyLock<gst::DebugCategory> =
-    LazyLock::new(|| gst::DebugCategory::new("vlmcontext", gst::DebugColorFlags::empty(), Some("gst-vlm versioned stream history")));
+static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
+    gst::DebugCategory::new(
+        "vlmcontext",
+        gst::DebugColorFlags::empty(),
+        Some("gst-vlm versioned stream history"),
+    )
+});
 
 const DEFAULT_CONTEXT_SIZE: u32 = 2048;
 const DEFAULT_MAX_STREAMS: u32 = 2;
@@ -71,7 +76,11 @@ pub struct VlmContext {
 
 impl VlmContext {
     fn pads_of(&self, pad: &gst::Pad) -> Option<Arc<StreamPads>> {
-        self.pads.lock().iter().find(|p| &p.sink == pad || &p.src == pad).cloned()
+        self.pads
+            .lock()
+            .iter()
+            .find(|p| &p.sink == pad || &p.src == pad)
+            .cloned()
     }
 
     /// The runtime stream of `pads`, opened on first use.
@@ -84,7 +93,12 @@ impl VlmContext {
             let st = self.state.lock();
             match (&st.engine, &st.prompt) {
                 (Some(e), Some(p)) => (Arc::clone(e), Arc::clone(p)),
-                _ => return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"])),
+                _ => {
+                    return Err(gst::error_msg!(
+                        gst::CoreError::StateChange,
+                        ["vlmcontext is not started"]
+                    ));
+                }
             }
         };
         let settings = self.settings.lock().clone();
@@ -94,14 +108,28 @@ impl VlmContext {
             max_pending: settings.max_pending as usize,
             answer_reserve: ANSWER_RESERVE,
         };
-        let stream = Stream::open(&engine, prompt, config).map_err(|e| gst::error_msg!(gst::ResourceError::Failed, ["{}: {}", pads.sink.name(), e]))?;
-        gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
+        let stream = Stream::open(&engine, prompt, config).map_err(|e| {
+            gst::error_msg!(gst::ResourceError::Failed, ["{}: {}", pads.sink.name(), e])
+        })?;
+        gst::info!(
+            CAT,
+            obj = pads.sink,
+            "opened stream {} on engine {}",
+            stream.id(),
+            engine.name()
+        );
         *slot = Some(Arc::clone(&stream));
         Ok(stream)
     }
 
-    fn sink_chain(&self, pads: &StreamPads, mut buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
-        let frame = buffer.meta::<VlmFrameMeta>().and_then(|m| m.frame().cloned());
+    fn sink_chain(
+        &self,
+        pads: &StreamPads,
+        mut buffer: gst::Buffer,
+    ) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let frame = buffer
+            .meta::<VlmFrameMeta>()
+            .and_then(|m| m.frame().cloned());
         if let Some(frame) = frame {
             let stream = self.stream(pads).map_err(|e| {
                 self.post_error_message(e);
@@ -109,7 +137,12 @@ impl VlmContext {
             })?;
             match stream.register(frame, &pads.cancel) {
                 Ok(number) => {
-                    gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
+                    gst::trace!(
+                        CAT,
+                        obj = pads.sink,
+                        "registered frame {number} ({:?})",
+                        buffer.pts()
+                    );
                     let buf = buffer.make_mut();
                     if let Some(mut m) = buf.meta_mut::<VlmFrameMeta>() {
                         m.set_position(stream.id(), number);
@@ -122,13 +155,21 @@ impl VlmContext {
                         gst::element_imp_warning!(
                             self,
                             gst::ResourceError::NoSpaceLeft,
-                            ["{}: {}; later frames pass without joining the history (raise context-size)", pads.sink.name(), e]
+                            [
+                                "{}: {}; later frames pass without joining the history (raise context-size)",
+                                pads.sink.name(),
+                                e
+                            ]
                         );
                     }
                     *dropped += 1;
                 }
                 Err(e) => {
-                    gst::element_imp_error!(self, gst::StreamError::Failed, ["{}: prefill failed: {}", pads.sink.name(), e]);
+                    gst::element_imp_error!(
+                        self,
+                        gst::StreamError::Failed,
+                        ["{}: prefill failed: {}", pads.sink.name(), e]
+                    );
                     return Err(gst::FlowError::Error);
                 }
             }
@@ -143,7 +184,12 @@ impl VlmContext {
             gst::EventView::StreamStart(_) => {
                 let forwarded = pads.src.push_event(event);
                 return match self.stream(pads) {
-                    Ok(stream) => forwarded && pads.src.push_event(StreamEvent::new(stream.id(), stream.name())),
+                    Ok(stream) => {
+                        forwarded
+                            && pads
+                                .src
+                                .push_event(StreamEvent::event(stream.id(), stream.name()))
+                    }
                     Err(e) => {
                         self.post_error_message(e);
                         false
@@ -173,10 +219,13 @@ impl VlmContext {
             ..EngineConfig::default()
         };
         let engine = Engine::start(&PathBuf::from(&s.model), config).map_err(|e| match e {
-            Error::File { .. } | Error::Config(_) => gst::error_msg!(gst::ResourceError::OpenRead, ["vlmcontext: {}", e]),
+            Error::File { .. } | Error::Config(_) => {
+                gst::error_msg!(gst::ResourceError::OpenRead, ["vlmcontext: {}", e])
+            }
             e => gst::error_msg!(gst::ResourceError::Failed, ["vlmcontext: {}", e]),
         })?;
-        let prompt = Prompt::new(engine.model(), &s.system_prompt).map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ["vlmcontext: {}", e]))?;
+        let prompt = Prompt::new(engine.model(), &s.system_prompt)
+            .map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ["vlmcontext: {}", e]))?;
         gst::info!(
             CAT,
             imp = self,
@@ -186,7 +235,10 @@ impl VlmContext {
             models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu),
             engine.n_ctx_per_seq()
         );
-        *self.state.lock() = State { engine: Some(engine), prompt: Some(Arc::new(prompt)) };
+        *self.state.lock() = State {
+            engine: Some(engine),
+            prompt: Some(Arc::new(prompt)),
+        };
         Ok(())
     }
 
@@ -279,7 +331,9 @@ impl ObjectImpl for VlmContext {
         match pspec.name() {
             "model" => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "retain" => s.retain = value.get().unwrap(),
-            "system-prompt" => s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
+            "system-prompt" => {
+                s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default()
+            }
             "context-size" => s.context_size = value.get().unwrap(),
             "max-streams" => s.max_streams = value.get().unwrap(),
             "max-pending" => s.max_pending = value.get().unwrap(),
@@ -298,8 +352,17 @@ impl ObjectImpl for VlmContext {
             "max-streams" => s.max_streams.to_value(),
             "max-pending" => s.max_pending.to_value(),
             "threads" => s.threads.to_value(),
-            "model-owners" => (models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu) as u32).to_value(),
-            "frames-dropped" => self.pads.lock().iter().map(|p| *p.dropped.lock()).sum::<u64>().to_value(),
+            "model-owners" => {
+                (models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu) as u32)
+                    .to_value()
+            }
+            "frames-dropped" => self
+                .pads
+                .lock()
+                .iter()
+                .map(|p| *p.dropped.lock())
+                .sum::<u64>()
+                .to_value(),
             _ => unreachable!(),
         }
     }
@@ -324,20 +387,40 @@ impl ElementImpl for VlmContext {
         static TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
             let caps = gst::Caps::builder("video/x-raw").any_features().build();
             vec![
-                gst::PadTemplate::new("sink_%u", gst::PadDirection::Sink, gst::PadPresence::Request, &caps).unwrap(),
-                gst::PadTemplate::new("src_%u", gst::PadDirection::Src, gst::PadPresence::Sometimes, &caps).unwrap(),
+                gst::PadTemplate::new(
+                    "sink_%u",
+                    gst::PadDirection::Sink,
+                    gst::PadPresence::Request,
+                    &caps,
+                )
+                .unwrap(),
+                gst::PadTemplate::new(
+                    "src_%u",
+                    gst::PadDirection::Src,
+                    gst::PadPresence::Sometimes,
+                    &caps,
+                )
+                .unwrap(),
             ]
         });
         TEMPLATES.as_ref()
     }
 
-    fn request_new_pad(&self, templ: &gst::PadTemplate, name: Option<&str>, _caps: Option<&gst::Caps>) -> Option<gst::Pad> {
+    fn request_new_pad(
+        &self,
+        templ: &gst::PadTemplate,
+        name: Option<&str>,
+        _caps: Option<&gst::Caps>,
+    ) -> Option<gst::Pad> {
         let mut pads = self.pads.lock();
         let index = match name.and_then(|n| n.strip_prefix("sink_")) {
             Some(i) => i.parse::<u32>().ok()?,
             None => (0..).find(|i| !pads.iter().any(|p| p.sink.name() == format!("sink_{i}")))?,
         };
-        if pads.iter().any(|p| p.sink.name() == format!("sink_{index}")) {
+        if pads
+            .iter()
+            .any(|p| p.sink.name() == format!("sink_{index}"))
+        {
             return None;
         }
         let sink = gst::Pad::builder_from_template(templ)
@@ -353,10 +436,24 @@ impl ElementImpl for VlmContext {
                 )
             })
             .event_function(|pad, parent, event| {
-                VlmContext::catch_panic_pad_function(parent, || false, |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| imp.sink_event(&p, event)))
+                VlmContext::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        imp.pads_of(pad.upcast_ref())
+                            .is_some_and(|p| imp.sink_event(&p, event))
+                    },
+                )
             })
             .query_function(|pad, parent, query| {
-                VlmContext::catch_panic_pad_function(parent, || false, |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| imp.sink_query(&p, query)))
+                VlmContext::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        imp.pads_of(pad.upcast_ref())
+                            .is_some_and(|p| imp.sink_query(&p, query))
+                    },
+                )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();
@@ -367,15 +464,31 @@ impl ElementImpl for VlmContext {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.peer_query(query)),
+                    |imp| {
+                        imp.pads_of(pad.upcast_ref())
+                            .is_some_and(|p| p.sink.peer_query(query))
+                    },
                 )
             })
             .event_function(|pad, parent, event| {
-                VlmContext::catch_panic_pad_function(parent, || false, |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.push_event(event)))
+                VlmContext::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        imp.pads_of(pad.upcast_ref())
+                            .is_some_and(|p| p.sink.push_event(event))
+                    },
+                )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();
-        let entry = Arc::new(StreamPads { sink: sink.clone(), src: src.clone(), stream: Mutex::new(None), cancel: AtomicBool::new(false), dropped: Mutex::new(0) });
+        let entry = Arc::new(StreamPads {
+            sink: sink.clone(),
+            src: src.clone(),
+            stream: Mutex::new(None),
+            cancel: AtomicBool::new(false),
+            dropped: Mutex::new(0),
+        });
         pads.push(entry);
         drop(pads);
         if self.obj().current_state() > gst::State::Ready {
@@ -388,7 +501,9 @@ impl ElementImpl for VlmContext {
     }
 
     fn release_pad(&self, pad: &gst::Pad) {
-        let Some(entry) = self.pads_of(pad) else { return };
+        let Some(entry) = self.pads_of(pad) else {
+            return;
+        };
         entry.cancel.store(true, Ordering::Release);
         if let Some(s) = entry.stream.lock().take() {
             s.close();
@@ -400,7 +515,10 @@ impl ElementImpl for VlmContext {
         let _ = self.obj().remove_pad(&entry.sink);
     }
 
-    fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
+    fn change_state(
+        &self,
+        transition: gst::StateChange,
+    ) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
         match transition {
             gst::StateChange::ReadyToPaused => {
                 if let Err(e) = self.start() {

@@ -21,5 +21,10 @@ glib::wrapper! {
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
-    gst::Element::register(Some(plugin), "vlmencode", gst::Rank::NONE, VlmEncode::static_type())
+    gst::Element::register(
+        Some(plugin),
+        "vlmencode",
+        gst::Rank::NONE,
+        VlmEncode::static_type(),
+    )
 }

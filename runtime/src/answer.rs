@@ -30,7 +30,13 @@ pub struct Sampling {
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 0 }
+        Sampling {
+            temperature: 0.0,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            seed: 0,
+        }
     }
 }
 
@@ -135,7 +141,12 @@ enum Event {
 
 /// Answer `question` over `version`, calling `on_text` with each complete piece of text as it
 /// is generated. Blocks until the answer ends; `cancel` stops it at the next decode step.
-pub fn answer(version: &Version, question: &Question, cancel: &Arc<AtomicBool>, mut on_text: impl FnMut(&str)) -> Result<AnswerReport> {
+pub fn answer(
+    version: &Version,
+    question: &Question,
+    cancel: &Arc<AtomicBool>,
+    mut on_text: impl FnMut(&str),
+) -> Result<AnswerReport> {
     let wait_ms = ms(question.arrival.elapsed());
     let stream = Arc::clone(&version.stream);
     let engine = Arc::clone(stream.engine());
@@ -165,10 +176,19 @@ pub fn answer(version: &Version, question: &Question, cancel: &Arc<AtomicBool>, 
             Event::Done(r) => return r,
         }
     }
-    Err(Error::Engine("the engine stopped before the answer finished".into()))
+    Err(Error::Engine(
+        "the engine stopped before the answer finished".into(),
+    ))
 }
 
-fn run_answer(w: &mut Worker, version: &Version, q: &Question, cancel: &AtomicBool, branch: i32, tx: &mpsc::Sender<Event>) -> Result<AnswerReport> {
+fn run_answer(
+    w: &mut Worker,
+    version: &Version,
+    q: &Question,
+    cancel: &AtomicBool,
+    branch: i32,
+    tx: &mpsc::Sender<Event>,
+) -> Result<AnswerReport> {
     let stream = &version.stream;
     let model = Arc::clone(w.ctx.model());
     let prep = Instant::now();
@@ -194,7 +214,11 @@ fn run_answer(w: &mut Worker, version: &Version, q: &Question, cancel: &AtomicBo
     let suffix = stream.prompt().question_tokens(&model, &q.text)?;
     let limit = w.ctx.n_ctx_per_seq() as i32;
     if version.end + suffix.len() as i32 + 1 > limit {
-        return Err(Error::BadInput(format!("question of {} tokens does not fit after a history of {} positions", suffix.len(), version.end)));
+        return Err(Error::BadInput(format!(
+            "question of {} tokens does not fit after a history of {} positions",
+            suffix.len(),
+            version.end
+        )));
     }
     w.ctx.decode_tokens(&suffix, version.end, branch, true)?;
     let mut pos = version.end + suffix.len() as i32;
@@ -212,8 +236,13 @@ fn run_answer(w: &mut Worker, version: &Version, q: &Question, cancel: &AtomicBo
         let token = match sampler.as_mut() {
             None => argmax(logits),
             Some(s) => {
-                let mut candidates =
-                    LlamaTokenDataArray::from_iter(logits.iter().enumerate().map(|(i, &l)| LlamaTokenData::new(LlamaToken(i as i32), l, 0.0)), false);
+                let mut candidates = LlamaTokenDataArray::from_iter(
+                    logits
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &l)| LlamaTokenData::new(LlamaToken(i as i32), l, 0.0)),
+                    false,
+                );
                 candidates.apply_sampler(s);
                 let t = candidates.selected_token().map_or(argmax(logits), |t| t.0);
                 s.accept(LlamaToken(t));

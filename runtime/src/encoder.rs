@@ -57,12 +57,20 @@ pub struct Picture<'a> {
 impl Picture<'_> {
     /// Packed RGB (width × height × 3), honouring the stride.
     pub fn to_rgb(&self) -> Result<Vec<u8>> {
-        let (w, h, bpp) = (self.width as usize, self.height as usize, self.layout.bytes_per_pixel());
+        let (w, h, bpp) = (
+            self.width as usize,
+            self.height as usize,
+            self.layout.bytes_per_pixel(),
+        );
         if w == 0 || h == 0 {
             return Err(Error::BadInput(format!("zero-size frame ({w}x{h})")));
         }
         if self.stride < w * bpp || self.data.len() < self.stride * (h - 1) + w * bpp {
-            return Err(Error::BadInput(format!("frame of {w}x{h} with stride {} does not fit in {} bytes", self.stride, self.data.len())));
+            return Err(Error::BadInput(format!(
+                "frame of {w}x{h} with stride {} does not fit in {} bytes",
+                self.stride,
+                self.data.len()
+            )));
         }
         let [r, g, b] = self.layout.rgb_offsets();
         let mut rgb = Vec::with_capacity(w * h * 3);
@@ -109,7 +117,10 @@ impl VisionEncoder for MtmdEncoder {
         hash.update(&picture.height.to_le_bytes());
         hash.update(&rgb);
         let segments = self.projector.encode(&rgb, picture.width, picture.height)?;
-        Ok(Frame { segments, content_hash: hash.digest() })
+        Ok(Frame {
+            segments,
+            content_hash: hash.digest(),
+        })
     }
 }
 
@@ -122,7 +133,14 @@ mod tests {
         // 2x2 picture, rows padded to 12 bytes.
         let px = [[10u8, 20, 30], [40, 50, 60], [70, 80, 90], [100, 110, 120]];
         let expected: Vec<u8> = px.iter().flatten().copied().collect();
-        for layout in [PixelLayout::Rgb, PixelLayout::Bgr, PixelLayout::Rgbx, PixelLayout::Bgrx, PixelLayout::Xrgb, PixelLayout::Xbgr] {
+        for layout in [
+            PixelLayout::Rgb,
+            PixelLayout::Bgr,
+            PixelLayout::Rgbx,
+            PixelLayout::Bgrx,
+            PixelLayout::Xrgb,
+            PixelLayout::Xbgr,
+        ] {
             let mut data = vec![0u8; 24];
             for (i, [r, g, b]) in px.iter().enumerate() {
                 let at = (i / 2) * 12 + (i % 2) * layout.bytes_per_pixel();
@@ -131,7 +149,13 @@ mod tests {
                 data[at + og] = *g;
                 data[at + ob] = *b;
             }
-            let pic = Picture { data: &data, width: 2, height: 2, stride: 12, layout };
+            let pic = Picture {
+                data: &data,
+                width: 2,
+                height: 2,
+                stride: 12,
+                layout,
+            };
             assert_eq!(pic.to_rgb().unwrap(), expected, "{layout:?}");
         }
     }
@@ -139,9 +163,21 @@ mod tests {
     #[test]
     fn bad_geometry_is_an_error() {
         let data = [0u8; 10];
-        let zero = Picture { data: &data, width: 0, height: 2, stride: 3, layout: PixelLayout::Rgb };
+        let zero = Picture {
+            data: &data,
+            width: 0,
+            height: 2,
+            stride: 3,
+            layout: PixelLayout::Rgb,
+        };
         assert!(matches!(zero.to_rgb(), Err(Error::BadInput(_))));
-        let short = Picture { data: &data, width: 2, height: 2, stride: 6, layout: PixelLayout::Rgb };
+        let short = Picture {
+            data: &data,
+            width: 2,
+            height: 2,
+            stride: 6,
+            layout: PixelLayout::Rgb,
+        };
         assert!(matches!(short.to_rgb(), Err(Error::BadInput(_))));
     }
 }

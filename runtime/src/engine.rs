@@ -52,7 +52,9 @@ impl Worker {
     /// Take a free answer sequence (jobs run one at a time, so one is always free when a job
     /// returns every branch it took).
     pub fn take_branch(&mut self) -> Result<i32> {
-        self.free_branches.pop().ok_or_else(|| Error::Engine("no free answer sequence".into()))
+        self.free_branches
+            .pop()
+            .ok_or_else(|| Error::Engine("no free answer sequence".into()))
     }
 
     pub fn give_branch(&mut self, seq: i32) {
@@ -77,7 +79,9 @@ impl Engine {
     /// Load (or share) the model and start the engine thread.
     pub fn start(model_path: &std::path::Path, config: EngineConfig) -> Result<Arc<Engine>> {
         if config.max_streams == 0 || config.max_branches == 0 || config.context_per_sequence < 64 {
-            return Err(Error::Config("an engine needs at least one stream, one branch and 64 cells per sequence".into()));
+            return Err(Error::Config(
+                "an engine needs at least one stream, one branch and 64 cells per sequence".into(),
+            ));
         }
         let model = models::model(model_path, &config.device)?;
         let ctx = Context::new(
@@ -91,7 +95,12 @@ impl Engine {
         )?;
         let n_ctx_per_seq = ctx.n_ctx_per_seq();
         let streams = config.max_streams as i32;
-        let mut worker = Worker { ctx, free_branches: (streams..streams + config.max_branches as i32).rev().collect() };
+        let mut worker = Worker {
+            ctx,
+            free_branches: (streams..streams + config.max_branches as i32)
+                .rev()
+                .collect(),
+        };
         let (tx, rx) = mpsc::channel::<Job>();
         let queued = Arc::new(AtomicUsize::new(0));
         let q = Arc::clone(&queued);
@@ -135,7 +144,9 @@ impl Engine {
     /// Run `job` on the engine thread after the jobs already queued.
     pub fn submit(&self, job: impl FnOnce(&mut Worker) + Send + 'static) -> Result<()> {
         let jobs = self.jobs.lock();
-        let tx = jobs.as_ref().ok_or_else(|| Error::Engine(format!("engine {} is stopped", self.name())))?;
+        let tx = jobs
+            .as_ref()
+            .ok_or_else(|| Error::Engine(format!("engine {} is stopped", self.name())))?;
         self.queued.fetch_add(1, Ordering::AcqRel);
         tx.send(Box::new(job)).map_err(|_| {
             self.queued.fetch_sub(1, Ordering::AcqRel);
@@ -144,18 +155,26 @@ impl Engine {
     }
 
     /// Run `job` on the engine thread and wait for its result.
-    pub fn call<R: Send + 'static>(&self, job: impl FnOnce(&mut Worker) -> R + Send + 'static) -> Result<R> {
+    pub fn call<R: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut Worker) -> R + Send + 'static,
+    ) -> Result<R> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.submit(move |w| {
             let _ = tx.send(job(w));
         })?;
-        rx.recv().map_err(|_| Error::Engine(format!("engine {} dropped a job", self.config.name)))
+        rx.recv()
+            .map_err(|_| Error::Engine(format!("engine {} dropped a job", self.config.name)))
     }
 
     /// Reserve a stream sequence.
     pub(crate) fn take_stream_seq(&self) -> Result<i32> {
         self.free_streams.lock().pop_front().ok_or_else(|| {
-            Error::Config(format!("engine {} already holds its {} streams (raise max-streams)", self.name(), self.config.max_streams))
+            Error::Config(format!(
+                "engine {} already holds its {} streams (raise max-streams)",
+                self.name(),
+                self.config.max_streams
+            ))
         })
     }
 
@@ -175,10 +194,11 @@ impl Engine {
     /// Stop accepting jobs and wait for the queued ones to finish.
     pub fn stop(&self) {
         self.jobs.lock().take();
-        if let Some(t) = self.thread.lock().take() {
-            if t.thread().id() != std::thread::current().id() {
-                let _ = t.join();
-            }
+        // The last owner may be a job on the engine thread itself: it cannot join itself.
+        if let Some(t) = self.thread.lock().take()
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
         }
     }
 }

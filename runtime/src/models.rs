@@ -11,8 +11,10 @@ use parking_lot::Mutex;
 use crate::error::Result;
 use crate::llama::{Device, Model, Projector, ProjectorKey};
 
-static MODELS: LazyLock<Mutex<HashMap<(PathBuf, Device), Weak<Model>>>> = LazyLock::new(Default::default);
-static PROJECTORS: LazyLock<Mutex<HashMap<ProjectorKey, Weak<Projector>>>> = LazyLock::new(Default::default);
+type Registry<K, V> = LazyLock<Mutex<HashMap<K, Weak<V>>>>;
+
+static MODELS: Registry<(PathBuf, Device), Model> = LazyLock::new(Default::default);
+static PROJECTORS: Registry<ProjectorKey, Projector> = LazyLock::new(Default::default);
 
 fn canonical(path: &Path) -> PathBuf {
     std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
@@ -33,13 +35,27 @@ pub fn model(path: &Path, device: &Device) -> Result<Arc<Model>> {
 }
 
 /// The shared projector for `mmproj` bound to `model`, loading it on first use.
-pub fn projector(mmproj: &Path, model: &Arc<Model>, use_gpu: bool, threads: i32) -> Result<Arc<Projector>> {
-    let key = ProjectorKey { mmproj: canonical(mmproj), model: canonical(model.path()), use_gpu };
+pub fn projector(
+    mmproj: &Path,
+    model: &Arc<Model>,
+    use_gpu: bool,
+    threads: i32,
+) -> Result<Arc<Projector>> {
+    let key = ProjectorKey {
+        mmproj: canonical(mmproj),
+        model: canonical(model.path()),
+        use_gpu,
+    };
     let mut projectors = PROJECTORS.lock();
     if let Some(p) = projectors.get(&key).and_then(Weak::upgrade) {
         return Ok(p);
     }
-    let p = Arc::new(Projector::load(mmproj, Arc::clone(model), use_gpu, threads)?);
+    let p = Arc::new(Projector::load(
+        mmproj,
+        Arc::clone(model),
+        use_gpu,
+        threads,
+    )?);
     projectors.retain(|_, w| w.strong_count() > 0);
     projectors.insert(key, Arc::downgrade(&p));
     Ok(p)
@@ -48,5 +64,8 @@ pub fn projector(mmproj: &Path, model: &Arc<Model>, use_gpu: bool, threads: i32)
 /// How many owners hold the weights of `path` on `device` (0 when not loaded): a statistic
 /// that shows weights are shared rather than copied.
 pub fn model_owners(path: &Path, device: &Device) -> usize {
-    MODELS.lock().get(&(canonical(path), device.clone())).map_or(0, Weak::strong_count)
+    MODELS
+        .lock()
+        .get(&(canonical(path), device.clone()))
+        .map_or(0, Weak::strong_count)
 }

@@ -16,7 +16,8 @@ use crate::llama::{Model, Token};
 const FRAMES: &str = "\u{1}FRAMES\u{1}";
 const QUESTION: &str = "\u{1}QUESTION\u{1}";
 
-pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a helpful assistant watching a live video. Answer questions about it briefly.";
+pub const DEFAULT_SYSTEM_PROMPT: &str =
+    "You are a helpful assistant watching a live video. Answer questions about it briefly.";
 
 #[derive(Debug, Clone)]
 pub struct Prompt {
@@ -28,10 +29,20 @@ pub struct Prompt {
 
 impl Prompt {
     pub fn new(model: &Model, system: &str) -> Result<Prompt> {
-        let rendered = model.apply_chat_template(&[("system", system), ("user", &format!("{FRAMES}\n{QUESTION}"))], true)?;
+        let rendered = model.apply_chat_template(
+            &[
+                ("system", system),
+                ("user", &format!("{FRAMES}\n{QUESTION}")),
+            ],
+            true,
+        )?;
         let (f, q) = match (rendered.find(FRAMES), rendered.find(QUESTION)) {
             (Some(f), Some(q)) if f < q => (f, q),
-            _ => return Err(Error::Config("the model's chat template does not keep the user's text in order".into())),
+            _ => {
+                return Err(Error::Config(
+                    "the model's chat template does not keep the user's text in order".into(),
+                ));
+            }
         };
         Ok(Prompt {
             prefix: model.tokenize(&rendered[..f], true, true)?,

@@ -95,7 +95,11 @@ pub fn lookup(id: u64) -> Option<Arc<Stream>> {
 
 impl Stream {
     /// Create a stream on `engine` and prefill its prompt prefix (version 0).
-    pub fn open(engine: &Arc<Engine>, prompt: Arc<Prompt>, config: StreamConfig) -> Result<Arc<Stream>> {
+    pub fn open(
+        engine: &Arc<Engine>,
+        prompt: Arc<Prompt>,
+        config: StreamConfig,
+    ) -> Result<Arc<Stream>> {
         let seq = engine.take_stream_seq()?;
         let stream = Arc::new(Stream {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -160,7 +164,12 @@ impl Stream {
 
     /// Whether one more frame of `n_pos` positions fits, leaving room for an answer.
     fn fits(&self, t: &Timeline, n_pos: i32) -> bool {
-        let end = t.ends.last().copied().unwrap_or(self.prompt.prefix.len() as i32) + t.pending_pos;
+        let end = t
+            .ends
+            .last()
+            .copied()
+            .unwrap_or(self.prompt.prefix.len() as i32)
+            + t.pending_pos;
         end + n_pos + self.config.answer_reserve <= self.engine.n_ctx_per_seq() as i32
     }
 
@@ -170,7 +179,10 @@ impl Stream {
     pub fn register(self: &Arc<Self>, frame: Arc<Frame>, cancel: &AtomicBool) -> Result<u64> {
         let n_pos = frame.n_pos();
         let mut t = self.timeline.lock();
-        while (t.registered - t.published) as usize >= self.config.max_pending && t.failed.is_none() && !t.closed {
+        while (t.registered - t.published) as usize >= self.config.max_pending
+            && t.failed.is_none()
+            && !t.closed
+        {
             if cancel.load(Ordering::Acquire) {
                 return Err(Error::Cancelled);
             }
@@ -183,7 +195,10 @@ impl Stream {
             return Err(Error::Cancelled);
         }
         if !self.fits(&t, n_pos) {
-            return Err(Error::HistoryFull { frames: t.registered, cells: self.engine.n_ctx_per_seq() });
+            return Err(Error::HistoryFull {
+                frames: t.registered,
+                cells: self.engine.n_ctx_per_seq(),
+            });
         }
         t.registered += 1;
         t.pending_pos += n_pos;
@@ -193,12 +208,22 @@ impl Stream {
         if self.config.retain {
             let s = Arc::clone(self);
             self.engine.submit(move |w| {
-                let start = *s.timeline.lock().ends.last().expect("version 0 is published first");
+                let start = *s
+                    .timeline
+                    .lock()
+                    .ends
+                    .last()
+                    .expect("version 0 is published first");
                 let r = crate::answer::prefill_frame(w, &frame, start, s.seq);
                 s.publish(r);
             })?;
         } else {
-            let start = *self.timeline.lock().ends.last().expect("version 0 is published first");
+            let start = *self
+                .timeline
+                .lock()
+                .ends
+                .last()
+                .expect("version 0 is published first");
             self.publish(Ok(start + n_pos));
         }
         Ok(number)
@@ -230,10 +255,17 @@ impl Stream {
                 return Err(e.clone());
             }
             if frames > t.registered && t.closed {
-                return Err(Error::BadInput(format!("stream {} has no frame {frames}", self.name())));
+                return Err(Error::BadInput(format!(
+                    "stream {} has no frame {frames}",
+                    self.name()
+                )));
             }
             if t.ends.len() as u64 > frames {
-                return Ok(Version { stream: Arc::clone(self), frames, end: t.ends[frames as usize] });
+                return Ok(Version {
+                    stream: Arc::clone(self),
+                    frames,
+                    end: t.ends[frames as usize],
+                });
             }
             if cancel.load(Ordering::Acquire) {
                 return Err(Error::Cancelled);

@@ -21,8 +21,7 @@ impl Utf8Stream {
             Err(e) => e.valid_up_to(),
         };
         let rest = self.pending.split_off(valid);
-        let text = String::from_utf8(std::mem::replace(&mut self.pending, rest)).expect("validated above");
-        text
+        String::from_utf8(std::mem::replace(&mut self.pending, rest)).expect("validated above")
     }
 
     /// Whatever is left at the end of the answer (an incomplete character becomes U+FFFD).

@@ -33,7 +33,10 @@ fn retained_prefix_and_full_reprefill_give_identical_greedy_tokens() {
         assert_eq!(a.path, PreparePath::Resident);
         assert_eq!(b.path, PreparePath::Replay);
         assert!(a.tokens > 0, "no tokens generated");
-        assert_eq!(a.text, b.text, "retained and re-prefilled histories of {frames} frames answered differently");
+        assert_eq!(
+            a.text, b.text,
+            "retained and re-prefilled histories of {frames} frames answered differently"
+        );
         assert_eq!(a.tokens, b.tokens);
         assert_eq!(a.frames, frames);
     }
@@ -49,10 +52,11 @@ fn a_question_waits_for_its_registered_frame() {
     assert_eq!(stream.wait_version(1, &never).unwrap().frames, 1);
     // Hold the engine so the next frames are registered but cannot be prefilled yet.
     let (release, held) = std::sync::mpsc::channel::<()>();
-    engine.submit(move |_| {
-        let _ = held.recv();
-    })
-    .unwrap();
+    engine
+        .submit(move |_| {
+            let _ = held.recv();
+        })
+        .unwrap();
     for v in 1..3 {
         stream.register(frame(&enc, v), &never).unwrap();
     }
@@ -63,7 +67,10 @@ fn a_question_waits_for_its_registered_frame() {
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(stream.registered(), 3);
     assert_eq!(stream.published(), 1);
-    assert!(!waiter.is_finished(), "the question bound to an older version instead of waiting for frame 3");
+    assert!(
+        !waiter.is_finished(),
+        "the question bound to an older version instead of waiting for frame 3"
+    );
     release.send(()).unwrap();
     assert_eq!(waiter.join().unwrap().unwrap(), 3);
     assert_eq!(stream.published(), 3);
@@ -130,7 +137,9 @@ fn interleaved_streams_answer_as_they_would_alone() {
 #[test]
 fn a_missing_model_is_an_error_naming_the_file() {
     let config = vlm_runtime::EngineConfig::default();
-    let err = vlm_runtime::Engine::start(std::path::Path::new("/nonexistent/model.gguf"), config).err().expect("must fail");
+    let err = vlm_runtime::Engine::start(std::path::Path::new("/nonexistent/model.gguf"), config)
+        .err()
+        .expect("must fail");
     assert!(matches!(err, Error::File { .. }), "{err:?}");
     assert!(err.to_string().contains("/nonexistent/model.gguf"), "{err}");
 }
@@ -138,7 +147,9 @@ fn a_missing_model_is_an_error_naming_the_file() {
 #[test]
 fn a_language_model_given_as_projector_is_refused() {
     let model = vlm_runtime::models::model(&model_path(), &vlm_runtime::Device::Cpu).unwrap();
-    let err = vlm_runtime::models::projector(&model_path(), &model, false, 1).err().expect("must fail");
+    let err = vlm_runtime::models::projector(&model_path(), &model, false, 1)
+        .err()
+        .expect("must fail");
     assert!(err.to_string().contains("not a projector"), "{err}");
 }
 

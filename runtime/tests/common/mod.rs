@@ -1,0 +1,103 @@
+//! Shared helpers of the runtime's integration tests: the test models (set up by
+//! `scripts/setup.sh`; `VLM_MODEL` / `VLM_MMPROJ` override them) and synthetic pictures.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::{
+    Device, Engine, EngineConfig, Frame, Question, Sampling, Stream, StreamConfig, models,
+};
+
+pub fn model_path() -> PathBuf {
+    std::env::var_os("VLM_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        })
+}
+
+pub fn mmproj_path() -> PathBuf {
+    std::env::var_os("VLM_MMPROJ")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/test-mmproj-mlp.gguf")
+        })
+}
+
+pub fn engine(name: &str) -> Arc<Engine> {
+    let config = EngineConfig {
+        name: name.into(),
+        context_per_sequence: 1024,
+        max_streams: 2,
+        max_branches: 2,
+        ..EngineConfig::default()
+    };
+    Engine::start(&model_path(), config).expect("engine")
+}
+
+pub fn encoder() -> MtmdEncoder {
+    let model = models::model(&model_path(), &Device::Cpu).expect("model");
+    MtmdEncoder::new(models::projector(&mmproj_path(), &model, false, 2).expect("projector"))
+}
+
+/// A deterministic 64x48 RGB picture; different `variant`s give different pictures.
+pub fn picture(variant: u32) -> Vec<u8> {
+    let (w, h) = (64u32, 48u32);
+    let mut v = Vec::with_capacity((w * h * 3) as usize);
+    for y in 0..h {
+        for x in 0..w {
+            let on = ((x + variant * 7) / 8 + y / 8).is_multiple_of(2);
+            v.extend_from_slice(&[
+                (x * 4) as u8,
+                (y * 5) as u8,
+                if on { 230 } else { (20 + 30 * variant) as u8 },
+            ]);
+        }
+    }
+    v
+}
+
+pub fn frame(encoder: &MtmdEncoder, variant: u32) -> Arc<Frame> {
+    let rgb = picture(variant);
+    Arc::new(
+        encoder
+            .encode(&Picture {
+                data: &rgb,
+                width: 64,
+                height: 48,
+                stride: 64 * 3,
+                layout: PixelLayout::Rgb,
+            })
+            .expect("encode"),
+    )
+}
+
+pub fn open(engine: &Arc<Engine>, name: &str, retain: bool) -> Arc<Stream> {
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).expect("prompt"));
+    Stream::open(
+        engine,
+        prompt,
+        StreamConfig {
+            name: name.into(),
+            retain,
+            max_pending: 4,
+            answer_reserve: 128,
+        },
+    )
+    .expect("stream")
+}
+
+pub fn question(text: &str, max_tokens: u32) -> Question {
+    Question {
+        id: "t".into(),
+        text: text.into(),
+        max_tokens,
+        sampling: Sampling::default(),
+        arrival: std::time::Instant::now(),
+    }
+}

@@ -1,0 +1,85 @@
+//! Shared helpers of the GStreamer tests: static plugin registration, the test models
+//! (`VLM_MODEL` / `VLM_MMPROJ` override the defaults in models/), and running a pipeline to EOS.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Once;
+
+use gst::prelude::*;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+pub fn init() {
+    static INIT: Once = Once::new();
+    INIT.call_once(|| {
+        gst::init().unwrap();
+        gstvlm::plugin_register_static().expect("register the vlm plugin");
+        // Pipeline files name models/ and pipelines/ relative to the repository root.
+        std::env::set_current_dir(root()).unwrap();
+    });
+}
+
+pub fn model() -> String {
+    std::env::var("VLM_MODEL").unwrap_or_else(|_| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into())
+}
+
+pub fn mmproj() -> String {
+    std::env::var("VLM_MMPROJ").unwrap_or_else(|_| "models/test-mmproj-mlp.gguf".into())
+}
+
+/// A pipeline description with the default model paths replaced by the configured ones.
+pub fn description(text: &str) -> String {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace("models/SmolLM2-135M-Instruct.Q4_1.gguf", &model())
+        .replace("models/test-mmproj-mlp.gguf", &mmproj())
+}
+
+/// What a pipeline run left on its bus.
+#[derive(Debug, Default)]
+pub struct Run {
+    pub answers: Vec<gst::Structure>,
+    pub errors: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+/// Run `pipeline` until EOS or an error (or 240 s), collecting answers, errors and warnings.
+pub fn run(pipeline: &gst::Element) -> Run {
+    let bus = pipeline.bus().unwrap();
+    let mut run = Run::default();
+    if pipeline.set_state(gst::State::Playing).is_err() {
+        run.errors.push("state change to PLAYING failed".into());
+    }
+    for msg in bus.iter_timed(gst::ClockTime::from_seconds(240)) {
+        use gst::MessageView;
+        match msg.view() {
+            MessageView::Eos(_) => break,
+            MessageView::Error(e) => {
+                run.errors.push(format!("{} ({:?})", e.error(), e.debug()));
+                break;
+            }
+            MessageView::Warning(w) => {
+                run.warnings
+                    .push(format!("{} ({:?})", w.error(), w.debug()))
+            }
+            MessageView::Element(e) => {
+                if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer") {
+                    run.answers.push(s.to_owned());
+                }
+            }
+            _ => (),
+        }
+    }
+    pipeline.set_state(gst::State::Null).unwrap();
+    run
+}
+
+pub fn launch(text: &str) -> gst::Element {
+    init();
+    gst::parse::launch(&description(text)).unwrap_or_else(|e| panic!("cannot parse {text}: {e}"))
+}

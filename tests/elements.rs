@@ -1,0 +1,289 @@
+//! One `gst_check::Harness` per element, against the real test model.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use common::*;
+use gst::prelude::*;
+use gst_check::Harness;
+use gst_video::prelude::*;
+use gst_vlm_elements::events::{ModelQuery, QuestionEvent, StreamEvent};
+use gst_vlm_elements::meta::VlmFrameMeta;
+use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::{Device, Engine, EngineConfig, Frame, Stream, StreamConfig, models};
+
+const W: u32 = 64;
+const H: u32 = 48;
+
+/// A deterministic picture in `format` (RGB or BGRx), `variant` changing its content.
+fn picture(format: gst_video::VideoFormat, variant: u32) -> gst::Buffer {
+    let info = gst_video::VideoInfo::builder(format, W, H).build().unwrap();
+    let mut buffer = gst::Buffer::with_size(info.size()).unwrap();
+    {
+        let buf = buffer.get_mut().unwrap();
+        let mut frame = gst_video::VideoFrameRef::from_buffer_ref_writable(buf, &info).unwrap();
+        let stride = frame.plane_stride()[0] as usize;
+        let bpp = if format == gst_video::VideoFormat::Rgb {
+            3
+        } else {
+            4
+        };
+        let data = frame.plane_data_mut(0).unwrap();
+        for y in 0..H as usize {
+            for x in 0..W as usize {
+                let rgb = [
+                    (x * 4) as u8,
+                    (y * 5) as u8,
+                    ((x / 8 + y / 8 + variant as usize) % 2 * 200) as u8,
+                ];
+                let px = &mut data[y * stride + x * bpp..][..bpp];
+                match format {
+                    gst_video::VideoFormat::Rgb => px.copy_from_slice(&rgb),
+                    _ => px.copy_from_slice(&[rgb[2], rgb[1], rgb[0], 0]),
+                }
+            }
+        }
+    }
+    buffer
+}
+
+fn caps(format: gst_video::VideoFormat) -> gst::Caps {
+    gst_video::VideoInfo::builder(format, W, H)
+        .fps(gst::Fraction::new(10, 1))
+        .build()
+        .unwrap()
+        .to_caps()
+        .unwrap()
+}
+
+fn encode_harness(format: gst_video::VideoFormat, interval: u64) -> Harness {
+    init();
+    let e = gst::ElementFactory::make("vlmencode")
+        .property("mmproj", mmproj())
+        .property("model", model())
+        .property("interval", interval)
+        .build()
+        .unwrap();
+    let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
+    h.set_src_caps(caps(format));
+    h
+}
+
+fn embeddings(buffer: &gst::Buffer) -> Option<Vec<f32>> {
+    let meta = buffer.meta::<VlmFrameMeta>()?;
+    let frame = meta.frame()?;
+    Some(
+        frame
+            .segments
+            .iter()
+            .flat_map(|s| match s {
+                vlm_runtime::llama::Segment::Image(i) => i.data.to_vec(),
+                vlm_runtime::llama::Segment::Text(_) => vec![],
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn vlmencode_attaches_embeddings_at_the_interval() {
+    let mut h = encode_harness(gst_video::VideoFormat::Rgb, 1_000_000_000);
+    let mut encoded = vec![];
+    for i in 0..4u64 {
+        let mut buf = picture(gst_video::VideoFormat::Rgb, i as u32);
+        buf.get_mut()
+            .unwrap()
+            .set_pts(gst::ClockTime::from_mseconds(500 * i));
+        let original = buf.map_readable().unwrap().to_vec();
+        let out = h.push_and_pull(buf).unwrap();
+        assert_eq!(
+            out.map_readable().unwrap().as_slice(),
+            original.as_slice(),
+            "video must pass unchanged"
+        );
+        encoded.push(embeddings(&out).map(|e| e.len()));
+    }
+    // 0 s and 1 s are due; 0.5 s and 1.5 s are not.
+    assert_eq!(encoded, vec![Some(36 * 576), None, Some(36 * 576), None]);
+    let e = h.element().unwrap();
+    assert_eq!(e.property::<u64>("frames-seen"), 4);
+    assert_eq!(e.property::<u64>("frames-encoded"), 2);
+}
+
+#[test]
+fn vlmencode_bgrx_and_rgb_give_identical_embeddings() {
+    let mut rgb = encode_harness(gst_video::VideoFormat::Rgb, 0);
+    let mut bgrx = encode_harness(gst_video::VideoFormat::Bgrx, 0);
+    let a = embeddings(
+        &rgb.push_and_pull(picture(gst_video::VideoFormat::Rgb, 1))
+            .unwrap(),
+    )
+    .unwrap();
+    let b = embeddings(
+        &bgrx
+            .push_and_pull(picture(gst_video::VideoFormat::Bgrx, 1))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(a, b);
+    let c = embeddings(
+        &rgb.push_and_pull(picture(gst_video::VideoFormat::Rgb, 2))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_ne!(a, c, "different pictures must give different embeddings");
+}
+
+fn encoder() -> MtmdEncoder {
+    let m = models::model(std::path::Path::new(&model()), &Device::Cpu).unwrap();
+    MtmdEncoder::new(models::projector(std::path::Path::new(&mmproj()), &m, false, 2).unwrap())
+}
+
+fn frame(enc: &MtmdEncoder, variant: u32) -> Arc<Frame> {
+    let buf = picture(gst_video::VideoFormat::Rgb, variant);
+    let map = buf.map_readable().unwrap();
+    Arc::new(
+        enc.encode(&Picture {
+            data: &map,
+            width: W,
+            height: H,
+            stride: (W * 3) as usize,
+            layout: PixelLayout::Rgb,
+        })
+        .unwrap(),
+    )
+}
+
+#[test]
+fn vlmcontext_registers_frames_in_order_and_answers_the_model_query() {
+    init();
+    let e = gst::ElementFactory::make("vlmcontext")
+        .property("model", model())
+        .build()
+        .unwrap();
+    let mut h = Harness::with_element(&e, Some("sink_0"), Some("src_0"));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    let enc = encoder();
+    let mut positions = vec![];
+    for i in 0..3u32 {
+        let mut buf = picture(gst_video::VideoFormat::Rgb, i);
+        if i != 1 {
+            VlmFrameMeta::add(buf.get_mut().unwrap(), frame(&enc, i));
+        }
+        let out = h.push_and_pull(buf).unwrap();
+        positions.push(out.meta::<VlmFrameMeta>().and_then(|m| m.position()));
+    }
+    let stream_id = positions[0].unwrap().0;
+    assert_eq!(
+        positions,
+        vec![Some((stream_id, 1)), None, Some((stream_id, 2))]
+    );
+    // The sticky vlm-stream event names the same stream.
+    let sticky = h
+        .sinkpad()
+        .unwrap()
+        .sticky_event::<gst::event::CustomDownstreamSticky>(0)
+        .and_then(|e| StreamEvent::parse(&e));
+    assert_eq!(sticky, Some(stream_id));
+    let stream = vlm_runtime::stream::lookup(stream_id).expect("live stream");
+    let version = stream.wait_version(2, &AtomicBool::new(false)).unwrap();
+    assert_eq!(version.frames, 2);
+    // vlmencode learns the language model from vlmcontext.
+    let mut q = ModelQuery::query();
+    assert!(h.srcpad().unwrap().peer_query(&mut q));
+    assert_eq!(ModelQuery::model(&q).as_deref(), Some(model().as_str()));
+}
+
+#[test]
+fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
+    init();
+    let engine = Engine::start(
+        std::path::Path::new(&model()),
+        EngineConfig {
+            context_per_sequence: 1024,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let config = StreamConfig {
+        name: "test".into(),
+        retain: true,
+        max_pending: 4,
+        answer_reserve: 128,
+    };
+    let stream = Stream::open(&engine, prompt, config).unwrap();
+    let enc = encoder();
+
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    h.element().unwrap().set_property("max-tokens", 8u32);
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    assert!(h.push_event(StreamEvent::event(stream.id(), "test")));
+    let never = AtomicBool::new(false);
+    for i in 0..3u32 {
+        let f = frame(&enc, i);
+        let number = stream.register(Arc::clone(&f), &never).unwrap();
+        let mut buf = picture(gst_video::VideoFormat::Rgb, i);
+        {
+            let b = buf.get_mut().unwrap();
+            b.set_pts(gst::ClockTime::from_seconds(i as u64));
+            VlmFrameMeta::add(b, f).set_position(stream.id(), number);
+        }
+        assert_eq!(h.push(buf), Ok(gst::FlowSuccess::Ok));
+        if i == 1 {
+            // Bound to frames 1..=2, not to the third frame that follows it.
+            assert!(h.push_event(QuestionEvent::event("What is shown?", Some("mine"), None)));
+        }
+    }
+    let answer = h.pull().expect("an answer buffer");
+    let text = String::from_utf8(answer.map_readable().unwrap().to_vec()).unwrap();
+    assert_eq!(
+        answer.pts(),
+        Some(gst::ClockTime::from_seconds(1)),
+        "timestamp of the last frame of the bound version"
+    );
+    let version = stream.wait_version(2, &never).unwrap();
+    let q = vlm_runtime::Question {
+        id: "ref".into(),
+        text: "What is shown?".into(),
+        max_tokens: 8,
+        sampling: Default::default(),
+        arrival: std::time::Instant::now(),
+    };
+    let reference =
+        vlm_runtime::answer(&version, &q, &Arc::new(AtomicBool::new(false)), |_| {}).unwrap();
+    assert!(!text.is_empty());
+    assert_eq!(
+        text, reference.text,
+        "the element's answer differs from the runtime's answer over the same version"
+    );
+    assert!(h.push_event(gst::event::Eos::new()));
+    // EOS follows the last answer.
+    loop {
+        let ev = h.pull_event().expect("EOS");
+        if ev.type_() == gst::EventType::Eos {
+            break;
+        }
+    }
+}
+
+#[test]
+fn vlmquery_reports_a_malformed_question_without_failing() {
+    init();
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    h.play();
+    let bad = gst::event::CustomDownstream::new(
+        gst::Structure::builder("vlm-question")
+            .field("text", 3i32)
+            .build(),
+    );
+    assert!(
+        h.push_event(bad),
+        "a malformed question must not fail the pad"
+    );
+    assert!(h.push_event(QuestionEvent::event("   ", None, None)));
+}
