@@ -30,23 +30,15 @@ impl QuestionEvent {
     pub fn parse(event: &gst::EventRef) -> Option<Result<QuestionEvent, String>> {
         let s = event.structure().filter(|s| s.name() == QUESTION)?;
         Some((|| {
-            let text = s
-                .get::<String>("text")
-                .map_err(|e| format!("vlm-question needs a string field 'text': {e}"))?;
+            let text = s.get::<String>("text").map_err(|e| format!("vlm-question needs a string field 'text': {e}"))?;
             if text.trim().is_empty() {
                 return Err("vlm-question has an empty 'text'".to_string());
             }
-            let id = s
-                .get_optional::<String>("id")
-                .map_err(|e| format!("vlm-question field 'id': {e}"))?;
+            let id = s.get_optional::<String>("id").map_err(|e| format!("vlm-question field 'id': {e}"))?;
             let max_tokens = s
                 .get_optional::<u32>("max-tokens")
                 .map_err(|e| format!("vlm-question field 'max-tokens' must be a uint: {e}"))?;
-            Ok(QuestionEvent {
-                text,
-                id,
-                max_tokens,
-            })
+            Ok(QuestionEvent { text, id, max_tokens })
         })())
     }
 }
@@ -57,19 +49,12 @@ pub struct StreamEvent;
 impl StreamEvent {
     pub fn event(stream: u64, name: &str) -> gst::Event {
         gst::event::CustomDownstreamSticky::new(
-            gst::Structure::builder(STREAM)
-                .field("id", stream)
-                .field("name", name)
-                .build(),
+            gst::Structure::builder(STREAM).field("id", stream).field("name", name).build(),
         )
     }
 
     pub fn parse(event: &gst::EventRef) -> Option<u64> {
-        event
-            .structure()
-            .filter(|s| s.name() == STREAM)?
-            .get::<u64>("id")
-            .ok()
+        event.structure().filter(|s| s.name() == STREAM)?.get::<u64>("id").ok()
     }
 }
 
@@ -91,10 +76,6 @@ impl ModelQuery {
     }
 
     pub fn model(query: &gst::QueryRef) -> Option<String> {
-        query
-            .structure()?
-            .get::<String>("model")
-            .ok()
-            .filter(|m| !m.is_empty())
+        query.structure()?.get::<String>("model").ok().filter(|m| !m.is_empty())
     }
 }

@@ -10,11 +10,7 @@ pub mod vlmencode;
 pub mod vlmquery;
 
 static LLAMA_CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
-    gst::DebugCategory::new(
-        "vlm-llama",
-        gst::DebugColorFlags::empty(),
-        Some("llama.cpp and libmtmd log"),
-    )
+    gst::DebugCategory::new("vlm-llama", gst::DebugColorFlags::empty(), Some("llama.cpp and libmtmd log"))
 });
 
 /// Route llama.cpp's own log into the `vlm-llama` debug category.

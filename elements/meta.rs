@@ -25,15 +25,12 @@ unsafe impl Sync for VlmFrameMeta {}
 
 impl VlmFrameMeta {
     /// Attach encoded embeddings to `buffer` (vlmencode).
-    pub fn add(
-        buffer: &mut gst::BufferRef,
-        frame: Arc<Frame>,
-    ) -> gst::MetaRefMut<'_, Self, gst::meta::Standalone> {
+    pub fn add(buffer: &mut gst::BufferRef, frame: Arc<Frame>) -> gst::MetaRefMut<'_, Self, gst::meta::Standalone> {
         // SAFETY: info() registers a meta whose init writes every field; the returned pointer is
         // a VlmFrameMeta owned by the buffer.
         unsafe {
-            let meta = gst::ffi::gst_buffer_add_meta(buffer.as_mut_ptr(), info(), ptr::null_mut())
-                .cast::<VlmFrameMeta>();
+            let meta =
+                gst::ffi::gst_buffer_add_meta(buffer.as_mut_ptr(), info(), ptr::null_mut()).cast::<VlmFrameMeta>();
             (*meta).frame = Some(frame);
             Self::from_mut_ptr(buffer, meta)
         }
@@ -105,8 +102,7 @@ unsafe extern "C" fn transform(
     // SAFETY: `meta` is a VlmFrameMeta; the copy gets clones of its shared handles.
     unsafe {
         let src = &*meta.cast::<VlmFrameMeta>();
-        let copy =
-            gst::ffi::gst_buffer_add_meta(dest, info(), ptr::null_mut()).cast::<VlmFrameMeta>();
+        let copy = gst::ffi::gst_buffer_add_meta(dest, info(), ptr::null_mut()).cast::<VlmFrameMeta>();
         if copy.is_null() {
             return glib::ffi::GFALSE;
         }
@@ -128,10 +124,7 @@ fn info() -> *const gst::ffi::GstMetaInfo {
         // SAFETY: registration with NUL-terminated names and an empty, NULL-terminated tag list.
         unsafe {
             let mut tags = [ptr::null::<std::ffi::c_char>()];
-            let api = gst::ffi::gst_meta_api_type_register(
-                c"GstVlmFrameMetaAPI".as_ptr(),
-                tags.as_mut_ptr(),
-            );
+            let api = gst::ffi::gst_meta_api_type_register(c"GstVlmFrameMetaAPI".as_ptr(), tags.as_mut_ptr());
             Info(gst::ffi::gst_meta_register(
                 api,
                 c"GstVlmFrameMeta".as_ptr(),

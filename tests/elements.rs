@@ -26,19 +26,11 @@ fn picture(format: gst_video::VideoFormat, variant: u32) -> gst::Buffer {
         let buf = buffer.get_mut().unwrap();
         let mut frame = gst_video::VideoFrameRef::from_buffer_ref_writable(buf, &info).unwrap();
         let stride = frame.plane_stride()[0] as usize;
-        let bpp = if format == gst_video::VideoFormat::Rgb {
-            3
-        } else {
-            4
-        };
+        let bpp = if format == gst_video::VideoFormat::Rgb { 3 } else { 4 };
         let data = frame.plane_data_mut(0).unwrap();
         for y in 0..H as usize {
             for x in 0..W as usize {
-                let rgb = [
-                    (x * 4) as u8,
-                    (y * 5) as u8,
-                    ((x / 8 + y / 8 + variant as usize) % 2 * 200) as u8,
-                ];
+                let rgb = [(x * 4) as u8, (y * 5) as u8, ((x / 8 + y / 8 + variant as usize) % 2 * 200) as u8];
                 let px = &mut data[y * stride + x * bpp..][..bpp];
                 match format {
                     gst_video::VideoFormat::Rgb => px.copy_from_slice(&rgb),
@@ -51,12 +43,7 @@ fn picture(format: gst_video::VideoFormat, variant: u32) -> gst::Buffer {
 }
 
 fn caps(format: gst_video::VideoFormat) -> gst::Caps {
-    gst_video::VideoInfo::builder(format, W, H)
-        .fps(gst::Fraction::new(10, 1))
-        .build()
-        .unwrap()
-        .to_caps()
-        .unwrap()
+    gst_video::VideoInfo::builder(format, W, H).fps(gst::Fraction::new(10, 1)).build().unwrap().to_caps().unwrap()
 }
 
 fn encode_harness(format: gst_video::VideoFormat, interval: u64) -> Harness {
@@ -93,16 +80,10 @@ fn vlmencode_attaches_embeddings_at_the_interval() {
     let mut encoded = vec![];
     for i in 0..4u64 {
         let mut buf = picture(gst_video::VideoFormat::Rgb, i as u32);
-        buf.get_mut()
-            .unwrap()
-            .set_pts(gst::ClockTime::from_mseconds(500 * i));
+        buf.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(500 * i));
         let original = buf.map_readable().unwrap().to_vec();
         let out = h.push_and_pull(buf).unwrap();
-        assert_eq!(
-            out.map_readable().unwrap().as_slice(),
-            original.as_slice(),
-            "video must pass unchanged"
-        );
+        assert_eq!(out.map_readable().unwrap().as_slice(), original.as_slice(), "video must pass unchanged");
         encoded.push(embeddings(&out).map(|e| e.len()));
     }
     // 0 s and 1 s are due; 0.5 s and 1.5 s are not.
@@ -116,23 +97,10 @@ fn vlmencode_attaches_embeddings_at_the_interval() {
 fn vlmencode_bgrx_and_rgb_give_identical_embeddings() {
     let mut rgb = encode_harness(gst_video::VideoFormat::Rgb, 0);
     let mut bgrx = encode_harness(gst_video::VideoFormat::Bgrx, 0);
-    let a = embeddings(
-        &rgb.push_and_pull(picture(gst_video::VideoFormat::Rgb, 1))
-            .unwrap(),
-    )
-    .unwrap();
-    let b = embeddings(
-        &bgrx
-            .push_and_pull(picture(gst_video::VideoFormat::Bgrx, 1))
-            .unwrap(),
-    )
-    .unwrap();
+    let a = embeddings(&rgb.push_and_pull(picture(gst_video::VideoFormat::Rgb, 1)).unwrap()).unwrap();
+    let b = embeddings(&bgrx.push_and_pull(picture(gst_video::VideoFormat::Bgrx, 1)).unwrap()).unwrap();
     assert_eq!(a, b);
-    let c = embeddings(
-        &rgb.push_and_pull(picture(gst_video::VideoFormat::Rgb, 2))
-            .unwrap(),
-    )
-    .unwrap();
+    let c = embeddings(&rgb.push_and_pull(picture(gst_video::VideoFormat::Rgb, 2)).unwrap()).unwrap();
     assert_ne!(a, c, "different pictures must give different embeddings");
 }
 
@@ -145,24 +113,15 @@ fn frame(enc: &MtmdEncoder, variant: u32) -> Arc<Frame> {
     let buf = picture(gst_video::VideoFormat::Rgb, variant);
     let map = buf.map_readable().unwrap();
     Arc::new(
-        enc.encode(&Picture {
-            data: &map,
-            width: W,
-            height: H,
-            stride: (W * 3) as usize,
-            layout: PixelLayout::Rgb,
-        })
-        .unwrap(),
+        enc.encode(&Picture { data: &map, width: W, height: H, stride: (W * 3) as usize, layout: PixelLayout::Rgb })
+            .unwrap(),
     )
 }
 
 #[test]
 fn vlmcontext_registers_frames_in_order_and_answers_the_model_query() {
     init();
-    let e = gst::ElementFactory::make("vlmcontext")
-        .property("model", model())
-        .build()
-        .unwrap();
+    let e = gst::ElementFactory::make("vlmcontext").property("model", model()).build().unwrap();
     let mut h = Harness::with_element(&e, Some("sink_0"), Some("src_0"));
     h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
     h.play();
@@ -177,20 +136,14 @@ fn vlmcontext_registers_frames_in_order_and_answers_the_model_query() {
         positions.push(out.meta::<VlmFrameMeta>().and_then(|m| m.position()));
     }
     let stream_id = positions[0].unwrap().0;
-    assert_eq!(
-        positions,
-        vec![Some((stream_id, 1)), None, Some((stream_id, 2))]
-    );
+    assert_eq!(positions, vec![Some((stream_id, 1)), None, Some((stream_id, 2))]);
     // The sticky vlm-stream event names the same stream.
-    let sticky = h
-        .sinkpad()
-        .unwrap()
-        .sticky_event::<gst::event::CustomDownstreamSticky>(0)
-        .and_then(|e| StreamEvent::parse(&e));
+    let sticky =
+        h.sinkpad().unwrap().sticky_event::<gst::event::CustomDownstreamSticky>(0).and_then(|e| StreamEvent::parse(&e));
     assert_eq!(sticky, Some(stream_id));
     let stream = vlm_runtime::stream::lookup(stream_id).expect("live stream");
     let version = stream.wait_version(2, &AtomicBool::new(false)).unwrap();
-    assert_eq!(version.frames, 2);
+    assert_eq!(version.frames(), 2);
     // vlmencode learns the language model from vlmcontext.
     let mut q = ModelQuery::query();
     assert!(h.srcpad().unwrap().peer_query(&mut q));
@@ -202,10 +155,7 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
     init();
     let engine = Engine::start(
         std::path::Path::new(&model()),
-        EngineConfig {
-            context_per_sequence: 1024,
-            ..EngineConfig::default()
-        },
+        EngineConfig { context_per_sequence: 1024, ..EngineConfig::default() },
     )
     .unwrap();
     let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
@@ -214,6 +164,7 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
         retain: true,
         max_pending: 4,
         answer_reserve: 128,
+        history_policy: vlm_runtime::HistoryPolicy::Stop,
     };
     let stream = Stream::open(&engine, prompt, config).unwrap();
     let enc = encoder();
@@ -226,7 +177,7 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
     let never = AtomicBool::new(false);
     for i in 0..3u32 {
         let f = frame(&enc, i);
-        let number = stream.register(Arc::clone(&f), &never).unwrap();
+        let number = stream.register(Arc::clone(&f), &never).unwrap().number;
         let mut buf = picture(gst_video::VideoFormat::Rgb, i);
         {
             let b = buf.get_mut().unwrap();
@@ -241,11 +192,7 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
     }
     let answer = h.pull().expect("an answer buffer");
     let text = String::from_utf8(answer.map_readable().unwrap().to_vec()).unwrap();
-    assert_eq!(
-        answer.pts(),
-        Some(gst::ClockTime::from_seconds(1)),
-        "timestamp of the last frame of the bound version"
-    );
+    assert_eq!(answer.pts(), Some(gst::ClockTime::from_seconds(1)), "timestamp of the last frame of the bound version");
     let version = stream.wait_version(2, &never).unwrap();
     let q = vlm_runtime::Question {
         id: "ref".into(),
@@ -254,13 +201,9 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
         sampling: Default::default(),
         arrival: std::time::Instant::now(),
     };
-    let reference =
-        vlm_runtime::answer(&version, &q, &Arc::new(AtomicBool::new(false)), |_| {}).unwrap();
+    let reference = vlm_runtime::answer(&version, &q, &Arc::new(AtomicBool::new(false)), |_| {}).unwrap();
     assert!(!text.is_empty());
-    assert_eq!(
-        text, reference.text,
-        "the element's answer differs from the runtime's answer over the same version"
-    );
+    assert_eq!(text, reference.text, "the element's answer differs from the runtime's answer over the same version");
     assert!(h.push_event(gst::event::Eos::new()));
     // EOS follows the last answer.
     loop {
@@ -276,14 +219,7 @@ fn vlmquery_reports_a_malformed_question_without_failing() {
     init();
     let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
     h.play();
-    let bad = gst::event::CustomDownstream::new(
-        gst::Structure::builder("vlm-question")
-            .field("text", 3i32)
-            .build(),
-    );
-    assert!(
-        h.push_event(bad),
-        "a malformed question must not fail the pad"
-    );
+    let bad = gst::event::CustomDownstream::new(gst::Structure::builder("vlm-question").field("text", 3i32).build());
+    assert!(h.push_event(bad), "a malformed question must not fail the pad");
     assert!(h.push_event(QuestionEvent::event("   ", None, None)));
 }

@@ -9,30 +9,18 @@ use gst::prelude::*;
 use gst_vlm_elements::events::QuestionEvent;
 use gst_vlm_elements::meta::VlmFrameMeta;
 
-const FIELDS: [&str; 10] = [
-    "id", "question", "text", "stream", "engine", "path", "ttft-ms", "wait-ms", "tokens",
-    "total-ms",
-];
+const FIELDS: [&str; 10] =
+    ["id", "question", "text", "stream", "engine", "path", "ttft-ms", "wait-ms", "tokens", "total-ms"];
 
 fn check_answer(a: &gst::Structure) {
     for f in FIELDS.iter().chain(&["frames"]) {
         assert!(a.has_field(*f), "vlm-answer lacks {f}: {a}");
     }
-    let (wait, ttft, total) = (
-        a.get::<f64>("wait-ms").unwrap(),
-        a.get::<f64>("ttft-ms").unwrap(),
-        a.get::<f64>("total-ms").unwrap(),
-    );
-    assert!(
-        0.0 <= wait && wait <= ttft && ttft <= total,
-        "inconsistent timings: {a}"
-    );
+    let (wait, ttft, total) =
+        (a.get::<f64>("wait-ms").unwrap(), a.get::<f64>("ttft-ms").unwrap(), a.get::<f64>("total-ms").unwrap());
+    assert!(0.0 <= wait && wait <= ttft && ttft <= total, "inconsistent timings: {a}");
     // The model may end an answer at once (0 tokens); then its text is empty.
-    assert_eq!(
-        a.get::<u32>("tokens").unwrap() == 0,
-        a.get::<String>("text").unwrap().is_empty(),
-        "{a}"
-    );
+    assert_eq!(a.get::<u32>("tokens").unwrap() == 0, a.get::<String>("text").unwrap().is_empty(), "{a}");
 }
 
 #[test]
@@ -46,12 +34,7 @@ fn every_pipeline_runs_to_eos_with_answers_and_no_error() {
     assert!(!files.is_empty());
     for file in files {
         let run = run(&launch(&std::fs::read_to_string(&file).unwrap()));
-        assert!(
-            run.errors.is_empty(),
-            "{}: {:?}",
-            file.display(),
-            run.errors
-        );
+        assert!(run.errors.is_empty(), "{}: {:?}", file.display(), run.errors);
         assert!(!run.answers.is_empty(), "{}: no answer", file.display());
         run.answers.iter().for_each(check_answer);
     }
@@ -60,32 +43,17 @@ fn every_pipeline_runs_to_eos_with_answers_and_no_error() {
 #[test]
 fn timed_questions_bind_to_the_frames_before_their_time() {
     // Frames are encoded at 0, 1, 2, ... s; the questions come at 2.5, 5.5 and 9.5 s.
-    let run = run(&launch(
-        &std::fs::read_to_string(root().join("pipelines/demo.pipeline")).unwrap(),
-    ));
+    let run = run(&launch(&std::fs::read_to_string(root().join("pipelines/demo.pipeline")).unwrap()));
     assert!(run.errors.is_empty(), "{:?}", run.errors);
-    let frames: Vec<u64> = run
-        .answers
-        .iter()
-        .map(|a| a.get("frames").unwrap())
-        .collect();
+    let frames: Vec<u64> = run.answers.iter().map(|a| a.get("frames").unwrap()).collect();
     assert_eq!(frames, vec![3, 6, 10]);
     run.answers.iter().for_each(check_answer);
     assert!(
-        run.answers
-            .iter()
-            .all(|a| !a.get::<String>("text").unwrap().is_empty()),
+        run.answers.iter().all(|a| !a.get::<String>("text").unwrap().is_empty()),
         "the demo must print model text for every question"
     );
-    let questions: Vec<String> = run
-        .answers
-        .iter()
-        .map(|a| a.get("question").unwrap())
-        .collect();
-    assert_eq!(
-        questions[1], "Is the ball moving?",
-        "pango markup must be stripped"
-    );
+    let questions: Vec<String> = run.answers.iter().map(|a| a.get("question").unwrap()).collect();
+    assert_eq!(questions[1], "Is the ball moving?", "pango markup must be stripped");
 }
 
 const SOURCE: &str = "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
@@ -93,19 +61,13 @@ const SOURCE: &str = "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,wid
 
 #[test]
 fn a_question_event_binds_to_the_frames_before_it() {
-    let pipeline = launch(&format!(
-        "{SOURCE} ! vlmquery name=q max-tokens=6 ! fakesink sync=false"
-    ));
+    let pipeline = launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=6 ! fakesink sync=false"));
     let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
     let sink = bin.by_name("q").unwrap().static_pad("sink").unwrap();
     // Just before the buffer of frame 4 reaches vlmquery, a question event is sent ahead of it.
     let sent = Arc::new(Mutex::new(false));
     sink.add_probe(gst::PadProbeType::BUFFER, move |pad, info| {
-        let number = info
-            .buffer()
-            .and_then(|b| b.meta::<VlmFrameMeta>())
-            .and_then(|m| m.position())
-            .map(|p| p.1);
+        let number = info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).map(|p| p.1);
         let mut sent = sent.lock().unwrap();
         if number == Some(4) && !*sent {
             *sent = true;
@@ -120,51 +82,30 @@ fn a_question_event_binds_to_the_frames_before_it() {
     check_answer(a);
     assert_eq!(a.get::<String>("id").unwrap(), "ev");
     assert_eq!(a.get::<u64>("frames").unwrap(), 3);
-    assert!(
-        a.get::<u32>("tokens").unwrap() <= 5,
-        "the event's max-tokens applies"
-    );
+    assert!(a.get::<u32>("tokens").unwrap() <= 5, "the event's max-tokens applies");
 }
 
 #[test]
 fn ask_binds_to_the_newest_registered_frame() {
-    let pipeline = launch(&format!(
-        "{SOURCE} ! vlmquery name=q max-tokens=6 ! fakesink sync=false"
-    ));
+    let pipeline = launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=6 ! fakesink sync=false"));
     let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
     let q = bin.by_name("q").unwrap();
     let asked = Arc::new(Mutex::new(None));
     let (asked2, q2) = (Arc::clone(&asked), q.clone());
-    bin.by_name("ctx")
-        .unwrap()
-        .static_pad("src_0")
-        .unwrap()
-        .add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-            let number = info
-                .buffer()
-                .and_then(|b| b.meta::<VlmFrameMeta>())
-                .and_then(|m| m.position())
-                .map(|p| p.1);
-            let mut asked = asked2.lock().unwrap();
-            if number == Some(2) && asked.is_none() {
-                *asked = q2.emit_by_name::<Option<String>>("ask", &[&"Is anything moving?"]);
-            }
-            gst::PadProbeReturn::Ok
-        });
+    bin.by_name("ctx").unwrap().static_pad("src_0").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        let number = info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).map(|p| p.1);
+        let mut asked = asked2.lock().unwrap();
+        if number == Some(2) && asked.is_none() {
+            *asked = q2.emit_by_name::<Option<String>>("ask", &[&"Is anything moving?"]);
+        }
+        gst::PadProbeReturn::Ok
+    });
     let run = run(&pipeline);
     assert!(run.errors.is_empty(), "{:?}", run.errors);
     let id = asked.lock().unwrap().clone().expect("ask returned an id");
-    let a = run
-        .answers
-        .iter()
-        .find(|a| a.get::<String>("id").unwrap() == id)
-        .expect("an answer to the asked question");
+    let a = run.answers.iter().find(|a| a.get::<String>("id").unwrap() == id).expect("an answer to the asked question");
     check_answer(a);
-    assert_eq!(
-        a.get::<u64>("frames").unwrap(),
-        2,
-        "ask binds to the newest registered frame"
-    );
+    assert_eq!(a.get::<u64>("frames").unwrap(), 2, "ask binds to the newest registered frame");
 }
 
 #[test]
@@ -177,20 +118,12 @@ fn retain_false_gives_the_same_answers_by_replay() {
         assert!(run.errors.is_empty(), "{:?}", run.errors);
         run.answers
             .iter()
-            .map(|a| {
-                (
-                    a.get::<String>("text").unwrap(),
-                    a.get::<String>("path").unwrap(),
-                )
-            })
+            .map(|a| (a.get::<String>("text").unwrap(), a.get::<String>("path").unwrap()))
             .collect::<Vec<_>>()
     };
     let (retained, replayed) = (texts(true), texts(false));
     assert!(!retained.is_empty());
-    assert!(
-        retained.iter().all(|(_, p)| p == "resident")
-            && replayed.iter().all(|(_, p)| p == "replay")
-    );
+    assert!(retained.iter().all(|(_, p)| p == "resident") && replayed.iter().all(|(_, p)| p == "replay"));
     let strip = |v: Vec<(String, String)>| v.into_iter().map(|(t, _)| t).collect::<Vec<_>>();
     assert_eq!(strip(retained), strip(replayed));
 }
@@ -220,4 +153,35 @@ fn a_missing_or_wrong_mmproj_is_an_error_naming_the_file() {
         "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! fakesink",
     );
     assert!(e.contains("not a projector"), "{e}");
+}
+
+#[test]
+fn a_full_history_restarts_under_the_policy_and_says_so() {
+    let pipeline = launch(
+        "videotestsrc pattern=ball num-buffers=150 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf context-size=512 history-keep=2 \
+         ! vlmquery name=q max-tokens=4 ! fakesink sync=false filesrc location=pipelines/questions.srt ! subparse ! q.query",
+    );
+    let bus = pipeline.bus().unwrap();
+    let history = Arc::new(Mutex::new(vec![]));
+    let h = Arc::clone(&history);
+    bus.enable_sync_message_emission();
+    bus.connect_sync_message(None, move |_, msg| {
+        if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-history") {
+            h.lock().unwrap().push(s.to_owned());
+        }
+    });
+    let run = run(&pipeline);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let history = history.lock().unwrap();
+    assert!(!history.is_empty(), "20 frames of 36 tokens cannot fit 512 cells: the history must restart");
+    assert_eq!(ctx.property::<u64>("history-restarts"), history.len() as u64);
+    assert!(history.iter().all(|s| s.get::<u32>("kept").unwrap() == 2));
+    assert_eq!(ctx.property::<u64>("frames-dropped"), 0);
+    // Answers still bind to the frames before their time; their histories are short.
+    let frames: Vec<u64> = run.answers.iter().map(|a| a.get("frames").unwrap()).collect();
+    assert_eq!(frames.len(), 3);
+    assert!(frames.iter().all(|&f| (1..=6).contains(&f)), "{frames:?}");
 }

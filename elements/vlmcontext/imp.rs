@@ -7,22 +7,35 @@ use gst::prelude::*;
 use gst::subclass::prelude::*;
 use parking_lot::Mutex;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
-use vlm_runtime::{Engine, EngineConfig, Error, Stream, StreamConfig, models};
+use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, Stream, StreamConfig, models};
 
 use crate::events::{ModelQuery, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
 static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
-    gst::DebugCategory::new(
-        "vlmcontext",
-        gst::DebugColorFlags::empty(),
-        Some("gst-vlm versioned stream history"),
-    )
+    gst::DebugCategory::new("vlmcontext", gst::DebugColorFlags::empty(), Some("gst-vlm versioned stream history"))
 });
 
 const DEFAULT_CONTEXT_SIZE: u32 = 2048;
 const DEFAULT_MAX_STREAMS: u32 = 2;
 const DEFAULT_MAX_PENDING: u32 = 4;
+const DEFAULT_HISTORY_KEEP: u32 = 8;
+
+/// What happens when a stream's history would overflow its KV cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmHistoryPolicy")]
+pub enum HistoryPolicyKind {
+    #[enum_value(
+        name = "Restart from the newest history-keep frames, replayed from their embeddings",
+        nick = "restart"
+    )]
+    Restart,
+    #[enum_value(
+        name = "Stop: later frames pass without joining the history (counted in frames-dropped)",
+        nick = "stop"
+    )]
+    Stop,
+}
 /// Cells kept free after the history for a question and its answer.
 const ANSWER_RESERVE: i32 = 256;
 
@@ -34,6 +47,8 @@ struct Settings {
     context_size: u32,
     max_streams: u32,
     max_pending: u32,
+    history_policy: HistoryPolicyKind,
+    history_keep: u32,
     threads: u32,
 }
 
@@ -46,6 +61,8 @@ impl Default for Settings {
             context_size: DEFAULT_CONTEXT_SIZE,
             max_streams: DEFAULT_MAX_STREAMS,
             max_pending: DEFAULT_MAX_PENDING,
+            history_policy: HistoryPolicyKind::Restart,
+            history_keep: DEFAULT_HISTORY_KEEP,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
         }
     }
@@ -59,6 +76,7 @@ struct StreamPads {
     /// Set while flushing or stopping: unblocks a chain function waiting for backpressure.
     cancel: AtomicBool,
     dropped: Mutex<u64>,
+    restarts: Mutex<u64>,
 }
 
 #[derive(Default)]
@@ -76,11 +94,7 @@ pub struct VlmContext {
 
 impl VlmContext {
     fn pads_of(&self, pad: &gst::Pad) -> Option<Arc<StreamPads>> {
-        self.pads
-            .lock()
-            .iter()
-            .find(|p| &p.sink == pad || &p.src == pad)
-            .cloned()
+        self.pads.lock().iter().find(|p| &p.sink == pad || &p.src == pad).cloned()
     }
 
     /// The runtime stream of `pads`, opened on first use.
@@ -94,10 +108,7 @@ impl VlmContext {
             match (&st.engine, &st.prompt) {
                 (Some(e), Some(p)) => (Arc::clone(e), Arc::clone(p)),
                 _ => {
-                    return Err(gst::error_msg!(
-                        gst::CoreError::StateChange,
-                        ["vlmcontext is not started"]
-                    ));
+                    return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"]));
                 }
             }
         };
@@ -107,42 +118,32 @@ impl VlmContext {
             retain: settings.retain,
             max_pending: settings.max_pending as usize,
             answer_reserve: ANSWER_RESERVE,
+            history_policy: match settings.history_policy {
+                HistoryPolicyKind::Restart => HistoryPolicy::Restart { keep: settings.history_keep as usize },
+                HistoryPolicyKind::Stop => HistoryPolicy::Stop,
+            },
         };
-        let stream = Stream::open(&engine, prompt, config).map_err(|e| {
-            gst::error_msg!(gst::ResourceError::Failed, ["{}: {}", pads.sink.name(), e])
-        })?;
-        gst::info!(
-            CAT,
-            obj = pads.sink,
-            "opened stream {} on engine {}",
-            stream.id(),
-            engine.name()
-        );
+        let stream = Stream::open(&engine, prompt, config)
+            .map_err(|e| gst::error_msg!(gst::ResourceError::Failed, ["{}: {}", pads.sink.name(), e]))?;
+        gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
         *slot = Some(Arc::clone(&stream));
         Ok(stream)
     }
 
-    fn sink_chain(
-        &self,
-        pads: &StreamPads,
-        mut buffer: gst::Buffer,
-    ) -> Result<gst::FlowSuccess, gst::FlowError> {
-        let frame = buffer
-            .meta::<VlmFrameMeta>()
-            .and_then(|m| m.frame().cloned());
+    fn sink_chain(&self, pads: &StreamPads, mut buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let frame = buffer.meta::<VlmFrameMeta>().and_then(|m| m.frame().cloned());
         if let Some(frame) = frame {
             let stream = self.stream(pads).map_err(|e| {
                 self.post_error_message(e);
                 gst::FlowError::Error
             })?;
             match stream.register(frame, &pads.cancel) {
-                Ok(number) => {
-                    gst::trace!(
-                        CAT,
-                        obj = pads.sink,
-                        "registered frame {number} ({:?})",
-                        buffer.pts()
-                    );
+                Ok(registration) => {
+                    let number = registration.number;
+                    gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
+                    if let Some((kept, dropped)) = registration.restart {
+                        self.history_restarted(pads, &stream, number, kept, dropped);
+                    }
                     let buf = buffer.make_mut();
                     if let Some(mut m) = buf.meta_mut::<VlmFrameMeta>() {
                         m.set_position(stream.id(), number);
@@ -177,6 +178,25 @@ impl VlmContext {
         pads.src.push(buffer)
     }
 
+    /// The history policy restarted a stream's history: count it and tell the application.
+    fn history_restarted(&self, pads: &StreamPads, stream: &Stream, frame: u64, kept: usize, dropped: usize) {
+        *pads.restarts.lock() += 1;
+        gst::info!(
+            CAT,
+            obj = pads.sink,
+            "history full at frame {frame}: restarted from the newest {kept} frames ({dropped} dropped)"
+        );
+        let s = gst::Structure::builder("vlm-history")
+            .field("stream", stream.name())
+            .field("policy", "restart")
+            .field("frame", frame)
+            .field("kept", kept as u32)
+            .field("dropped", dropped as u32)
+            .field("restarts", stream.restarts())
+            .build();
+        let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
+    }
+
     fn sink_event(&self, pads: &StreamPads, event: gst::Event) -> bool {
         match event.view() {
             gst::EventView::FlushStart(_) => pads.cancel.store(true, Ordering::Release),
@@ -184,12 +204,7 @@ impl VlmContext {
             gst::EventView::StreamStart(_) => {
                 let forwarded = pads.src.push_event(event);
                 return match self.stream(pads) {
-                    Ok(stream) => {
-                        forwarded
-                            && pads
-                                .src
-                                .push_event(StreamEvent::event(stream.id(), stream.name()))
-                    }
+                    Ok(stream) => forwarded && pads.src.push_event(StreamEvent::event(stream.id(), stream.name())),
                     Err(e) => {
                         self.post_error_message(e);
                         false
@@ -235,10 +250,7 @@ impl VlmContext {
             models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu),
             engine.n_ctx_per_seq()
         );
-        *self.state.lock() = State {
-            engine: Some(engine),
-            prompt: Some(Arc::new(prompt)),
-        };
+        *self.state.lock() = State { engine: Some(engine), prompt: Some(Arc::new(prompt)) };
         Ok(())
     }
 
@@ -303,6 +315,23 @@ impl ObjectImpl for VlmContext {
                     .default_value(DEFAULT_MAX_PENDING)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecEnum::builder_with_default("history-policy", HistoryPolicyKind::Restart)
+                    .nick("History policy")
+                    .blurb("What happens when a stream's history would overflow context-size")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("history-keep")
+                    .nick("History keep")
+                    .blurb("Newest frames kept when history-policy=restart starts the history again")
+                    .maximum(4096)
+                    .default_value(DEFAULT_HISTORY_KEEP)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt64::builder("history-restarts")
+                    .nick("History restarts")
+                    .blurb("Times a stream's history was restarted by history-policy")
+                    .read_only()
+                    .build(),
                 glib::ParamSpecUInt::builder("threads")
                     .nick("Threads")
                     .blurb("CPU threads of the language engine")
@@ -331,12 +360,12 @@ impl ObjectImpl for VlmContext {
         match pspec.name() {
             "model" => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "retain" => s.retain = value.get().unwrap(),
-            "system-prompt" => {
-                s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default()
-            }
+            "system-prompt" => s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "context-size" => s.context_size = value.get().unwrap(),
             "max-streams" => s.max_streams = value.get().unwrap(),
             "max-pending" => s.max_pending = value.get().unwrap(),
+            "history-policy" => s.history_policy = value.get().unwrap(),
+            "history-keep" => s.history_keep = value.get().unwrap(),
             "threads" => s.threads = value.get().unwrap(),
             _ => unreachable!(),
         }
@@ -351,18 +380,14 @@ impl ObjectImpl for VlmContext {
             "context-size" => s.context_size.to_value(),
             "max-streams" => s.max_streams.to_value(),
             "max-pending" => s.max_pending.to_value(),
+            "history-policy" => s.history_policy.to_value(),
+            "history-keep" => s.history_keep.to_value(),
+            "history-restarts" => self.pads.lock().iter().map(|p| *p.restarts.lock()).sum::<u64>().to_value(),
             "threads" => s.threads.to_value(),
             "model-owners" => {
-                (models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu) as u32)
-                    .to_value()
+                (models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu) as u32).to_value()
             }
-            "frames-dropped" => self
-                .pads
-                .lock()
-                .iter()
-                .map(|p| *p.dropped.lock())
-                .sum::<u64>()
-                .to_value(),
+            "frames-dropped" => self.pads.lock().iter().map(|p| *p.dropped.lock()).sum::<u64>().to_value(),
             _ => unreachable!(),
         }
     }
@@ -387,20 +412,8 @@ impl ElementImpl for VlmContext {
         static TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
             let caps = gst::Caps::builder("video/x-raw").any_features().build();
             vec![
-                gst::PadTemplate::new(
-                    "sink_%u",
-                    gst::PadDirection::Sink,
-                    gst::PadPresence::Request,
-                    &caps,
-                )
-                .unwrap(),
-                gst::PadTemplate::new(
-                    "src_%u",
-                    gst::PadDirection::Src,
-                    gst::PadPresence::Sometimes,
-                    &caps,
-                )
-                .unwrap(),
+                gst::PadTemplate::new("sink_%u", gst::PadDirection::Sink, gst::PadPresence::Request, &caps).unwrap(),
+                gst::PadTemplate::new("src_%u", gst::PadDirection::Src, gst::PadPresence::Sometimes, &caps).unwrap(),
             ]
         });
         TEMPLATES.as_ref()
@@ -417,10 +430,7 @@ impl ElementImpl for VlmContext {
             Some(i) => i.parse::<u32>().ok()?,
             None => (0..).find(|i| !pads.iter().any(|p| p.sink.name() == format!("sink_{i}")))?,
         };
-        if pads
-            .iter()
-            .any(|p| p.sink.name() == format!("sink_{index}"))
-        {
+        if pads.iter().any(|p| p.sink.name() == format!("sink_{index}")) {
             return None;
         }
         let sink = gst::Pad::builder_from_template(templ)
@@ -439,20 +449,14 @@ impl ElementImpl for VlmContext {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| {
-                        imp.pads_of(pad.upcast_ref())
-                            .is_some_and(|p| imp.sink_event(&p, event))
-                    },
+                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| imp.sink_event(&p, event)),
                 )
             })
             .query_function(|pad, parent, query| {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| {
-                        imp.pads_of(pad.upcast_ref())
-                            .is_some_and(|p| imp.sink_query(&p, query))
-                    },
+                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| imp.sink_query(&p, query)),
                 )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
@@ -464,20 +468,14 @@ impl ElementImpl for VlmContext {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| {
-                        imp.pads_of(pad.upcast_ref())
-                            .is_some_and(|p| p.sink.peer_query(query))
-                    },
+                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.peer_query(query)),
                 )
             })
             .event_function(|pad, parent, event| {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| {
-                        imp.pads_of(pad.upcast_ref())
-                            .is_some_and(|p| p.sink.push_event(event))
-                    },
+                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.push_event(event)),
                 )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
@@ -488,6 +486,7 @@ impl ElementImpl for VlmContext {
             stream: Mutex::new(None),
             cancel: AtomicBool::new(false),
             dropped: Mutex::new(0),
+            restarts: Mutex::new(0),
         });
         pads.push(entry);
         drop(pads);
@@ -515,10 +514,7 @@ impl ElementImpl for VlmContext {
         let _ = self.obj().remove_pad(&entry.sink);
     }
 
-    fn change_state(
-        &self,
-        transition: gst::StateChange,
-    ) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
+    fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
         match transition {
             gst::StateChange::ReadyToPaused => {
                 if let Err(e) = self.start() {

@@ -23,10 +23,5 @@ glib::wrapper! {
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
-    gst::Element::register(
-        Some(plugin),
-        "vlmcontext",
-        gst::Rank::NONE,
-        VlmContext::static_type(),
-    )
+    gst::Element::register(Some(plugin), "vlmcontext", gst::Rank::NONE, VlmContext::static_type())
 }

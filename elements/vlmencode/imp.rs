@@ -16,11 +16,7 @@ use crate::events::ModelQuery;
 use crate::meta::VlmFrameMeta;
 
 static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
-    gst::DebugCategory::new(
-        "vlmencode",
-        gst::DebugColorFlags::empty(),
-        Some("gst-vlm vision encoder"),
-    )
+    gst::DebugCategory::new("vlmencode", gst::DebugColorFlags::empty(), Some("gst-vlm vision encoder"))
 });
 
 const DEFAULT_INTERVAL: u64 = 1_000_000_000;
@@ -100,20 +96,9 @@ impl VlmEncode {
         };
         let fail = |e: vlm_runtime::Error| gst::error_msg!(gst::ResourceError::OpenRead, ["{}", e]);
         let model = models::model(&PathBuf::from(&model_path), &Device::Cpu).map_err(fail)?;
-        let projector = models::projector(
-            &PathBuf::from(&settings.mmproj),
-            &model,
-            false,
-            settings.threads as i32,
-        )
-        .map_err(fail)?;
-        gst::info!(
-            CAT,
-            imp = self,
-            "projector {} loaded for {}",
-            settings.mmproj,
-            model_path
-        );
+        let projector = models::projector(&PathBuf::from(&settings.mmproj), &model, false, settings.threads as i32)
+            .map_err(fail)?;
+        gst::info!(CAT, imp = self, "projector {} loaded for {}", settings.mmproj, model_path);
         let encoder: Arc<dyn VisionEncoder> = Arc::new(MtmdEncoder::new(projector));
         self.state.lock().encoder = Some(Arc::clone(&encoder));
         Ok(encoder)
@@ -202,12 +187,7 @@ impl ObjectImpl for VlmEncode {
             "frames-encoded" => self.stats.lock().encoded.to_value(),
             "mean-encode-ms" => {
                 let st = self.stats.lock();
-                (if st.encoded == 0 {
-                    0.0
-                } else {
-                    st.encode_ms_total / st.encoded as f64
-                })
-                .to_value()
+                (if st.encoded == 0 { 0.0 } else { st.encode_ms_total / st.encoded as f64 }).to_value()
             }
             _ => unreachable!(),
         }
@@ -231,24 +211,10 @@ impl ElementImpl for VlmEncode {
 
     fn pad_templates() -> &'static [gst::PadTemplate] {
         static TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
-            let caps = gst_video::VideoCapsBuilder::new()
-                .format_list(FORMATS.iter().map(|(f, _)| *f))
-                .build();
+            let caps = gst_video::VideoCapsBuilder::new().format_list(FORMATS.iter().map(|(f, _)| *f)).build();
             vec![
-                gst::PadTemplate::new(
-                    "src",
-                    gst::PadDirection::Src,
-                    gst::PadPresence::Always,
-                    &caps,
-                )
-                .unwrap(),
-                gst::PadTemplate::new(
-                    "sink",
-                    gst::PadDirection::Sink,
-                    gst::PadPresence::Always,
-                    &caps,
-                )
-                .unwrap(),
+                gst::PadTemplate::new("src", gst::PadDirection::Src, gst::PadPresence::Always, &caps).unwrap(),
+                gst::PadTemplate::new("sink", gst::PadDirection::Sink, gst::PadPresence::Always, &caps).unwrap(),
             ]
         });
         TEMPLATES.as_ref()
@@ -256,8 +222,7 @@ impl ElementImpl for VlmEncode {
 }
 
 impl BaseTransformImpl for VlmEncode {
-    const MODE: gst_base::subclass::BaseTransformMode =
-        gst_base::subclass::BaseTransformMode::AlwaysInPlace;
+    const MODE: gst_base::subclass::BaseTransformMode = gst_base::subclass::BaseTransformMode::AlwaysInPlace;
     const PASSTHROUGH_ON_SAME_CAPS: bool = false;
     const TRANSFORM_IP_ON_PASSTHROUGH: bool = false;
 
@@ -279,12 +244,7 @@ impl BaseTransformImpl for VlmEncode {
         let info = gst_video::VideoInfo::from_caps(incaps)
             .map_err(|_| gst::loggable_error!(CAT, "invalid video caps {incaps}"))?;
         if info.width() == 0 || info.height() == 0 {
-            return Err(gst::loggable_error!(
-                CAT,
-                "zero-size video {}x{}",
-                info.width(),
-                info.height()
-            ));
+            return Err(gst::loggable_error!(CAT, "zero-size video {}x{}", info.width(), info.height()));
         }
         self.state.lock().info = Some(info);
         Ok(())
@@ -294,8 +254,7 @@ impl BaseTransformImpl for VlmEncode {
         self.stats.lock().seen += 1;
         let segment_time = buf.pts().and_then(|pts| {
             let seg = self.obj().segment();
-            seg.downcast_ref::<gst::ClockTime>()
-                .and_then(|s| s.to_running_time(pts))
+            seg.downcast_ref::<gst::ClockTime>().and_then(|s| s.to_running_time(pts))
         });
         if !self.due(segment_time) {
             gst::trace!(CAT, imp = self, "frame {:?} not due", buf.pts());
@@ -305,28 +264,15 @@ impl BaseTransformImpl for VlmEncode {
             self.post_error_message(e);
             gst::FlowError::Error
         })?;
-        let info = self
-            .state
-            .lock()
-            .info
-            .clone()
-            .ok_or(gst::FlowError::NotNegotiated)?;
-        let layout = FORMATS
-            .iter()
-            .find(|(f, _)| *f == info.format())
-            .map(|(_, l)| *l)
-            .ok_or(gst::FlowError::NotNegotiated)?;
+        let info = self.state.lock().info.clone().ok_or(gst::FlowError::NotNegotiated)?;
+        let layout =
+            FORMATS.iter().find(|(f, _)| *f == info.format()).map(|(_, l)| *l).ok_or(gst::FlowError::NotNegotiated)?;
         let started = Instant::now();
         let frame = {
-            let vframe =
-                gst_video::VideoFrameRef::from_buffer_ref_readable(&*buf, &info).map_err(|_| {
-                    gst::element_imp_error!(
-                        self,
-                        gst::StreamError::Format,
-                        ["cannot map video frame"]
-                    );
-                    gst::FlowError::Error
-                })?;
+            let vframe = gst_video::VideoFrameRef::from_buffer_ref_readable(&*buf, &info).map_err(|_| {
+                gst::element_imp_error!(self, gst::StreamError::Format, ["cannot map video frame"]);
+                gst::FlowError::Error
+            })?;
             let picture = Picture {
                 data: vframe.plane_data(0).map_err(|_| gst::FlowError::Error)?,
                 width: info.width(),
@@ -335,22 +281,12 @@ impl BaseTransformImpl for VlmEncode {
                 layout,
             };
             encoder.encode(&picture).map_err(|e| {
-                gst::element_imp_error!(
-                    self,
-                    gst::StreamError::Decode,
-                    ["vision encoding failed: {}", e]
-                );
+                gst::element_imp_error!(self, gst::StreamError::Decode, ["vision encoding failed: {}", e]);
                 gst::FlowError::Error
             })?
         };
         let ms = started.elapsed().as_secs_f64() * 1e3;
-        gst::debug!(
-            CAT,
-            imp = self,
-            "encoded frame {:?} in {:.1} ms",
-            buf.pts(),
-            ms
-        );
+        gst::debug!(CAT, imp = self, "encoded frame {:?} in {:.1} ms", buf.pts(), ms);
         VlmFrameMeta::add(buf, Arc::new(frame));
         {
             let mut st = self.stats.lock();

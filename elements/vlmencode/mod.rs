@@ -21,10 +21,5 @@ glib::wrapper! {
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
-    gst::Element::register(
-        Some(plugin),
-        "vlmencode",
-        gst::Rank::NONE,
-        VlmEncode::static_type(),
-    )
+    gst::Element::register(Some(plugin), "vlmencode", gst::Rank::NONE, VlmEncode::static_type())
 }

@@ -13,11 +13,7 @@ use crate::events::{QuestionEvent, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
 static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
-    gst::DebugCategory::new(
-        "vlmquery",
-        gst::DebugColorFlags::empty(),
-        Some("gst-vlm question answering"),
-    )
+    gst::DebugCategory::new("vlmquery", gst::DebugColorFlags::empty(), Some("gst-vlm question answering"))
 });
 
 const DEFAULT_MAX_TOKENS: u32 = 64;
@@ -71,9 +67,7 @@ struct Video {
 
 impl Video {
     fn newest(&self) -> (u64, Option<gst::ClockTime>) {
-        self.frames
-            .back()
-            .map_or((0, None), |&(_, pts, n)| (n, pts))
+        self.frames.back().map_or((0, None), |&(_, pts, n)| (n, pts))
     }
 
     /// The newest frame at or before running time `t`.
@@ -123,21 +117,11 @@ fn strip_markup(s: &str) -> String {
             _ => (),
         }
     }
-    out.replace("&lt;", "<")
-        .replace("&gt;", ">")
-        .replace("&quot;", "\"")
-        .replace("&apos;", "'")
-        .replace("&amp;", "&")
+    out.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&apos;", "'").replace("&amp;", "&")
 }
 
 impl VlmQuery {
-    fn question(
-        &self,
-        text: &str,
-        id: Option<String>,
-        max_tokens: Option<u32>,
-        shared: &mut Shared,
-    ) -> Question {
+    fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>, shared: &mut Shared) -> Question {
         let settings = self.settings.lock();
         shared.next_id += 1;
         Question {
@@ -150,11 +134,7 @@ impl VlmQuery {
     }
 
     /// Queue a bound question; blocks while `max-questions` are already waiting (backpressure).
-    fn enqueue(
-        &self,
-        shared: &mut parking_lot::MutexGuard<'_, Shared>,
-        job: Job,
-    ) -> Result<(), gst::FlowError> {
+    fn enqueue(&self, shared: &mut parking_lot::MutexGuard<'_, Shared>, job: Job) -> Result<(), gst::FlowError> {
         let max = self.settings.lock().max_questions as usize;
         while shared.queue.len() >= max && !shared.flushing {
             self.changed.wait(shared);
@@ -186,20 +166,9 @@ impl VlmQuery {
 
     fn sink_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
         let mut shared = self.shared.lock();
-        let rt = buffer.pts().and_then(|pts| {
-            shared
-                .video
-                .segment
-                .as_ref()
-                .and_then(|s| s.to_running_time(pts))
-        });
+        let rt = buffer.pts().and_then(|pts| shared.video.segment.as_ref().and_then(|s| s.to_running_time(pts)));
         if let Some((stream, number)) = buffer.meta::<VlmFrameMeta>().and_then(|m| m.position()) {
-            if shared
-                .video
-                .stream
-                .as_ref()
-                .is_none_or(|s| s.id() != stream)
-            {
+            if shared.video.stream.as_ref().is_none_or(|s| s.id() != stream) {
                 shared.video.stream = vlm_runtime::stream::lookup(stream);
             }
             if shared.video.frames.len() == FRAME_HISTORY {
@@ -223,24 +192,10 @@ impl VlmQuery {
                     let question = self.question(&q.text, q.id, q.max_tokens, &mut shared);
                     let (frames, pts) = shared.video.newest();
                     let stream = shared.video.stream.clone();
-                    return self
-                        .enqueue(
-                            &mut shared,
-                            Job {
-                                question,
-                                stream,
-                                frames,
-                                pts,
-                            },
-                        )
-                        .is_ok();
+                    return self.enqueue(&mut shared, Job { question, stream, frames, pts }).is_ok();
                 }
                 Err(reason) => {
-                    gst::element_imp_warning!(
-                        self,
-                        gst::StreamError::Format,
-                        ["malformed question: {}", reason]
-                    );
+                    gst::element_imp_warning!(self, gst::StreamError::Format, ["malformed question: {}", reason]);
                     return true;
                 }
             }
@@ -251,8 +206,7 @@ impl VlmQuery {
         }
         match event.view() {
             EventView::Segment(s) => {
-                self.shared.lock().video.segment =
-                    s.segment().downcast_ref::<gst::ClockTime>().cloned();
+                self.shared.lock().video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
                 true
             }
             EventView::Eos(_) => {
@@ -270,10 +224,7 @@ impl VlmQuery {
                 self.flush_stop();
                 self.srcpad.push_event(event)
             }
-            EventView::Caps(_)
-            | EventView::StreamStart(_)
-            | EventView::Tag(_)
-            | EventView::Gap(_) => true,
+            EventView::Caps(_) | EventView::StreamStart(_) | EventView::Tag(_) | EventView::Gap(_) => true,
             _ => gst::Pad::event_default(&self.sinkpad, Some(&*self.obj()), event),
         }
     }
@@ -281,38 +232,22 @@ impl VlmQuery {
     fn query_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
         let map = buffer.map_readable().map_err(|_| gst::FlowError::Error)?;
         let Ok(raw) = std::str::from_utf8(&map) else {
-            gst::element_imp_warning!(
-                self,
-                gst::StreamError::Format,
-                ["question buffer is not UTF-8; ignored"]
-            );
+            gst::element_imp_warning!(self, gst::StreamError::Format, ["question buffer is not UTF-8; ignored"]);
             return Ok(gst::FlowSuccess::Ok);
         };
         let mut shared = self.shared.lock();
-        let text = if shared.query_markup {
-            strip_markup(raw)
-        } else {
-            raw.to_owned()
-        };
+        let text = if shared.query_markup { strip_markup(raw) } else { raw.to_owned() };
         let text = text.trim().to_owned();
         drop(map);
         if text.is_empty() {
             return Ok(gst::FlowSuccess::Ok);
         }
         let question = self.question(&text, None, None, &mut shared);
-        let t = buffer.pts().and_then(|pts| {
-            shared
-                .query_segment
-                .as_ref()
-                .and_then(|s| s.to_running_time(pts))
-        });
+        let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
         let (frames, pts) = match t {
             Some(t) => {
                 // Wait for the video to pass the question's time, so every frame up to it is known.
-                while !shared.flushing
-                    && !shared.video.eos
-                    && shared.video.running_time.is_none_or(|rt| rt <= t)
-                {
+                while !shared.flushing && !shared.video.eos && shared.video.running_time.is_none_or(|rt| rt <= t) {
                     self.changed.wait(&mut shared);
                 }
                 if shared.flushing {
@@ -323,15 +258,7 @@ impl VlmQuery {
             None => shared.video.newest(),
         };
         let stream = shared.video.stream.clone();
-        self.enqueue(
-            &mut shared,
-            Job {
-                question,
-                stream,
-                frames,
-                pts,
-            },
-        )?;
+        self.enqueue(&mut shared, Job { question, stream, frames, pts })?;
         Ok(gst::FlowSuccess::Ok)
     }
 
@@ -340,15 +267,10 @@ impl VlmQuery {
         let mut shared = self.shared.lock();
         match event.view() {
             EventView::Caps(c) => {
-                shared.query_markup = c
-                    .caps()
-                    .structure(0)
-                    .and_then(|s| s.get::<&str>("format").ok())
-                    == Some("pango-markup");
+                shared.query_markup =
+                    c.caps().structure(0).and_then(|s| s.get::<&str>("format").ok()) == Some("pango-markup");
             }
-            EventView::Segment(s) => {
-                shared.query_segment = s.segment().downcast_ref::<gst::ClockTime>().cloned()
-            }
+            EventView::Segment(s) => shared.query_segment = s.segment().downcast_ref::<gst::ClockTime>().cloned(),
             EventView::Eos(_) => {
                 shared.query_eos = true;
                 self.maybe_finish(&mut shared);
@@ -366,11 +288,7 @@ impl VlmQuery {
     /// The `ask` action signal: bind to the newest registered frame.
     fn ask(&self, text: &str) -> Option<String> {
         if text.trim().is_empty() {
-            gst::element_imp_warning!(
-                self,
-                gst::LibraryError::Settings,
-                ["ask: empty question ignored"]
-            );
+            gst::element_imp_warning!(self, gst::LibraryError::Settings, ["ask: empty question ignored"]);
             return None;
         }
         let mut shared = self.shared.lock();
@@ -378,23 +296,8 @@ impl VlmQuery {
         let id = question.id.clone();
         let stream = shared.video.stream.clone();
         let frames = stream.as_ref().map_or(0, |s| s.registered());
-        let pts = shared
-            .video
-            .frames
-            .iter()
-            .rev()
-            .find(|f| f.2 <= frames)
-            .and_then(|f| f.1);
-        self.enqueue(
-            &mut shared,
-            Job {
-                question,
-                stream,
-                frames,
-                pts,
-            },
-        )
-        .ok()?;
+        let pts = shared.video.frames.iter().rev().find(|f| f.2 <= frames).and_then(|f| f.1);
+        self.enqueue(&mut shared, Job { question, stream, frames, pts }).ok()?;
         Some(id)
     }
 
@@ -411,14 +314,7 @@ impl VlmQuery {
     fn flush_stop(&self) {
         let mut shared = self.shared.lock();
         let stream = shared.video.stream.take();
-        *shared = Shared {
-            video: Video {
-                stream,
-                ..Video::default()
-            },
-            next_id: shared.next_id,
-            ..Shared::default()
-        };
+        *shared = Shared { video: Video { stream, ..Video::default() }, next_id: shared.next_id, ..Shared::default() };
         drop(shared);
         self.start_task();
     }
@@ -466,13 +362,9 @@ impl VlmQuery {
             shared.video.segment.clone().unwrap_or_default()
         };
         let stream_id = format!("{}/answers", self.obj().name());
+        self.srcpad.push_event(gst::event::StreamStart::new(&stream_id));
         self.srcpad
-            .push_event(gst::event::StreamStart::new(&stream_id));
-        self.srcpad.push_event(gst::event::Caps::new(
-            &gst::Caps::builder("text/x-raw")
-                .field("format", "utf8")
-                .build(),
-        ));
+            .push_event(gst::event::Caps::new(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
         self.srcpad.push_event(gst::event::Segment::new(&segment));
     }
 
@@ -480,11 +372,7 @@ impl VlmQuery {
         let cancel = Arc::new(AtomicBool::new(false));
         self.shared.lock().current = Some(Arc::clone(&cancel));
         let q = &job.question;
-        let Some(stream) = job
-            .stream
-            .clone()
-            .or_else(|| self.shared.lock().video.stream.clone())
-        else {
+        let Some(stream) = job.stream.clone().or_else(|| self.shared.lock().video.stream.clone()) else {
             gst::element_imp_warning!(
                 self,
                 gst::StreamError::Failed,
@@ -515,11 +403,9 @@ impl VlmQuery {
             Ok(_) | Err(vlm_runtime::Error::Cancelled) => {
                 gst::debug!(CAT, imp = self, "question {} cancelled", q.id)
             }
-            Err(e) => gst::element_imp_warning!(
-                self,
-                gst::StreamError::Failed,
-                ["question {} not answered: {}", q.id, e]
-            ),
+            Err(e) => {
+                gst::element_imp_warning!(self, gst::StreamError::Failed, ["question {} not answered: {}", q.id, e])
+            }
         }
     }
 
@@ -544,6 +430,7 @@ impl VlmQuery {
             .field("text", &r.text)
             .field("stream", stream.name())
             .field("frames", r.frames)
+            .field("frame", r.frame)
             .field("engine", &r.engine)
             .field("path", r.path.name())
             .field("ttft-ms", r.ttft_ms)
@@ -554,11 +441,7 @@ impl VlmQuery {
             .field("total-ms", r.total_ms)
             .field("pts", job.pts)
             .build();
-        let _ = self.obj().post_message(
-            gst::message::Element::builder(msg)
-                .src(&*self.obj())
-                .build(),
-        );
+        let _ = self.obj().post_message(gst::message::Element::builder(msg).src(&*self.obj()).build());
         *self.answered.lock() += 1;
         let mut buffer = gst::Buffer::from_mut_slice(r.text.into_bytes());
         buffer.get_mut().unwrap().set_pts(job.pts);
@@ -583,11 +466,7 @@ impl ObjectSubclass for VlmQuery {
     fn with_class(klass: &Self::Class) -> Self {
         let sinkpad = gst::Pad::builder_from_template(&klass.pad_template("sink").unwrap())
             .chain_function(|_, parent, buffer| {
-                VlmQuery::catch_panic_pad_function(
-                    parent,
-                    || Err(gst::FlowError::Error),
-                    |imp| imp.sink_chain(buffer),
-                )
+                VlmQuery::catch_panic_pad_function(parent, || Err(gst::FlowError::Error), |imp| imp.sink_chain(buffer))
             })
             .event_function(|_, parent, event| {
                 VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sink_event(event))
@@ -595,11 +474,7 @@ impl ObjectSubclass for VlmQuery {
             .build();
         let querypad = gst::Pad::builder_from_template(&klass.pad_template("query").unwrap())
             .chain_function(|_, parent, buffer| {
-                VlmQuery::catch_panic_pad_function(
-                    parent,
-                    || Err(gst::FlowError::Error),
-                    |imp| imp.query_chain(buffer),
-                )
+                VlmQuery::catch_panic_pad_function(parent, || Err(gst::FlowError::Error), |imp| imp.query_chain(buffer))
             })
             .event_function(|_, parent, event| {
                 VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.query_event(event))
@@ -661,7 +536,12 @@ impl ObjectImpl for VlmQuery {
                     .default_value(d.temperature)
                     .mutable_playing()
                     .build(),
-                glib::ParamSpecUInt::builder("seed").nick("Seed").blurb("Seed of the sampler (temp > 0)").default_value(d.seed).mutable_playing().build(),
+                glib::ParamSpecUInt::builder("seed")
+                    .nick("Seed")
+                    .blurb("Seed of the sampler (temp > 0)")
+                    .default_value(d.seed)
+                    .mutable_playing()
+                    .build(),
                 glib::ParamSpecInt::builder("top-k")
                     .nick("Top K")
                     .blurb("Keep the K most likely tokens (temp > 0; 0 = all)")
@@ -685,7 +565,11 @@ impl ObjectImpl for VlmQuery {
                     .default_value(d.min_p)
                     .mutable_playing()
                     .build(),
-                glib::ParamSpecUInt64::builder("answers").nick("Answers").blurb("Answers pushed so far").read_only().build(),
+                glib::ParamSpecUInt64::builder("answers")
+                    .nick("Answers")
+                    .blurb("Answers pushed so far")
+                    .read_only()
+                    .build(),
             ]
         });
         PROPS.as_ref()
@@ -696,11 +580,7 @@ impl ObjectImpl for VlmQuery {
         match pspec.name() {
             "placement" => {
                 let p = value.get::<Option<String>>().unwrap().unwrap_or_default();
-                if p.is_empty()
-                    || !p
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-                {
+                if p.is_empty() || !p.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
                     gst::error!(
                         CAT,
                         imp = self,
@@ -781,43 +661,19 @@ impl ElementImpl for VlmQuery {
     fn pad_templates() -> &'static [gst::PadTemplate] {
         static TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
             let video = gst::Caps::builder("video/x-raw").any_features().build();
-            let questions = gst::Caps::builder("text/x-raw")
-                .field("format", gst::List::new(["utf8", "pango-markup"]))
-                .build();
-            let text = gst::Caps::builder("text/x-raw")
-                .field("format", "utf8")
-                .build();
+            let questions =
+                gst::Caps::builder("text/x-raw").field("format", gst::List::new(["utf8", "pango-markup"])).build();
+            let text = gst::Caps::builder("text/x-raw").field("format", "utf8").build();
             vec![
-                gst::PadTemplate::new(
-                    "sink",
-                    gst::PadDirection::Sink,
-                    gst::PadPresence::Always,
-                    &video,
-                )
-                .unwrap(),
-                gst::PadTemplate::new(
-                    "query",
-                    gst::PadDirection::Sink,
-                    gst::PadPresence::Always,
-                    &questions,
-                )
-                .unwrap(),
-                gst::PadTemplate::new(
-                    "src",
-                    gst::PadDirection::Src,
-                    gst::PadPresence::Always,
-                    &text,
-                )
-                .unwrap(),
+                gst::PadTemplate::new("sink", gst::PadDirection::Sink, gst::PadPresence::Always, &video).unwrap(),
+                gst::PadTemplate::new("query", gst::PadDirection::Sink, gst::PadPresence::Always, &questions).unwrap(),
+                gst::PadTemplate::new("src", gst::PadDirection::Src, gst::PadPresence::Always, &text).unwrap(),
             ]
         });
         TEMPLATES.as_ref()
     }
 
-    fn change_state(
-        &self,
-        transition: gst::StateChange,
-    ) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
+    fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
         if transition == gst::StateChange::PausedToReady {
             self.stop();
         }
@@ -836,9 +692,6 @@ mod tests {
 
     #[test]
     fn markup_is_stripped() {
-        assert_eq!(
-            strip_markup("<i>Where is</i> the <b>ball</b> &amp; box?"),
-            "Where is the ball & box?"
-        );
+        assert_eq!(strip_markup("<i>Where is</i> the <b>ball</b> &amp; box?"), "Where is the ball & box?");
     }
 }

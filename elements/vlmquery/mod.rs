@@ -28,10 +28,5 @@ glib::wrapper! {
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
-    gst::Element::register(
-        Some(plugin),
-        "vlmquery",
-        gst::Rank::NONE,
-        VlmQuery::static_type(),
-    )
+    gst::Element::register(Some(plugin), "vlmquery", gst::Rank::NONE, VlmQuery::static_type())
 }

@@ -14,8 +14,8 @@ use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 
 use crate::engine::Worker;
 use crate::error::{Error, Result};
-use crate::llama::{Segment, Token};
-use crate::stream::{Frame, Version};
+use crate::llama::Token;
+use crate::stream::{Version, prefill_history};
 use crate::text::Utf8Stream;
 
 /// Token sampling; greedy (temperature 0) by default so answers reproduce.
@@ -30,13 +30,7 @@ pub struct Sampling {
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling {
-            temperature: 0.0,
-            top_k: 40,
-            top_p: 0.95,
-            min_p: 0.05,
-            seed: 0,
-        }
+        Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, seed: 0 }
     }
 }
 
@@ -106,6 +100,8 @@ pub struct AnswerReport {
     pub path: PreparePath,
     /// History length (frames) of the bound version.
     pub frames: u64,
+    /// Number of the newest frame of the bound version.
+    pub frame: u64,
     /// Waiting for the bound version to be published.
     pub wait_ms: f64,
     /// Waiting in the engine's queue.
@@ -117,21 +113,6 @@ pub struct AnswerReport {
     /// Arrival to last token.
     pub total_ms: f64,
     pub cancelled: bool,
-}
-
-/// Prefill one frame's segments into `seq` at `start`; returns the next free position.
-pub(crate) fn prefill_frame(w: &mut Worker, frame: &Frame, start: i32, seq: i32) -> Result<i32> {
-    let mut pos = start;
-    for segment in &frame.segments {
-        pos = match segment {
-            Segment::Text(tokens) => {
-                w.ctx.decode_tokens(tokens, pos, seq, false)?;
-                pos + tokens.len() as i32
-            }
-            Segment::Image(image) => w.ctx.decode_image(image, pos, seq)?,
-        };
-    }
-    Ok(pos)
 }
 
 enum Event {
@@ -176,9 +157,7 @@ pub fn answer(
             Event::Done(r) => return r,
         }
     }
-    Err(Error::Engine(
-        "the engine stopped before the answer finished".into(),
-    ))
+    Err(Error::Engine("the engine stopped before the answer finished".into()))
 }
 
 fn run_answer(
@@ -192,21 +171,13 @@ fn run_answer(
     let stream = &version.stream;
     let model = Arc::clone(w.ctx.model());
     let prep = Instant::now();
-    let path = if stream.retain() {
+    let path = if stream.retain() && stream.resident_epoch() == version.epoch {
         w.ctx.seq_copy_prefix(stream.seq(), branch, version.end);
         PreparePath::Resident
     } else {
-        // The baseline: rebuild the whole history from the retained inputs.
-        let prefix = stream.prefix_tokens();
-        w.ctx.decode_tokens(prefix, 0, branch, false)?;
-        let mut pos = prefix.len() as i32;
-        for frame in stream.frames_upto(version.frames) {
-            if cancel.load(Ordering::Acquire) {
-                return Err(Error::Cancelled);
-            }
-            pos = prefill_frame(w, &frame, pos, branch)?;
-        }
-        debug_assert_eq!(pos, version.end);
+        // The baseline, or a version of an older epoch: rebuild the history from its frames.
+        let end = prefill_history(w, stream.prompt(), &version.history, branch, cancel)?;
+        debug_assert_eq!(end, version.end);
         PreparePath::Replay
     };
     let prepare_ms = ms(prep.elapsed());
@@ -237,10 +208,7 @@ fn run_answer(
             None => argmax(logits),
             Some(s) => {
                 let mut candidates = LlamaTokenDataArray::from_iter(
-                    logits
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &l)| LlamaTokenData::new(LlamaToken(i as i32), l, 0.0)),
+                    logits.iter().enumerate().map(|(i, &l)| LlamaTokenData::new(LlamaToken(i as i32), l, 0.0)),
                     false,
                 );
                 candidates.apply_sampler(s);
@@ -275,7 +243,8 @@ fn run_answer(
         tokens,
         engine: stream.engine().name().to_owned(),
         path,
-        frames: version.frames,
+        frames: version.frames(),
+        frame: version.number,
         wait_ms: 0.0,
         queue_ms: 0.0,
         prepare_ms,

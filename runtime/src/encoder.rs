@@ -57,11 +57,7 @@ pub struct Picture<'a> {
 impl Picture<'_> {
     /// Packed RGB (width × height × 3), honouring the stride.
     pub fn to_rgb(&self) -> Result<Vec<u8>> {
-        let (w, h, bpp) = (
-            self.width as usize,
-            self.height as usize,
-            self.layout.bytes_per_pixel(),
-        );
+        let (w, h, bpp) = (self.width as usize, self.height as usize, self.layout.bytes_per_pixel());
         if w == 0 || h == 0 {
             return Err(Error::BadInput(format!("zero-size frame ({w}x{h})")));
         }
@@ -117,10 +113,7 @@ impl VisionEncoder for MtmdEncoder {
         hash.update(&picture.height.to_le_bytes());
         hash.update(&rgb);
         let segments = self.projector.encode(&rgb, picture.width, picture.height)?;
-        Ok(Frame {
-            segments,
-            content_hash: hash.digest(),
-        })
+        Ok(Frame { segments, content_hash: hash.digest() })
     }
 }
 
@@ -149,13 +142,7 @@ mod tests {
                 data[at + og] = *g;
                 data[at + ob] = *b;
             }
-            let pic = Picture {
-                data: &data,
-                width: 2,
-                height: 2,
-                stride: 12,
-                layout,
-            };
+            let pic = Picture { data: &data, width: 2, height: 2, stride: 12, layout };
             assert_eq!(pic.to_rgb().unwrap(), expected, "{layout:?}");
         }
     }
@@ -163,21 +150,9 @@ mod tests {
     #[test]
     fn bad_geometry_is_an_error() {
         let data = [0u8; 10];
-        let zero = Picture {
-            data: &data,
-            width: 0,
-            height: 2,
-            stride: 3,
-            layout: PixelLayout::Rgb,
-        };
+        let zero = Picture { data: &data, width: 0, height: 2, stride: 3, layout: PixelLayout::Rgb };
         assert!(matches!(zero.to_rgb(), Err(Error::BadInput(_))));
-        let short = Picture {
-            data: &data,
-            width: 2,
-            height: 2,
-            stride: 6,
-            layout: PixelLayout::Rgb,
-        };
+        let short = Picture { data: &data, width: 2, height: 2, stride: 6, layout: PixelLayout::Rgb };
         assert!(matches!(short.to_rgb(), Err(Error::BadInput(_))));
     }
 }

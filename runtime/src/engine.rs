@@ -52,9 +52,7 @@ impl Worker {
     /// Take a free answer sequence (jobs run one at a time, so one is always free when a job
     /// returns every branch it took).
     pub fn take_branch(&mut self) -> Result<i32> {
-        self.free_branches
-            .pop()
-            .ok_or_else(|| Error::Engine("no free answer sequence".into()))
+        self.free_branches.pop().ok_or_else(|| Error::Engine("no free answer sequence".into()))
     }
 
     pub fn give_branch(&mut self, seq: i32) {
@@ -95,12 +93,7 @@ impl Engine {
         )?;
         let n_ctx_per_seq = ctx.n_ctx_per_seq();
         let streams = config.max_streams as i32;
-        let mut worker = Worker {
-            ctx,
-            free_branches: (streams..streams + config.max_branches as i32)
-                .rev()
-                .collect(),
-        };
+        let mut worker = Worker { ctx, free_branches: (streams..streams + config.max_branches as i32).rev().collect() };
         let (tx, rx) = mpsc::channel::<Job>();
         let queued = Arc::new(AtomicUsize::new(0));
         let q = Arc::clone(&queued);
@@ -144,9 +137,7 @@ impl Engine {
     /// Run `job` on the engine thread after the jobs already queued.
     pub fn submit(&self, job: impl FnOnce(&mut Worker) + Send + 'static) -> Result<()> {
         let jobs = self.jobs.lock();
-        let tx = jobs
-            .as_ref()
-            .ok_or_else(|| Error::Engine(format!("engine {} is stopped", self.name())))?;
+        let tx = jobs.as_ref().ok_or_else(|| Error::Engine(format!("engine {} is stopped", self.name())))?;
         self.queued.fetch_add(1, Ordering::AcqRel);
         tx.send(Box::new(job)).map_err(|_| {
             self.queued.fetch_sub(1, Ordering::AcqRel);
@@ -155,16 +146,12 @@ impl Engine {
     }
 
     /// Run `job` on the engine thread and wait for its result.
-    pub fn call<R: Send + 'static>(
-        &self,
-        job: impl FnOnce(&mut Worker) -> R + Send + 'static,
-    ) -> Result<R> {
+    pub fn call<R: Send + 'static>(&self, job: impl FnOnce(&mut Worker) -> R + Send + 'static) -> Result<R> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.submit(move |w| {
             let _ = tx.send(job(w));
         })?;
-        rx.recv()
-            .map_err(|_| Error::Engine(format!("engine {} dropped a job", self.config.name)))
+        rx.recv().map_err(|_| Error::Engine(format!("engine {} dropped a job", self.config.name)))
     }
 
     /// Reserve a stream sequence.

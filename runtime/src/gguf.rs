@@ -23,23 +23,16 @@ fn required_tokens(projector_type: &str) -> &'static [&'static str] {
 
 fn string_value(gguf: &GgufContext, key: &str) -> Option<String> {
     let idx = gguf.find_key(key);
-    (idx >= 0 && gguf.kv_type(idx) == sys::GGUF_TYPE_STRING)
-        .then(|| gguf.val_str(idx).map(str::to_owned))
-        .flatten()
+    (idx >= 0 && gguf.kv_type(idx) == sys::GGUF_TYPE_STRING).then(|| gguf.val_str(idx).map(str::to_owned)).flatten()
 }
 
 /// Refuse a file that is not a libmtmd projector, or one whose wrapper tokens the model lacks.
 pub fn check_projector(path: &Path, model: &Model) -> Result<()> {
-    let bad = |reason: String| Error::File {
-        path: path.to_path_buf(),
-        reason,
-    };
+    let bad = |reason: String| Error::File { path: path.to_path_buf(), reason };
     let gguf = GgufContext::from_file(path).ok_or_else(|| bad("not a GGUF file".into()))?;
     let arch = string_value(&gguf, "general.architecture").unwrap_or_default();
     if arch != "clip" {
-        return Err(bad(format!(
-            "not a projector (mmproj) file: its architecture is {arch:?}, expected \"clip\""
-        )));
+        return Err(bad(format!("not a projector (mmproj) file: its architecture is {arch:?}, expected \"clip\"")));
     }
     let projector_type = string_value(&gguf, "clip.projector_type")
         .or_else(|| string_value(&gguf, "clip.vision.projector_type"))

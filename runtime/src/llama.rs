@@ -100,18 +100,12 @@ pub fn check_readable(path: &Path, what: &str) -> Result<()> {
     }
     std::fs::File::open(path)
         .and_then(|f| f.metadata())
-        .map_err(|e| Error::File {
-            path: path.to_path_buf(),
-            reason: format!("cannot read {what} file: {e}"),
-        })
+        .map_err(|e| Error::File { path: path.to_path_buf(), reason: format!("cannot read {what} file: {e}") })
         .and_then(|m| {
             if m.is_file() {
                 Ok(())
             } else {
-                Err(Error::File {
-                    path: path.to_path_buf(),
-                    reason: format!("{what} path is not a regular file"),
-                })
+                Err(Error::File { path: path.to_path_buf(), reason: format!("{what} path is not a regular file") })
             }
         })
 }
@@ -145,7 +139,8 @@ impl Model {
                     let gpu = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_GPU);
                     if gpu.is_null() {
                         return Err(Error::Config(
-                            "no GPU device: llama.cpp found none (for Mesa's lavapipe set GGML_VK_VISIBLE_DEVICES=0)".into(),
+                            "no GPU device: llama.cpp found none (for Mesa's lavapipe set GGML_VK_VISIBLE_DEVICES=0)"
+                                .into(),
                         ));
                     }
                     devices[0] = gpu;
@@ -157,13 +152,11 @@ impl Model {
         };
         let ptr = NonNull::new(ptr).ok_or_else(|| Error::File {
             path: path.to_path_buf(),
-            reason: "llama.cpp could not load it as a language model (not a GGUF model, or an unsupported architecture)".into(),
+            reason:
+                "llama.cpp could not load it as a language model (not a GGUF model, or an unsupported architecture)"
+                    .into(),
         })?;
-        Ok(Model {
-            ptr,
-            path: path.to_path_buf(),
-            device: device.clone(),
-        })
+        Ok(Model { ptr, path: path.to_path_buf(), device: device.clone() })
     }
 
     pub fn path(&self) -> &Path {
@@ -194,19 +187,12 @@ impl Model {
     pub fn description(&self) -> String {
         let mut buf = [0u8; 128];
         // SAFETY: the buffer and its length agree; llama writes at most len bytes incl. NUL.
-        let n =
-            unsafe { sys::llama_model_desc(self.ptr.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+        let n = unsafe { sys::llama_model_desc(self.ptr.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
         String::from_utf8_lossy(&buf[..n.clamp(0, buf.len() as i32 - 1) as usize]).into_owned()
     }
 
-    pub fn tokenize(
-        &self,
-        text: &str,
-        add_special: bool,
-        parse_special: bool,
-    ) -> Result<Vec<Token>> {
-        let len = i32::try_from(text.len())
-            .map_err(|_| Error::BadInput("text too long to tokenize".into()))?;
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len()).map_err(|_| Error::BadInput("text too long to tokenize".into()))?;
         let mut tokens = vec![0; text.len() + 8];
         // SAFETY: text/len describe a valid byte slice, tokens/capacity a writable buffer.
         let mut n = unsafe {
@@ -249,14 +235,7 @@ impl Model {
         loop {
             // SAFETY: buf/len describe a writable buffer.
             let n = unsafe {
-                sys::llama_token_to_piece(
-                    self.vocab(),
-                    token,
-                    buf.as_mut_ptr().cast(),
-                    buf.len() as i32,
-                    0,
-                    false,
-                )
+                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, false)
             };
             if n >= 0 {
                 buf.truncate(n as usize);
@@ -277,31 +256,18 @@ impl Model {
     }
 
     /// Render a conversation with the model's own chat template (ChatML when it has none).
-    pub fn apply_chat_template(
-        &self,
-        messages: &[(&str, &str)],
-        add_assistant: bool,
-    ) -> Result<String> {
+    pub fn apply_chat_template(&self, messages: &[(&str, &str)], add_assistant: bool) -> Result<String> {
         let owned: Vec<(CString, CString)> = messages
             .iter()
             .map(|(r, c)| Ok((CString::new(*r)?, CString::new(*c)?)))
             .collect::<std::result::Result<_, std::ffi::NulError>>()
             .map_err(|_| Error::BadInput("message contains a NUL byte".into()))?;
-        let chat: Vec<sys::llama_chat_message> = owned
-            .iter()
-            .map(|(r, c)| sys::llama_chat_message {
-                role: r.as_ptr(),
-                content: c.as_ptr(),
-            })
-            .collect();
+        let chat: Vec<sys::llama_chat_message> =
+            owned.iter().map(|(r, c)| sys::llama_chat_message { role: r.as_ptr(), content: c.as_ptr() }).collect();
         // SAFETY: valid model pointer; a null name asks for the default template, which may be null.
         let tmpl = unsafe { sys::llama_model_chat_template(self.ptr.as_ptr(), std::ptr::null()) };
         let chatml = c"chatml";
-        let tmpl = if tmpl.is_null() {
-            chatml.as_ptr()
-        } else {
-            tmpl
-        };
+        let tmpl = if tmpl.is_null() { chatml.as_ptr() } else { tmpl };
         let mut buf = vec![0u8; 1024];
         for _ in 0..2 {
             // SAFETY: chat points at owned.len() messages whose strings live in `owned`; buf/len
@@ -317,9 +283,7 @@ impl Model {
                 )
             };
             if n < 0 {
-                return Err(Error::Config(
-                    "the model's chat template is not supported by llama.cpp".into(),
-                ));
+                return Err(Error::Config("the model's chat template is not supported by llama.cpp".into()));
             }
             if (n as usize) <= buf.len() {
                 buf.truncate(n as usize);
@@ -329,6 +293,13 @@ impl Model {
             buf.resize(n as usize, 0);
         }
         Err(Error::Config("chat template output kept growing".into()))
+    }
+
+    /// What makes two loaded models the same model: part of every prefix key.
+    pub fn identity(&self) -> String {
+        let size = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        let name = self.path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        format!("{} {} bytes={size} n_embd={}", name, self.description(), self.n_embd())
     }
 
     fn as_ptr(&self) -> *mut sys::llama_model {
@@ -386,17 +357,11 @@ impl Context {
             cp.no_perf = true;
             sys::llama_init_from_model(model.as_ptr(), cp)
         };
-        let ptr = NonNull::new(ptr).ok_or_else(|| {
-            Error::Engine("llama.cpp could not create a context (out of memory?)".into())
-        })?;
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::Engine("llama.cpp could not create a context (out of memory?)".into()))?;
         // SAFETY: valid context pointer.
         let n_ctx_per_seq = unsafe { sys::llama_n_ctx_seq(ptr.as_ptr()) };
-        Ok(Context {
-            ptr,
-            model,
-            n_batch: p.n_batch,
-            n_ctx_per_seq,
-        })
+        Ok(Context { ptr, model, n_batch: p.n_batch, n_ctx_per_seq })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -415,13 +380,7 @@ impl Context {
 
     /// Decode `tokens` into `seq` at positions `pos..`, in batches of n_batch. The logits of the
     /// last token are kept when `logits_last`.
-    pub fn decode_tokens(
-        &mut self,
-        tokens: &[Token],
-        pos: i32,
-        seq: i32,
-        logits_last: bool,
-    ) -> Result<()> {
+    pub fn decode_tokens(&mut self, tokens: &[Token], pos: i32, seq: i32, logits_last: bool) -> Result<()> {
         for (i, part) in tokens.chunks(self.n_batch as usize).enumerate() {
             let start = pos + (i * self.n_batch as usize) as i32;
             let last_part = (i + 1) * self.n_batch as usize >= tokens.len();
@@ -442,9 +401,7 @@ impl Context {
                 rc
             };
             if rc != 0 {
-                return Err(Error::Engine(format!(
-                    "llama_decode failed ({rc}) at position {start} of sequence {seq}"
-                )));
+                return Err(Error::Engine(format!("llama_decode failed ({rc}) at position {start} of sequence {seq}")));
             }
         }
         Ok(())
@@ -500,12 +457,7 @@ impl Context {
     pub fn last_logits(&self) -> &[f32] {
         // SAFETY: -1 selects the last output row; it has n_vocab floats and stays valid until the
         // next decode, which needs &mut self.
-        unsafe {
-            std::slice::from_raw_parts(
-                sys::llama_get_logits_ith(self.ptr.as_ptr(), -1),
-                self.model.n_vocab(),
-            )
-        }
+        unsafe { std::slice::from_raw_parts(sys::llama_get_logits_ith(self.ptr.as_ptr(), -1), self.model.n_vocab()) }
     }
 
     /// Make `dst` hold the first `end` positions of `src` (a branch of a pinned version).
@@ -619,12 +571,7 @@ impl Projector {
         })?;
         // SAFETY: the default marker is a static NUL-terminated string.
         let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_owned();
-        Ok(Projector {
-            ctx: Mutex::new(MtmdPtr(ptr)),
-            path: path.to_path_buf(),
-            model,
-            marker,
-        })
+        Ok(Projector { ctx: Mutex::new(MtmdPtr(ptr)), path: path.to_path_buf(), model, marker })
     }
 
     pub fn path(&self) -> &Path {
@@ -676,8 +623,7 @@ impl Projector {
                             let mut n = 0usize;
                             let p = sys::mtmd_input_chunk_get_tokens_text(c, &mut n);
                             if n > 0 {
-                                segments
-                                    .push(Segment::Text(std::slice::from_raw_parts(p, n).to_vec()));
+                                segments.push(Segment::Text(std::slice::from_raw_parts(p, n).to_vec()));
                             }
                             continue;
                         }
@@ -686,17 +632,12 @@ impl Projector {
                         if rc != 0 {
                             return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
                         }
-                        let data = std::slice::from_raw_parts(
-                            sys::mtmd_get_output_embd(ctx.0.as_ptr()),
-                            rows * n_embd,
-                        )
-                        .into();
+                        let data =
+                            std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.0.as_ptr()), rows * n_embd).into();
                         let mut len = 0usize;
                         sys::mtmd_input_chunk_save(c, null_mut(), 0, &mut len);
                         let mut chunk = vec![0u8; len];
-                        if sys::mtmd_input_chunk_save(c, chunk.as_mut_ptr().cast(), len, &mut len)
-                            != 0
-                        {
+                        if sys::mtmd_input_chunk_save(c, chunk.as_mut_ptr().cast(), len, &mut len) != 0 {
                             return Err(Error::Engine("mtmd_input_chunk_save failed".into()));
                         }
                         let n_pos = sys::mtmd_input_chunk_get_n_pos(c);

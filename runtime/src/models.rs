@@ -35,27 +35,13 @@ pub fn model(path: &Path, device: &Device) -> Result<Arc<Model>> {
 }
 
 /// The shared projector for `mmproj` bound to `model`, loading it on first use.
-pub fn projector(
-    mmproj: &Path,
-    model: &Arc<Model>,
-    use_gpu: bool,
-    threads: i32,
-) -> Result<Arc<Projector>> {
-    let key = ProjectorKey {
-        mmproj: canonical(mmproj),
-        model: canonical(model.path()),
-        use_gpu,
-    };
+pub fn projector(mmproj: &Path, model: &Arc<Model>, use_gpu: bool, threads: i32) -> Result<Arc<Projector>> {
+    let key = ProjectorKey { mmproj: canonical(mmproj), model: canonical(model.path()), use_gpu };
     let mut projectors = PROJECTORS.lock();
     if let Some(p) = projectors.get(&key).and_then(Weak::upgrade) {
         return Ok(p);
     }
-    let p = Arc::new(Projector::load(
-        mmproj,
-        Arc::clone(model),
-        use_gpu,
-        threads,
-    )?);
+    let p = Arc::new(Projector::load(mmproj, Arc::clone(model), use_gpu, threads)?);
     projectors.retain(|_, w| w.strong_count() > 0);
     projectors.insert(key, Arc::downgrade(&p));
     Ok(p)
@@ -64,8 +50,5 @@ pub fn projector(
 /// How many owners hold the weights of `path` on `device` (0 when not loaded): a statistic
 /// that shows weights are shared rather than copied.
 pub fn model_owners(path: &Path, device: &Device) -> usize {
-    MODELS
-        .lock()
-        .get(&(canonical(path), device.clone()))
-        .map_or(0, Weak::strong_count)
+    MODELS.lock().get(&(canonical(path), device.clone())).map_or(0, Weak::strong_count)
 }

@@ -29,19 +29,12 @@ pub struct Prompt {
 
 impl Prompt {
     pub fn new(model: &Model, system: &str) -> Result<Prompt> {
-        let rendered = model.apply_chat_template(
-            &[
-                ("system", system),
-                ("user", &format!("{FRAMES}\n{QUESTION}")),
-            ],
-            true,
-        )?;
+        let rendered =
+            model.apply_chat_template(&[("system", system), ("user", &format!("{FRAMES}\n{QUESTION}"))], true)?;
         let (f, q) = match (rendered.find(FRAMES), rendered.find(QUESTION)) {
             (Some(f), Some(q)) if f < q => (f, q),
             _ => {
-                return Err(Error::Config(
-                    "the model's chat template does not keep the user's text in order".into(),
-                ));
+                return Err(Error::Config("the model's chat template does not keep the user's text in order".into()));
             }
         };
         Ok(Prompt {

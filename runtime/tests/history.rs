@@ -33,10 +33,7 @@ fn retained_prefix_and_full_reprefill_give_identical_greedy_tokens() {
         assert_eq!(a.path, PreparePath::Resident);
         assert_eq!(b.path, PreparePath::Replay);
         assert!(a.tokens > 0, "no tokens generated");
-        assert_eq!(
-            a.text, b.text,
-            "retained and re-prefilled histories of {frames} frames answered differently"
-        );
+        assert_eq!(a.text, b.text, "retained and re-prefilled histories of {frames} frames answered differently");
         assert_eq!(a.tokens, b.tokens);
         assert_eq!(a.frames, frames);
     }
@@ -49,7 +46,7 @@ fn a_question_waits_for_its_registered_frame() {
     let stream = open(&engine, "s", true);
     let never = Arc::new(AtomicBool::new(false));
     stream.register(frame(&enc, 0), &never).unwrap();
-    assert_eq!(stream.wait_version(1, &never).unwrap().frames, 1);
+    assert_eq!(stream.wait_version(1, &never).unwrap().number, 1);
     // Hold the engine so the next frames are registered but cannot be prefilled yet.
     let (release, held) = std::sync::mpsc::channel::<()>();
     engine
@@ -62,15 +59,12 @@ fn a_question_waits_for_its_registered_frame() {
     }
     let waiter = {
         let (stream, never) = (Arc::clone(&stream), Arc::clone(&never));
-        std::thread::spawn(move || stream.wait_version(3, &never).map(|v| v.frames))
+        std::thread::spawn(move || stream.wait_version(3, &never).map(|v| v.number))
     };
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(stream.registered(), 3);
     assert_eq!(stream.published(), 1);
-    assert!(
-        !waiter.is_finished(),
-        "the question bound to an older version instead of waiting for frame 3"
-    );
+    assert!(!waiter.is_finished(), "the question bound to an older version instead of waiting for frame 3");
     release.send(()).unwrap();
     assert_eq!(waiter.join().unwrap().unwrap(), 3);
     assert_eq!(stream.published(), 3);
@@ -137,9 +131,8 @@ fn interleaved_streams_answer_as_they_would_alone() {
 #[test]
 fn a_missing_model_is_an_error_naming_the_file() {
     let config = vlm_runtime::EngineConfig::default();
-    let err = vlm_runtime::Engine::start(std::path::Path::new("/nonexistent/model.gguf"), config)
-        .err()
-        .expect("must fail");
+    let err =
+        vlm_runtime::Engine::start(std::path::Path::new("/nonexistent/model.gguf"), config).err().expect("must fail");
     assert!(matches!(err, Error::File { .. }), "{err:?}");
     assert!(err.to_string().contains("/nonexistent/model.gguf"), "{err}");
 }
@@ -147,9 +140,7 @@ fn a_missing_model_is_an_error_naming_the_file() {
 #[test]
 fn a_language_model_given_as_projector_is_refused() {
     let model = vlm_runtime::models::model(&model_path(), &vlm_runtime::Device::Cpu).unwrap();
-    let err = vlm_runtime::models::projector(&model_path(), &model, false, 1)
-        .err()
-        .expect("must fail");
+    let err = vlm_runtime::models::projector(&model_path(), &model, false, 1).err().expect("must fail");
     assert!(err.to_string().contains("not a projector"), "{err}");
 }
 
@@ -159,4 +150,45 @@ fn weights_are_shared_between_engines() {
     let b = engine("b");
     assert!(Arc::ptr_eq(a.model(), b.model()));
     assert!(vlm_runtime::models::model_owners(&model_path(), &vlm_runtime::Device::Cpu) >= 2);
+}
+
+#[test]
+fn a_full_history_restarts_from_its_newest_frames_without_changing_pinned_versions() {
+    // 512 cells - 128 reserved for the answer leave room for the prompt and 9 frames of 36.
+    let engine = engine_with("cpu", 512);
+    let enc = encoder();
+    let stream = open_with(&engine, "s", true, vlm_runtime::HistoryPolicy::Restart { keep: 3 });
+    let never = Arc::new(AtomicBool::new(false));
+    let frames: Vec<_> = (0..12).map(|v| frame(&enc, v)).collect();
+    let register = |range: std::ops::Range<usize>| {
+        range.map(|i| stream.register(Arc::clone(&frames[i]), &never).unwrap()).collect::<Vec<_>>()
+    };
+    register(0..5);
+    let v5 = stream.wait_version(5, &never).unwrap();
+    let before = answer(&v5, &question("What changed?", 10), &never, |_| {}).unwrap();
+    assert_eq!(before.path, PreparePath::Resident);
+
+    let registrations = register(5..12);
+    let restart = registrations.iter().find(|r| r.restart.is_some()).expect("the history restarted");
+    let (kept, dropped) = restart.restart.unwrap();
+    assert_eq!(kept, 3);
+    assert_eq!(restart.number as usize, dropped + kept + 1, "the restart keeps the newest frames");
+    assert_eq!(stream.restarts() as usize, registrations.iter().filter(|r| r.restart.is_some()).count());
+
+    // The pinned version of the old epoch answers from its own frames, by replay, unchanged.
+    let after = answer(&v5, &question("What changed?", 10), &never, |_| {}).unwrap();
+    assert_eq!(after.path, PreparePath::Replay);
+    assert_eq!(after.frames, 5);
+    assert_eq!(after.text, before.text, "a restart changed the history under a pinned version");
+
+    // The newest version is resident again and holds exactly the kept frames plus the new one.
+    let newest = ask(&stream, 12, "What changed?");
+    assert_eq!(newest.path, PreparePath::Resident);
+    let v12 = stream.wait_version(12, &never).unwrap();
+    assert!(v12.frames() < 12 && Arc::ptr_eq(v12.history.last().unwrap(), &frames[11]));
+    let baseline = open(&engine, "baseline", false);
+    for f in v12.history.iter() {
+        baseline.register(Arc::clone(f), &never).unwrap();
+    }
+    assert_eq!(newest.text, ask(&baseline, v12.frames(), "What changed?").text);
 }

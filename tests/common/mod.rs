@@ -63,10 +63,7 @@ pub fn run(pipeline: &gst::Element) -> Run {
                 run.errors.push(format!("{} ({:?})", e.error(), e.debug()));
                 break;
             }
-            MessageView::Warning(w) => {
-                run.warnings
-                    .push(format!("{} ({:?})", w.error(), w.debug()))
-            }
+            MessageView::Warning(w) => run.warnings.push(format!("{} ({:?})", w.error(), w.debug())),
             MessageView::Element(e) => {
                 if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer") {
                     run.answers.push(s.to_owned());

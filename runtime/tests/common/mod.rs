@@ -9,30 +9,29 @@ use std::sync::Arc;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
-    Device, Engine, EngineConfig, Frame, Question, Sampling, Stream, StreamConfig, models,
+    Device, Engine, EngineConfig, Frame, HistoryPolicy, Question, Sampling, Stream, StreamConfig, models,
 };
 
 pub fn model_path() -> PathBuf {
     std::env::var_os("VLM_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 }
 
 pub fn mmproj_path() -> PathBuf {
     std::env::var_os("VLM_MMPROJ")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/test-mmproj-mlp.gguf")
-        })
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/test-mmproj-mlp.gguf"))
 }
 
 pub fn engine(name: &str) -> Arc<Engine> {
+    engine_with(name, 1024)
+}
+
+pub fn engine_with(name: &str, cells: u32) -> Arc<Engine> {
     let config = EngineConfig {
         name: name.into(),
-        context_per_sequence: 1024,
+        context_per_sequence: cells,
         max_streams: 2,
         max_branches: 2,
         ..EngineConfig::default()
@@ -52,11 +51,7 @@ pub fn picture(variant: u32) -> Vec<u8> {
     for y in 0..h {
         for x in 0..w {
             let on = ((x + variant * 7) / 8 + y / 8).is_multiple_of(2);
-            v.extend_from_slice(&[
-                (x * 4) as u8,
-                (y * 5) as u8,
-                if on { 230 } else { (20 + 30 * variant) as u8 },
-            ]);
+            v.extend_from_slice(&[(x * 4) as u8, (y * 5) as u8, if on { 230 } else { (20 + 30 * variant) as u8 }]);
         }
     }
     v
@@ -66,30 +61,19 @@ pub fn frame(encoder: &MtmdEncoder, variant: u32) -> Arc<Frame> {
     let rgb = picture(variant);
     Arc::new(
         encoder
-            .encode(&Picture {
-                data: &rgb,
-                width: 64,
-                height: 48,
-                stride: 64 * 3,
-                layout: PixelLayout::Rgb,
-            })
+            .encode(&Picture { data: &rgb, width: 64, height: 48, stride: 64 * 3, layout: PixelLayout::Rgb })
             .expect("encode"),
     )
 }
 
 pub fn open(engine: &Arc<Engine>, name: &str, retain: bool) -> Arc<Stream> {
+    open_with(engine, name, retain, HistoryPolicy::Stop)
+}
+
+pub fn open_with(engine: &Arc<Engine>, name: &str, retain: bool, history_policy: HistoryPolicy) -> Arc<Stream> {
     let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).expect("prompt"));
-    Stream::open(
-        engine,
-        prompt,
-        StreamConfig {
-            name: name.into(),
-            retain,
-            max_pending: 4,
-            answer_reserve: 128,
-        },
-    )
-    .expect("stream")
+    let config = StreamConfig { name: name.into(), retain, max_pending: 4, answer_reserve: 128, history_policy };
+    Stream::open(engine, prompt, config).expect("stream")
 }
 
 pub fn question(text: &str, max_tokens: u32) -> Question {
