@@ -12,7 +12,7 @@ use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::token::data::LlamaTokenData;
 use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 
-use crate::engine::Worker;
+use crate::engine::{Generation, Progress, Worker};
 use crate::error::{Error, Result};
 use crate::llama::Token;
 use crate::stream::{Version, prefill_history};
@@ -121,36 +121,31 @@ enum Event {
 }
 
 /// Answer `question` over `version`, calling `on_text` with each complete piece of text as it
-/// is generated. Blocks until the answer ends; `cancel` stops it at the next decode step.
+/// is generated. Blocks until the answer ends; `cancel` stops it at the next decode step. The
+/// answer shares the engine's decode steps with every other answer being generated there.
 pub fn answer(
     version: &Version,
     question: &Question,
     cancel: &Arc<AtomicBool>,
     mut on_text: impl FnMut(&str),
 ) -> Result<AnswerReport> {
-    let wait_ms = ms(question.arrival.elapsed());
-    let stream = Arc::clone(&version.stream);
-    let engine = Arc::clone(stream.engine());
     let (tx, rx) = mpsc::channel();
-    let (version, question, cancel) = (version.clone(), question.clone(), Arc::clone(cancel));
-    let submitted = Instant::now();
-    engine.submit(move |w| {
-        let queue_ms = ms(submitted.elapsed());
-        let branch = match w.take_branch() {
-            Ok(b) => b,
-            Err(e) => {
-                let _ = tx.send(Event::Done(Err(e)));
-                return;
-            }
-        };
-        let result = run_answer(w, &version, &question, &cancel, branch, &tx).map(|mut r| {
-            r.wait_ms = wait_ms;
-            r.queue_ms = queue_ms;
-            r
-        });
-        w.give_branch(branch);
-        let _ = tx.send(Event::Done(result));
-    })?;
+    let engine = Arc::clone(version.stream.engine());
+    let model = Arc::clone(engine.model());
+    engine.generate(Box::new(Answer {
+        version: version.clone(),
+        question: question.clone(),
+        cancel: Arc::clone(cancel),
+        tx,
+        wait_ms: ms(question.arrival.elapsed()),
+        submitted: Instant::now(),
+        sampler: question.sampling.sampler(),
+        model,
+        report: None,
+        utf8: Utf8Stream::default(),
+        limit: engine.n_ctx_per_seq() as i32,
+        pos: 0,
+    }))?;
     for event in rx {
         match event {
             Event::Text(t) => on_text(&t),
@@ -160,51 +155,97 @@ pub fn answer(
     Err(Error::Engine("the engine stopped before the answer finished".into()))
 }
 
-fn run_answer(
-    w: &mut Worker,
-    version: &Version,
-    q: &Question,
-    cancel: &AtomicBool,
-    branch: i32,
-    tx: &mpsc::Sender<Event>,
-) -> Result<AnswerReport> {
-    let stream = &version.stream;
-    let model = Arc::clone(w.ctx.model());
-    let prep = Instant::now();
-    let path = if stream.retain() && stream.resident_epoch() == version.epoch {
-        w.ctx.seq_copy_prefix(stream.seq(), branch, version.end);
-        PreparePath::Resident
-    } else {
-        // The baseline, or a version of an older epoch: rebuild the history from its frames.
-        let end = prefill_history(w, stream.prompt(), &version.history, branch, cancel)?;
-        debug_assert_eq!(end, version.end);
-        PreparePath::Replay
-    };
-    let prepare_ms = ms(prep.elapsed());
+/// One answer being generated on the engine thread.
+struct Answer {
+    version: Version,
+    question: Question,
+    cancel: Arc<AtomicBool>,
+    tx: mpsc::Sender<Event>,
+    wait_ms: f64,
+    submitted: Instant,
+    sampler: Option<LlamaSampler>,
+    model: Arc<crate::llama::Model>,
+    /// Filled in by `start`; sent when the answer ends.
+    report: Option<AnswerReport>,
+    utf8: Utf8Stream,
+    limit: i32,
+    /// Position of the token decoded in the current step.
+    pos: i32,
+}
 
-    let suffix = stream.prompt().question_tokens(&model, &q.text)?;
-    let limit = w.ctx.n_ctx_per_seq() as i32;
-    if version.end + suffix.len() as i32 + 1 > limit {
-        return Err(Error::BadInput(format!(
-            "question of {} tokens does not fit after a history of {} positions",
-            suffix.len(),
-            version.end
-        )));
+impl Answer {
+    fn finish(&mut self, result: Result<()>) -> Progress {
+        let tail = self.utf8.finish();
+        self.emit(tail);
+        let q = &self.question;
+        let result = result.and_then(|()| self.report.take().ok_or(Error::Cancelled)).map(|mut r| {
+            r.total_ms = ms(q.arrival.elapsed());
+            if r.tokens == 0 {
+                r.ttft_ms = r.total_ms;
+            }
+            r
+        });
+        let _ = self.tx.send(Event::Done(result));
+        Progress::Done
     }
-    w.ctx.decode_tokens(&suffix, version.end, branch, true)?;
-    let mut pos = version.end + suffix.len() as i32;
 
-    let mut sampler = q.sampling.sampler();
-    let mut utf8 = Utf8Stream::default();
-    let mut text = String::new();
-    let (mut tokens, mut ttft_ms, mut cancelled) = (0u32, None, false);
-    while tokens < q.max_tokens && pos < limit {
-        if cancel.load(Ordering::Acquire) {
-            cancelled = true;
-            break;
+    fn emit(&mut self, piece: String) {
+        if !piece.is_empty() {
+            if let Some(r) = self.report.as_mut() {
+                r.text.push_str(&piece);
+            }
+            let _ = self.tx.send(Event::Text(piece));
         }
-        let logits = w.ctx.last_logits();
-        let token = match sampler.as_mut() {
+    }
+
+    /// Make the bound version's history ready in `branch` and prefill the question.
+    fn prepare(&mut self, w: &mut Worker, branch: i32) -> Result<i32> {
+        let (version, stream) = (&self.version, &self.version.stream);
+        let prep = Instant::now();
+        let path = if stream.retain() && stream.resident_epoch() == version.epoch {
+            w.ctx.seq_copy_prefix(stream.seq(), branch, version.end);
+            PreparePath::Resident
+        } else {
+            // The baseline, or a version of an older epoch: rebuild the history from its frames.
+            let end = prefill_history(w, stream.prompt(), &version.history, branch, &self.cancel)?;
+            debug_assert_eq!(end, version.end);
+            PreparePath::Replay
+        };
+        let prepare_ms = ms(prep.elapsed());
+        let suffix = stream.prompt().question_tokens(&self.model, &self.question.text)?;
+        if version.end + suffix.len() as i32 + 1 > self.limit {
+            return Err(Error::BadInput(format!(
+                "question of {} tokens does not fit after a history of {} positions",
+                suffix.len(),
+                version.end
+            )));
+        }
+        w.ctx.decode_tokens(&suffix, version.end, branch, true)?;
+        self.report = Some(AnswerReport {
+            text: String::new(),
+            tokens: 0,
+            engine: stream.engine().name().to_owned(),
+            path,
+            frames: version.frames(),
+            frame: version.number,
+            wait_ms: self.wait_ms,
+            queue_ms: ms(self.submitted.elapsed()) - prepare_ms,
+            prepare_ms,
+            ttft_ms: 0.0,
+            total_ms: 0.0,
+            cancelled: false,
+        });
+        Ok(version.end + suffix.len() as i32)
+    }
+
+    /// Sample a token from `logits` for position `pos`, emit its text, and say what comes next.
+    fn sample(&mut self, logits: &[f32], pos: i32) -> Progress {
+        let report = self.report.as_mut().expect("prepared");
+        if self.cancel.load(Ordering::Acquire) {
+            report.cancelled = true;
+            return self.finish(Ok(()));
+        }
+        let token = match self.sampler.as_mut() {
             None => argmax(logits),
             Some(s) => {
                 let mut candidates = LlamaTokenDataArray::from_iter(
@@ -217,41 +258,42 @@ fn run_answer(
                 t
             }
         };
-        ttft_ms.get_or_insert_with(|| ms(q.arrival.elapsed()));
-        if model.is_eog(token) {
-            break;
+        if report.tokens == 0 {
+            report.ttft_ms = ms(self.question.arrival.elapsed());
         }
-        tokens += 1;
-        let piece = utf8.push(&model.token_bytes(token));
-        if !piece.is_empty() {
-            text.push_str(&piece);
-            let _ = tx.send(Event::Text(piece));
+        if self.model.is_eog(token) {
+            return self.finish(Ok(()));
         }
-        if tokens < q.max_tokens {
-            w.ctx.decode_tokens(&[token], pos, branch, true)?;
-            pos += 1;
+        report.tokens += 1;
+        let done = report.tokens >= self.question.max_tokens || pos >= self.limit;
+        let piece = self.utf8.push(&self.model.token_bytes(token));
+        self.emit(piece);
+        if done {
+            return self.finish(Ok(()));
+        }
+        self.pos = pos;
+        Progress::Next { token, pos }
+    }
+}
+
+impl Generation for Answer {
+    fn start(&mut self, w: &mut Worker, branch: i32) -> Progress {
+        match self.prepare(w, branch) {
+            Ok(pos) => {
+                let logits = w.ctx.last_logits().to_vec();
+                self.sample(&logits, pos)
+            }
+            Err(e) => self.finish(Err(e)),
         }
     }
-    let tail = utf8.finish();
-    if !tail.is_empty() {
-        text.push_str(&tail);
-        let _ = tx.send(Event::Text(tail));
+
+    fn advance(&mut self, logits: &[f32]) -> Progress {
+        self.sample(logits, self.pos + 1)
     }
-    let total_ms = ms(q.arrival.elapsed());
-    Ok(AnswerReport {
-        text,
-        tokens,
-        engine: stream.engine().name().to_owned(),
-        path,
-        frames: version.frames(),
-        frame: version.number,
-        wait_ms: 0.0,
-        queue_ms: 0.0,
-        prepare_ms,
-        ttft_ms: ttft_ms.unwrap_or(total_ms),
-        total_ms,
-        cancelled,
-    })
+
+    fn fail(&mut self, error: Error) {
+        self.finish(Err(error));
+    }
 }
 
 fn ms(d: std::time::Duration) -> f64 {

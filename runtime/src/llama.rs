@@ -453,6 +453,43 @@ impl Context {
         Ok(next)
     }
 
+    /// Decode one token for each of several sequences in one batch (one decode step of several
+    /// answers), keeping the logits of every entry (read them with [`Context::logits`]).
+    pub fn decode_step(&mut self, entries: &[(Token, i32, i32)]) -> Result<()> {
+        if entries.len() > self.n_batch as usize {
+            return Err(Error::Engine(format!("{} sequences exceed the batch of {}", entries.len(), self.n_batch)));
+        }
+        // SAFETY: the batch is allocated for entries.len() tokens with one sequence each; every
+        // written index is < entries.len(); it is freed after the call.
+        let rc = unsafe {
+            let mut b = sys::llama_batch_init(entries.len() as i32, 0, 1);
+            for (j, &(token, pos, seq)) in entries.iter().enumerate() {
+                *b.token.add(j) = token;
+                *b.pos.add(j) = pos;
+                *b.n_seq_id.add(j) = 1;
+                **b.seq_id.add(j) = seq;
+                *b.logits.add(j) = 1;
+            }
+            b.n_tokens = entries.len() as i32;
+            let rc = sys::llama_decode(self.ptr.as_ptr(), b);
+            sys::llama_batch_free(b);
+            rc
+        };
+        if rc != 0 {
+            return Err(Error::Engine(format!("llama_decode of a {}-sequence step failed ({rc})", entries.len())));
+        }
+        Ok(())
+    }
+
+    /// Logits of entry `i` of the last [`Context::decode_step`].
+    pub fn logits(&self, i: usize) -> &[f32] {
+        // SAFETY: every entry of the last step asked for logits, so row i exists with n_vocab
+        // floats; it stays valid until the next decode, which needs &mut self.
+        unsafe {
+            std::slice::from_raw_parts(sys::llama_get_logits_ith(self.ptr.as_ptr(), i as i32), self.model.n_vocab())
+        }
+    }
+
     /// Logits of the last decoded token that asked for them.
     pub fn last_logits(&self) -> &[f32] {
         // SAFETY: -1 selects the last output row; it has n_vocab floats and stays valid until the

@@ -192,3 +192,25 @@ fn a_full_history_restarts_from_its_newest_frames_without_changing_pinned_versio
     }
     assert_eq!(newest.text, ask(&baseline, v12.frames(), "What changed?").text);
 }
+
+#[test]
+fn concurrent_answers_share_decode_steps_and_equal_the_serial_reference() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let (a, b) = (open(&engine, "a", true), open(&engine, "b", true));
+    let never = Arc::new(AtomicBool::new(false));
+    for v in 0..3 {
+        a.register(frame(&enc, v), &never).unwrap();
+        b.register(frame(&enc, v + 10), &never).unwrap();
+    }
+    let questions =
+        [(&a, 3, "What is in the picture?"), (&b, 3, "What is in the picture?"), (&a, 2, "Describe the colours.")];
+    let serial: Vec<_> = questions.iter().map(|(s, n, q)| ask(s, *n, q).text).collect();
+    // Now all three at once: they share the engine's decode steps.
+    let concurrent: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = questions.iter().map(|(s, n, q)| scope.spawn(move || ask(s, *n, q).text)).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(concurrent, serial, "concurrent execution differs from the serial reference");
+    assert!(engine.widest_step() >= 2, "the answers were not decoded together");
+}
