@@ -7,6 +7,7 @@ use gst::prelude::*;
 use gst::subclass::prelude::*;
 use parking_lot::Mutex;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::snapshot::PrefixCache;
 use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, Stream, StreamConfig, models};
 
 use crate::events::{ModelQuery, StreamEvent};
@@ -20,6 +21,7 @@ const DEFAULT_CONTEXT_SIZE: u32 = 2048;
 const DEFAULT_MAX_STREAMS: u32 = 2;
 const DEFAULT_MAX_PENDING: u32 = 4;
 const DEFAULT_HISTORY_KEEP: u32 = 8;
+const DEFAULT_PREFIX_CACHE_ENTRIES: u32 = 16;
 
 /// What happens when a stream's history would overflow its KV cells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
@@ -49,6 +51,8 @@ struct Settings {
     max_pending: u32,
     history_policy: HistoryPolicyKind,
     history_keep: u32,
+    prefix_cache_size: u64,
+    prefix_cache_entries: u32,
     threads: u32,
 }
 
@@ -63,6 +67,8 @@ impl Default for Settings {
             max_pending: DEFAULT_MAX_PENDING,
             history_policy: HistoryPolicyKind::Restart,
             history_keep: DEFAULT_HISTORY_KEEP,
+            prefix_cache_size: 0,
+            prefix_cache_entries: DEFAULT_PREFIX_CACHE_ENTRIES,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
         }
     }
@@ -90,6 +96,8 @@ pub struct VlmContext {
     settings: Mutex<Settings>,
     state: Mutex<State>,
     pads: Mutex<Vec<Arc<StreamPads>>>,
+    /// Kept across sessions (state changes), so a new session with the same history reuses KV.
+    prefix_cache: Mutex<Option<Arc<PrefixCache>>>,
 }
 
 impl VlmContext {
@@ -122,6 +130,7 @@ impl VlmContext {
                 HistoryPolicyKind::Restart => HistoryPolicy::Restart { keep: settings.history_keep as usize },
                 HistoryPolicyKind::Stop => HistoryPolicy::Stop,
             },
+            prefix_cache: self.prefix_cache.lock().clone(),
         };
         let stream = Stream::open(&engine, prompt, config)
             .map_err(|e| gst::error_msg!(gst::ResourceError::Failed, ["{}: {}", pads.sink.name(), e]))?;
@@ -250,6 +259,12 @@ impl VlmContext {
             models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu),
             engine.n_ctx_per_seq()
         );
+        let mut cache = self.prefix_cache.lock();
+        let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
+        if cache.as_ref().is_none_or(|c| c.limits() != limits) {
+            *cache = Some(Arc::new(PrefixCache::new(limits.0, limits.1)));
+        }
+        drop(cache);
         *self.state.lock() = State { engine: Some(engine), prompt: Some(Arc::new(prompt)) };
         Ok(())
     }
@@ -332,6 +347,27 @@ impl ObjectImpl for VlmContext {
                     .blurb("Times a stream's history was restarted by history-policy")
                     .read_only()
                     .build(),
+                glib::ParamSpecUInt64::builder("prefix-cache-size")
+                    .nick("Prefix cache size")
+                    .blurb("Bytes of KV snapshots kept to let a stream (or a new session) with an identical history import it instead of prefilling; 0 = off")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("prefix-cache-entries")
+                    .nick("Prefix cache entries")
+                    .blurb("Most KV snapshots kept in the prefix cache")
+                    .default_value(DEFAULT_PREFIX_CACHE_ENTRIES)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt64::builder("prefix-cache-hits")
+                    .nick("Prefix cache hits")
+                    .blurb("Frames whose history was imported from the prefix cache instead of prefilled")
+                    .read_only()
+                    .build(),
+                glib::ParamSpecUInt64::builder("prefix-cache-misses")
+                    .nick("Prefix cache misses")
+                    .blurb("Prefix cache look-ups that found nothing (the first of a session included)")
+                    .read_only()
+                    .build(),
                 glib::ParamSpecUInt::builder("threads")
                     .nick("Threads")
                     .blurb("CPU threads of the language engine")
@@ -366,6 +402,8 @@ impl ObjectImpl for VlmContext {
             "max-pending" => s.max_pending = value.get().unwrap(),
             "history-policy" => s.history_policy = value.get().unwrap(),
             "history-keep" => s.history_keep = value.get().unwrap(),
+            "prefix-cache-size" => s.prefix_cache_size = value.get().unwrap(),
+            "prefix-cache-entries" => s.prefix_cache_entries = value.get().unwrap(),
             "threads" => s.threads = value.get().unwrap(),
             _ => unreachable!(),
         }
@@ -382,6 +420,10 @@ impl ObjectImpl for VlmContext {
             "max-pending" => s.max_pending.to_value(),
             "history-policy" => s.history_policy.to_value(),
             "history-keep" => s.history_keep.to_value(),
+            "prefix-cache-size" => s.prefix_cache_size.to_value(),
+            "prefix-cache-entries" => s.prefix_cache_entries.to_value(),
+            "prefix-cache-hits" => self.prefix_cache.lock().as_ref().map_or(0, |c| c.stats().hits).to_value(),
+            "prefix-cache-misses" => self.prefix_cache.lock().as_ref().map_or(0, |c| c.stats().misses).to_value(),
             "history-restarts" => self.pads.lock().iter().map(|p| *p.restarts.lock()).sum::<u64>().to_value(),
             "threads" => s.threads.to_value(),
             "model-owners" => {

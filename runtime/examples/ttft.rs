@@ -70,6 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             max_pending: 4,
             answer_reserve: 64,
             history_policy: HistoryPolicy::Stop,
+            prefix_cache: None,
         };
         Stream::open(&engine, Arc::clone(&prompt), config)
     };

@@ -18,6 +18,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::llama::{Context, ContextParams, Device, Model, Token};
 use crate::models;
+use crate::prefix::CompatTag;
 
 /// How an engine is built.
 #[derive(Debug, Clone)]
@@ -216,6 +217,15 @@ impl Engine {
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    /// Which stored KV this engine can consume.
+    pub fn compat_tag(&self) -> CompatTag {
+        CompatTag {
+            backend: self.config.device.name().into(),
+            kv_dtype: "f16",
+            layout: "per-sequence streams, V transposed",
+        }
     }
 
     pub fn n_ctx_per_seq(&self) -> u32 {

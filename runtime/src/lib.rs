@@ -9,6 +9,7 @@
 //! - [`encoder`]: vision encoding of frames into embeddings.
 
 pub mod answer;
+pub mod cache;
 pub mod encoder;
 pub mod engine;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod llama;
 pub mod models;
 pub mod prefix;
 pub mod prompt;
+pub mod snapshot;
 pub mod stream;
 pub mod text;
 

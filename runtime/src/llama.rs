@@ -509,6 +509,33 @@ impl Context {
         }
     }
 
+    /// Export the KV state of `seq` (cells, positions, sequence metadata) into a buffer.
+    pub fn seq_snapshot(&mut self, seq: i32) -> Result<Vec<u8>> {
+        // SAFETY: the size query and the export use the same valid context and sequence; the
+        // buffer has exactly the size llama.cpp asked for.
+        unsafe {
+            let size = sys::llama_state_seq_get_size(self.ptr.as_ptr(), seq);
+            let mut bytes = vec![0u8; size];
+            let written = sys::llama_state_seq_get_data(self.ptr.as_ptr(), bytes.as_mut_ptr(), size, seq);
+            if written != size {
+                return Err(Error::Engine(format!("snapshot of sequence {seq}: {written} of {size} bytes written")));
+            }
+            Ok(bytes)
+        }
+    }
+
+    /// Replace the KV state of `seq` with a snapshot taken by [`Context::seq_snapshot`] from a
+    /// compatible context. llama.cpp validates the layout and refuses a mismatch.
+    pub fn seq_restore(&mut self, seq: i32, snapshot: &[u8]) -> Result<()> {
+        // SAFETY: the slice is valid for its length; llama.cpp reads at most that much and
+        // returns 0 on malformed or incompatible input.
+        let read = unsafe { sys::llama_state_seq_set_data(self.ptr.as_ptr(), snapshot.as_ptr(), snapshot.len(), seq) };
+        if read == 0 {
+            return Err(Error::Engine(format!("snapshot of {} bytes refused for sequence {seq}", snapshot.len())));
+        }
+        Ok(())
+    }
+
     /// Forget every cell of `seq`.
     pub fn seq_clear(&mut self, seq: i32) {
         // SAFETY: valid memory handle.

@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::llama::Segment;
 use crate::prefix::PrefixKey;
 use crate::prompt::Prompt;
+use crate::snapshot::{PrefixCache, Snapshot};
 
 /// One encoded frame's inputs to the language model, retained for replay and the baseline.
 #[derive(Debug)]
@@ -67,6 +68,9 @@ pub struct StreamConfig {
     /// Cells kept free at the end of the sequence for a question and its answer.
     pub answer_reserve: i32,
     pub history_policy: HistoryPolicy,
+    /// Exact-match cache of complete prefixes, shared by the streams that should reuse each
+    /// other's KV; `None` to keep none.
+    pub prefix_cache: Option<Arc<PrefixCache>>,
 }
 
 /// Versions kept bindable; a question bound to an older one is refused.
@@ -334,15 +338,31 @@ impl Stream {
             return Ok(());
         }
         let s = Arc::clone(self);
+        let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
+        let tag = self.engine.compat_tag();
         self.engine.submit(move |w| {
             let never = AtomicBool::new(false);
-            let result = if whole {
-                w.ctx.seq_clear(s.seq);
-                s.resident_epoch.store(record.epoch, Ordering::Release);
-                prefill_history(w, &s.prompt, &record.history, s.seq, &never)
-            } else {
-                let frame = record.history.last().expect("a frame version has a frame");
-                prefill_frame(w, frame, record.end - frame.n_pos(), s.seq)
+            s.resident_epoch.store(record.epoch, Ordering::Release);
+            let cache_key = (record.key, tag.clone());
+            let cached = cache.as_ref().and_then(|c| c.get(&cache_key));
+            let result = match cached {
+                Some(snapshot) => w.ctx.seq_restore(s.seq, &snapshot.bytes).map(|()| snapshot.end),
+                None => {
+                    let end = if whole {
+                        w.ctx.seq_clear(s.seq);
+                        prefill_history(w, &s.prompt, &record.history, s.seq, &never)
+                    } else {
+                        let frame = record.history.last().expect("a frame version has a frame");
+                        prefill_frame(w, frame, record.end - frame.n_pos(), s.seq)
+                    };
+                    if let (Ok(end), Some(cache)) = (&end, &cache) {
+                        // A failed export only means nothing is cached.
+                        if let Ok(bytes) = w.ctx.seq_snapshot(s.seq) {
+                            cache.insert(cache_key, Arc::new(Snapshot { key: record.key, tag, bytes, end: *end }));
+                        }
+                    }
+                    end
+                }
             };
             s.publish(result.and_then(|end| {
                 if end == record.end {

@@ -214,3 +214,40 @@ fn concurrent_answers_share_decode_steps_and_equal_the_serial_reference() {
     assert_eq!(concurrent, serial, "concurrent execution differs from the serial reference");
     assert!(engine.widest_step() >= 2, "the answers were not decoded together");
 }
+
+#[test]
+fn an_identical_history_imports_cached_kv_and_a_different_one_does_not() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let cache = Arc::new(vlm_runtime::snapshot::PrefixCache::new(16, 256 << 20));
+    let stop = vlm_runtime::HistoryPolicy::Stop;
+    let frames: Vec<_> = [0, 1, 2, 5].iter().map(|&v| frame(&enc, v)).collect();
+    let first = open_cached(&engine, "first", true, stop, Some(Arc::clone(&cache)));
+    for f in &frames[..3] {
+        first.register(Arc::clone(f), &never).unwrap();
+    }
+    let reference = ask(&first, 3, "What is in the picture?");
+    let after_first = cache.stats();
+    assert_eq!((after_first.hits, after_first.misses, after_first.entries), (0, 4, 4), "prompt + 3 frames, all misses");
+    drop(first);
+
+    // A new stream with the same history [sys, A, B, C]: every version comes from the cache.
+    let second = open_cached(&engine, "second", true, stop, Some(Arc::clone(&cache)));
+    for f in &frames[..3] {
+        second.register(Arc::clone(f), &never).unwrap();
+    }
+    assert_eq!(ask(&second, 3, "What is in the picture?").text, reference.text);
+    assert_eq!(cache.stats().hits, 4);
+
+    // [sys, A, D, C]: the prompt and A hit; D and the same C after a different history miss.
+    let third = open_cached(&engine, "third", true, stop, Some(Arc::clone(&cache)));
+    for f in [&frames[0], &frames[3], &frames[2]] {
+        third.register(Arc::clone(f), &never).unwrap();
+    }
+    third.wait_version(3, &never).unwrap();
+    let s = cache.stats();
+    assert_eq!((s.hits, s.misses), (6, 6), "{s:?}");
+    let v3 = third.wait_version(3, &never).unwrap();
+    assert_ne!(v3.key, second.wait_version(3, &never).unwrap().key);
+}

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::snapshot::PrefixCache;
 use vlm_runtime::{
     Device, Engine, EngineConfig, Frame, HistoryPolicy, Question, Sampling, Stream, StreamConfig, models,
 };
@@ -71,8 +72,19 @@ pub fn open(engine: &Arc<Engine>, name: &str, retain: bool) -> Arc<Stream> {
 }
 
 pub fn open_with(engine: &Arc<Engine>, name: &str, retain: bool, history_policy: HistoryPolicy) -> Arc<Stream> {
+    open_cached(engine, name, retain, history_policy, None)
+}
+
+pub fn open_cached(
+    engine: &Arc<Engine>,
+    name: &str,
+    retain: bool,
+    history_policy: HistoryPolicy,
+    prefix_cache: Option<Arc<PrefixCache>>,
+) -> Arc<Stream> {
     let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).expect("prompt"));
-    let config = StreamConfig { name: name.into(), retain, max_pending: 4, answer_reserve: 128, history_policy };
+    let config =
+        StreamConfig { name: name.into(), retain, max_pending: 4, answer_reserve: 128, history_policy, prefix_cache };
     Stream::open(engine, prompt, config).expect("stream")
 }
 
