@@ -30,7 +30,7 @@ fn picture(format: gst_video::VideoFormat, variant: u32) -> gst::Buffer {
         let data = frame.plane_data_mut(0).unwrap();
         for y in 0..H as usize {
             for x in 0..W as usize {
-                let rgb = [(x * 4) as u8, (y * 5) as u8, ((x / 8 + y / 8 + variant as usize) % 2 * 200) as u8];
+                let rgb = [(x * 4) as u8, (y * 5) as u8, ((x / 8 + y / 8) % 2 * 200 + variant as usize * 17) as u8];
                 let px = &mut data[y * stride + x * bpp..][..bpp];
                 match format {
                     gst_video::VideoFormat::Rgb => px.copy_from_slice(&rgb),
@@ -112,10 +112,7 @@ fn encoder() -> MtmdEncoder {
 fn frame(enc: &MtmdEncoder, variant: u32) -> Arc<Frame> {
     let buf = picture(gst_video::VideoFormat::Rgb, variant);
     let map = buf.map_readable().unwrap();
-    Arc::new(
-        enc.encode(&Picture { data: &map, width: W, height: H, stride: (W * 3) as usize, layout: PixelLayout::Rgb })
-            .unwrap(),
-    )
+    Arc::new(enc.encode(&Picture::packed(&map, W, H, (W * 3) as usize, PixelLayout::Rgb)).unwrap())
 }
 
 #[test]
@@ -223,4 +220,83 @@ fn vlmquery_reports_a_malformed_question_without_failing() {
     let bad = gst::event::CustomDownstream::new(gst::Structure::builder("vlm-question").field("text", 3i32).build());
     assert!(h.push_event(bad), "a malformed question must not fail the pad");
     assert!(h.push_event(QuestionEvent::event("   ", None, None)));
+}
+
+/// Embeddings of the first output of `h` for one pushed buffer.
+fn push_embeddings(h: &mut Harness, buf: gst::Buffer) -> (Arc<Frame>, Vec<f32>) {
+    let out = h.push_and_pull(buf).unwrap();
+    let frame = Arc::clone(out.meta::<VlmFrameMeta>().unwrap().frame().unwrap());
+    (frame, embeddings(&out).unwrap())
+}
+
+#[test]
+fn vlmencode_yuv_formats_match_the_rgb_path_within_tolerance() {
+    init();
+    let mut rgb = encode_harness(gst_video::VideoFormat::Rgb, 0);
+    let (_, reference) = push_embeddings(&mut rgb, picture(gst_video::VideoFormat::Rgb, 3));
+    for format in ["NV12", "I420"] {
+        let mut h = Harness::new_parse(&format!(
+            "videoconvert ! video/x-raw,format={format} ! vlmencode mmproj={} model={} interval=0",
+            mmproj(),
+            model()
+        ));
+        h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+        let (_, e) = push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 3));
+        let norm = reference.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let diff = reference.iter().zip(&e).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+        // Declared tolerance: 4:2:0 chroma and 8-bit YUV rounding cost a few percent.
+        assert!(diff / norm < 0.05, "{format}: relative L2 difference {}", diff / norm);
+    }
+}
+
+#[test]
+fn vlmencode_cache_returns_the_same_handle_and_respects_its_limits() {
+    init();
+    let e = gst::ElementFactory::make("vlmencode")
+        .property("mmproj", mmproj())
+        .property("model", model())
+        .property("interval", 0u64)
+        .property("cache-entries", 2u32)
+        .build()
+        .unwrap();
+    let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    let (a, _) = push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 0));
+    let (again, _) = push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 0));
+    assert!(Arc::ptr_eq(&a, &again), "a repeated frame must reuse the cached embeddings");
+    assert_eq!((e.property::<u64>("cache-hits"), e.property::<u64>("cache-misses")), (1, 1));
+    drop((a, again));
+    push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 1));
+    push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 2));
+    // Two entries: picture 0 was the least recently used and is gone.
+    push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 0));
+    assert_eq!((e.property::<u64>("cache-hits"), e.property::<u64>("cache-misses")), (1, 4));
+    assert_eq!(e.property::<u64>("frames-encoded"), 4);
+
+    // A byte limit below one frame's embeddings (36 x 576 floats) caches nothing.
+    let small = gst::ElementFactory::make("vlmencode")
+        .property("mmproj", mmproj())
+        .property("model", model())
+        .property("interval", 0u64)
+        .property("cache-bytes", 1000u64)
+        .build()
+        .unwrap();
+    let mut h = Harness::with_element(&small, Some("sink"), Some("src"));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 0));
+    push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 0));
+    assert_eq!(small.property::<u64>("cache-hits"), 0);
+}
+
+#[test]
+fn vlmencode_handles_a_resolution_change_mid_stream() {
+    let mut h = encode_harness(gst_video::VideoFormat::Rgb, 0);
+    let (_, a) = push_embeddings(&mut h, picture(gst_video::VideoFormat::Rgb, 0));
+    h.set_src_caps(
+        gst_video::VideoInfo::builder(gst_video::VideoFormat::Rgb, 32, 24).build().unwrap().to_caps().unwrap(),
+    );
+    let small = gst::Buffer::from_mut_slice(vec![128u8; 32 * 24 * 3]);
+    let (_, b) = push_embeddings(&mut h, small);
+    assert_eq!(a.len(), b.len(), "the projector resizes every picture to its own input size");
+    assert_ne!(a, b);
 }

@@ -82,13 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let ingest = Instant::now();
         while registered < n {
             let rgb = picture(registered);
-            let frame = Arc::new(encoder.encode(&Picture {
-                data: &rgb,
-                width: 64,
-                height: 48,
-                stride: 192,
-                layout: PixelLayout::Rgb,
-            })?);
+            let frame = Arc::new(encoder.encode(&Picture::packed(&rgb, 64, 48, 192, PixelLayout::Rgb))?);
             retained.register(Arc::clone(&frame), &never)?;
             baseline.register(frame, &never)?;
             registered += 1;

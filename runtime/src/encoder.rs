@@ -1,13 +1,18 @@
 //! Vision encoding: a frame's pixels become the projected embeddings the language model takes.
 //!
-//! Backends sit behind [`VisionEncoder`]; this build has libmtmd's (CPU, or GPU when asked).
+//! Preprocessing turns any supported raw picture (packed RGB-family, NV12, I420; any stride)
+//! into packed RGB; the encoder backend (behind [`VisionEncoder`]; this build has libmtmd's)
+//! resizes and normalises as the projector declares. A [`FrameEncoder`] adds the embedding
+//! cache: the key is the encoder's identity plus the preprocessed pixels, so a repeated frame
+//! costs a hash, not an encode.
 
 use std::sync::Arc;
 
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::cache::{BoundedCache, CacheStats, Weighted};
 use crate::error::{Error, Result};
-use crate::llama::Projector;
+use crate::llama::{Projector, Segment};
 use crate::stream::Frame;
 
 /// Byte order of a packed 8-bit RGB-family pixel.
@@ -44,47 +49,162 @@ impl PixelLayout {
     }
 }
 
-/// A borrowed picture: one plane of packed pixels with a row stride.
-#[derive(Debug, Clone, Copy)]
-pub struct Picture<'a> {
-    pub data: &'a [u8],
-    pub width: u32,
-    pub height: u32,
-    pub stride: usize,
-    pub layout: PixelLayout,
+/// YUV to RGB conversion: matrix and range, as the video's colorimetry says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum YuvMatrix {
+    Bt601Limited,
+    Bt601Full,
+    Bt709Limited,
+    Bt709Full,
 }
 
-impl Picture<'_> {
-    /// Packed RGB (width × height × 3), honouring the stride.
-    pub fn to_rgb(&self) -> Result<Vec<u8>> {
-        let (w, h, bpp) = (self.width as usize, self.height as usize, self.layout.bytes_per_pixel());
+impl YuvMatrix {
+    /// (kr, kb, limited range)
+    fn params(self) -> (f32, f32, bool) {
+        match self {
+            YuvMatrix::Bt601Limited => (0.299, 0.114, true),
+            YuvMatrix::Bt601Full => (0.299, 0.114, false),
+            YuvMatrix::Bt709Limited => (0.2126, 0.0722, true),
+            YuvMatrix::Bt709Full => (0.2126, 0.0722, false),
+        }
+    }
+}
+
+/// How a picture's pixels are laid out in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PixelFormat {
+    /// One plane of packed pixels.
+    Packed(PixelLayout),
+    /// Y plane, then one plane of interleaved U,V at half resolution.
+    Nv12(YuvMatrix),
+    /// Y, U and V planes, U and V at half resolution.
+    I420(YuvMatrix),
+}
+
+/// A borrowed raw picture: up to three planes with their strides.
+#[derive(Debug, Clone, Copy)]
+pub struct Picture<'a> {
+    pub planes: [&'a [u8]; 3],
+    pub strides: [usize; 3],
+    pub width: u32,
+    pub height: u32,
+    pub format: PixelFormat,
+}
+
+/// A preprocessed picture: packed RGB, width × height × 3 bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rgb {
+    pub data: Vec<u8>,
+    pub width: u32,
+    pub height: u32,
+}
+
+fn plane_fits(data: &[u8], stride: usize, row_bytes: usize, rows: usize) -> bool {
+    stride >= row_bytes && (rows == 0 || data.len() >= stride * (rows - 1) + row_bytes)
+}
+
+impl<'a> Picture<'a> {
+    /// A picture of one packed plane.
+    pub fn packed(data: &'a [u8], width: u32, height: u32, stride: usize, layout: PixelLayout) -> Self {
+        Picture {
+            planes: [data, &[], &[]],
+            strides: [stride, 0, 0],
+            width,
+            height,
+            format: PixelFormat::Packed(layout),
+        }
+    }
+
+    /// Preprocess into packed RGB, honouring strides.
+    pub fn to_rgb(&self) -> Result<Rgb> {
+        let (w, h) = (self.width as usize, self.height as usize);
         if w == 0 || h == 0 {
             return Err(Error::BadInput(format!("zero-size frame ({w}x{h})")));
         }
-        if self.stride < w * bpp || self.data.len() < self.stride * (h - 1) + w * bpp {
-            return Err(Error::BadInput(format!(
-                "frame of {w}x{h} with stride {} does not fit in {} bytes",
-                self.stride,
-                self.data.len()
-            )));
-        }
-        let [r, g, b] = self.layout.rgb_offsets();
+        let too_small =
+            |plane: usize| Error::BadInput(format!("plane {plane} of a {w}x{h} {:?} frame is too small", self.format));
         let mut rgb = Vec::with_capacity(w * h * 3);
-        for row in self.data.chunks(self.stride).take(h) {
-            for px in row[..w * bpp].chunks_exact(bpp) {
-                rgb.extend_from_slice(&[px[r], px[g], px[b]]);
+        match self.format {
+            PixelFormat::Packed(layout) => {
+                let bpp = layout.bytes_per_pixel();
+                if !plane_fits(self.planes[0], self.strides[0], w * bpp, h) {
+                    return Err(too_small(0));
+                }
+                let [r, g, b] = layout.rgb_offsets();
+                for row in self.planes[0].chunks(self.strides[0]).take(h) {
+                    for px in row[..w * bpp].chunks_exact(bpp) {
+                        rgb.extend_from_slice(&[px[r], px[g], px[b]]);
+                    }
+                }
+            }
+            PixelFormat::Nv12(m) | PixelFormat::I420(m) => {
+                let (cw, ch) = (w.div_ceil(2), h.div_ceil(2));
+                let nv12 = matches!(self.format, PixelFormat::Nv12(_));
+                if !plane_fits(self.planes[0], self.strides[0], w, h) {
+                    return Err(too_small(0));
+                }
+                if !plane_fits(self.planes[1], self.strides[1], if nv12 { cw * 2 } else { cw }, ch) {
+                    return Err(too_small(1));
+                }
+                if !nv12 && !plane_fits(self.planes[2], self.strides[2], cw, ch) {
+                    return Err(too_small(2));
+                }
+                let (kr, kb, limited) = m.params();
+                let kg = 1.0 - kr - kb;
+                let (y0, ys, cs) = if limited { (16.0, 255.0 / 219.0, 255.0 / 224.0) } else { (0.0, 1.0, 1.0) };
+                for y in 0..h {
+                    let yrow = &self.planes[0][y * self.strides[0]..][..w];
+                    for (x, &luma) in yrow.iter().enumerate() {
+                        let (u, v) = if nv12 {
+                            let uv = &self.planes[1][(y / 2) * self.strides[1] + (x / 2) * 2..];
+                            (uv[0], uv[1])
+                        } else {
+                            (
+                                self.planes[1][(y / 2) * self.strides[1] + x / 2],
+                                self.planes[2][(y / 2) * self.strides[2] + x / 2],
+                            )
+                        };
+                        let luma = (luma as f32 - y0) * ys;
+                        let (pb, pr) = ((u as f32 - 128.0) * cs, (v as f32 - 128.0) * cs);
+                        let r = luma + 2.0 * (1.0 - kr) * pr;
+                        let b = luma + 2.0 * (1.0 - kb) * pb;
+                        let g = (luma - kr * r - kb * b) / kg;
+                        rgb.extend_from_slice(&[
+                            r.round().clamp(0.0, 255.0) as u8,
+                            g.round().clamp(0.0, 255.0) as u8,
+                            b.round().clamp(0.0, 255.0) as u8,
+                        ]);
+                    }
+                }
             }
         }
-        Ok(rgb)
+        Ok(Rgb { data: rgb, width: self.width, height: self.height })
     }
 }
 
 /// A vision encoder backend.
 pub trait VisionEncoder: Send + Sync {
-    /// Identity of the encoder and its preprocessing: part of every embedding's identity.
+    /// Identity of the encoder (model, backend, its own preprocessing): part of every
+    /// embedding's identity.
     fn id(&self) -> &str;
-    /// Encode one picture into the frame the language model will take.
-    fn encode(&self, picture: &Picture<'_>) -> Result<Frame>;
+    /// Encode a preprocessed picture into the segments it becomes in the language sequence.
+    fn encode_rgb(&self, rgb: &Rgb) -> Result<Vec<Segment>>;
+
+    /// Identity of `rgb` as this encoder sees it.
+    fn content_hash(&self, rgb: &Rgb) -> u64 {
+        let mut hash = Xxh3::new();
+        hash.update(self.id().as_bytes());
+        hash.update(&rgb.width.to_le_bytes());
+        hash.update(&rgb.height.to_le_bytes());
+        hash.update(&rgb.data);
+        hash.digest()
+    }
+
+    /// Preprocess and encode one picture.
+    fn encode(&self, picture: &Picture<'_>) -> Result<Frame> {
+        let rgb = picture.to_rgb()?;
+        Ok(Frame { content_hash: self.content_hash(&rgb), segments: self.encode_rgb(&rgb)? })
+    }
 }
 
 /// libmtmd (llama.cpp's multimodal library) on the CPU or the GPU.
@@ -95,7 +215,7 @@ pub struct MtmdEncoder {
 
 impl MtmdEncoder {
     pub fn new(projector: Arc<Projector>) -> MtmdEncoder {
-        let id = format!("mtmd:{}", projector.path().display());
+        let id = format!("mtmd:{}:{}", projector.path().display(), projector.model().identity());
         MtmdEncoder { projector, id }
     }
 }
@@ -105,15 +225,53 @@ impl VisionEncoder for MtmdEncoder {
         &self.id
     }
 
-    fn encode(&self, picture: &Picture<'_>) -> Result<Frame> {
+    fn encode_rgb(&self, rgb: &Rgb) -> Result<Vec<Segment>> {
+        self.projector.encode(&rgb.data, rgb.width, rgb.height)
+    }
+}
+
+impl Weighted for Frame {
+    fn bytes(&self) -> usize {
+        self.segments
+            .iter()
+            .map(|s| match s {
+                Segment::Text(t) => t.len() * 4,
+                Segment::Image(i) => i.data.len() * 4,
+            })
+            .sum()
+    }
+}
+
+/// An encoder with an embedding cache in front of it.
+pub struct FrameEncoder {
+    encoder: Arc<dyn VisionEncoder>,
+    cache: BoundedCache<u64, Frame>,
+}
+
+impl FrameEncoder {
+    pub fn new(encoder: Arc<dyn VisionEncoder>, max_entries: usize, max_bytes: usize) -> Self {
+        FrameEncoder { encoder, cache: BoundedCache::new(max_entries, max_bytes) }
+    }
+
+    pub fn encoder(&self) -> &Arc<dyn VisionEncoder> {
+        &self.encoder
+    }
+
+    /// The frame's embeddings, from the cache when the same picture was encoded before (then
+    /// the same shared handle is returned). The flag says whether it was a cache hit.
+    pub fn encode(&self, picture: &Picture<'_>) -> Result<(Arc<Frame>, bool)> {
         let rgb = picture.to_rgb()?;
-        let mut hash = Xxh3::new();
-        hash.update(self.id.as_bytes());
-        hash.update(&picture.width.to_le_bytes());
-        hash.update(&picture.height.to_le_bytes());
-        hash.update(&rgb);
-        let segments = self.projector.encode(&rgb, picture.width, picture.height)?;
-        Ok(Frame { segments, content_hash: hash.digest() })
+        let content_hash = self.encoder.content_hash(&rgb);
+        if let Some(frame) = self.cache.get(&content_hash) {
+            return Ok((frame, true));
+        }
+        let frame = Arc::new(Frame { content_hash, segments: self.encoder.encode_rgb(&rgb)? });
+        self.cache.insert(content_hash, Arc::clone(&frame));
+        Ok((frame, false))
+    }
+
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
     }
 }
 
@@ -142,17 +300,54 @@ mod tests {
                 data[at + og] = *g;
                 data[at + ob] = *b;
             }
-            let pic = Picture { data: &data, width: 2, height: 2, stride: 12, layout };
-            assert_eq!(pic.to_rgb().unwrap(), expected, "{layout:?}");
+            let pic = Picture::packed(&data, 2, 2, 12, layout);
+            assert_eq!(pic.to_rgb().unwrap().data, expected, "{layout:?}");
+        }
+    }
+
+    #[test]
+    fn yuv_grey_and_primaries_convert() {
+        // 2x2 NV12 / I420 with one chroma sample: limited-range BT.601 white, and pure red.
+        for (y, u, v, rgb) in
+            [(235u8, 128u8, 128u8, [255u8, 255, 255]), (81, 90, 240, [255, 0, 0]), (16, 128, 128, [0, 0, 0])]
+        {
+            let luma = [y; 4];
+            let nv12 = Picture {
+                planes: [&luma, &[u, v], &[]],
+                strides: [2, 2, 0],
+                width: 2,
+                height: 2,
+                format: PixelFormat::Nv12(YuvMatrix::Bt601Limited),
+            };
+            let i420 = Picture {
+                planes: [&luma, &[u], &[v]],
+                strides: [2, 1, 1],
+                width: 2,
+                height: 2,
+                format: PixelFormat::I420(YuvMatrix::Bt601Limited),
+            };
+            let (a, b) = (nv12.to_rgb().unwrap().data, i420.to_rgb().unwrap().data);
+            assert_eq!(a, b);
+            for px in a.chunks(3) {
+                for c in 0..3 {
+                    assert!((px[c] as i32 - rgb[c] as i32).abs() <= 2, "{y},{u},{v} -> {px:?}, expected {rgb:?}");
+                }
+            }
         }
     }
 
     #[test]
     fn bad_geometry_is_an_error() {
         let data = [0u8; 10];
-        let zero = Picture { data: &data, width: 0, height: 2, stride: 3, layout: PixelLayout::Rgb };
-        assert!(matches!(zero.to_rgb(), Err(Error::BadInput(_))));
-        let short = Picture { data: &data, width: 2, height: 2, stride: 6, layout: PixelLayout::Rgb };
-        assert!(matches!(short.to_rgb(), Err(Error::BadInput(_))));
+        assert!(matches!(Picture::packed(&data, 0, 2, 3, PixelLayout::Rgb).to_rgb(), Err(Error::BadInput(_))));
+        assert!(matches!(Picture::packed(&data, 2, 2, 6, PixelLayout::Rgb).to_rgb(), Err(Error::BadInput(_))));
+        let nv12 = Picture {
+            planes: [&data[..4], &data[..1], &[]],
+            strides: [2, 2, 0],
+            width: 2,
+            height: 2,
+            format: PixelFormat::Nv12(YuvMatrix::Bt601Limited),
+        };
+        assert!(matches!(nv12.to_rgb(), Err(Error::BadInput(_))), "short chroma plane");
     }
 }

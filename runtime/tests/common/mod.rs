@@ -60,11 +60,7 @@ pub fn picture(variant: u32) -> Vec<u8> {
 
 pub fn frame(encoder: &MtmdEncoder, variant: u32) -> Arc<Frame> {
     let rgb = picture(variant);
-    Arc::new(
-        encoder
-            .encode(&Picture { data: &rgb, width: 64, height: 48, stride: 64 * 3, layout: PixelLayout::Rgb })
-            .expect("encode"),
-    )
+    Arc::new(encoder.encode(&Picture::packed(&rgb, 64, 48, 64 * 3, PixelLayout::Rgb)).expect("encode"))
 }
 
 pub fn open(engine: &Arc<Engine>, name: &str, retain: bool) -> Arc<Stream> {
