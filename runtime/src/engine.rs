@@ -186,6 +186,7 @@ impl Engine {
                 n_seq: config.max_streams + config.max_branches,
                 n_batch: 512,
                 threads: config.threads,
+                kv_unified: false,
             },
         )?;
         let n_ctx_per_seq = ctx.n_ctx_per_seq();

@@ -323,6 +323,9 @@ pub struct ContextParams {
     pub n_seq: u32,
     pub n_batch: u32,
     pub threads: i32,
+    /// One KV buffer shared by all sequences (true) or one per sequence (false, what engines
+    /// use; see [`Context::new`]).
+    pub kv_unified: bool,
 }
 
 /// A language context: the KV memory of several sequences plus compute buffers. Owned by one
@@ -348,10 +351,22 @@ impl Context {
             cp.n_ubatch = p.n_batch;
             cp.n_threads = p.threads;
             cp.n_threads_batch = p.threads;
-            // Per-sequence KV streams: each sequence has its own cells, so a stream extended
-            // while branches exist attends over exactly its own cells and greedy outputs equal a
-            // fresh context's (measured in the spike; with the unified layout they did not).
-            cp.kv_unified = false;
+            // KV layout. With one unified buffer, a sequence's attention runs over every used
+            // cell of the buffer, other sequences' cells masked to -inf: the masked entries add
+            // exact zeros, but the reductions (K·Q, softmax, V-weighted sum) run over a longer
+            // and differently ordered KV axis once branches have taken cells, so the float
+            // summation order changes and a greedy continuation can part from a fresh context's
+            // after some tokens. `cargo run -p vlm-runtime --example kv_layout` measures it (CPU,
+            // 32 greedy tokens after a prompt + 3 frames + question): unified and alone 32/32
+            // with identical logits; unified after two branches took cells, step-0 logits off
+            // by up to 0.91; unified with an *unrelated* sequence in the buffer, off by 0.47 and
+            // parted at token 27. An unrelated sequence moves the numbers as much as a branch, so
+            // this is the layout's summation order, not a branch's data leaking; per-sequence KV
+            // gave 0.0 difference and 32/32 in all three. Per-sequence streams give each sequence its own cells in position
+            // order, so retained, branched and re-prefilled histories are bit-identical, which
+            // the equality tests rely on; the price is that a branch copies its prefix
+            // (`seq_copy_prefix`) instead of sharing cells.
+            cp.kv_unified = p.kv_unified;
             // Contexts that exchange snapshots must agree on flash attention (V layout).
             cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
             cp.no_perf = true;
