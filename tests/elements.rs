@@ -163,6 +163,7 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
         answer_reserve: 128,
         history_policy: vlm_runtime::HistoryPolicy::Stop,
         prefix_cache: None,
+        peers: vec![],
     };
     let stream = Stream::open(&engine, prompt, config).unwrap();
     let enc = encoder();

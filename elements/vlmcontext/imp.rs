@@ -49,6 +49,7 @@ struct Settings {
     context_size: u32,
     max_streams: u32,
     max_pending: u32,
+    engines: String,
     history_policy: HistoryPolicyKind,
     history_keep: u32,
     prefix_cache_size: u64,
@@ -65,6 +66,7 @@ impl Default for Settings {
             context_size: DEFAULT_CONTEXT_SIZE,
             max_streams: DEFAULT_MAX_STREAMS,
             max_pending: DEFAULT_MAX_PENDING,
+            engines: "cpu".into(),
             history_policy: HistoryPolicyKind::Restart,
             history_keep: DEFAULT_HISTORY_KEEP,
             prefix_cache_size: 0,
@@ -87,7 +89,8 @@ struct StreamPads {
 
 #[derive(Default)]
 struct State {
-    engine: Option<Arc<Engine>>,
+    /// The language engines; stream `i` is resident on engine `i % n`.
+    engines: Vec<Arc<Engine>>,
     prompt: Option<Arc<Prompt>>,
 }
 
@@ -111,13 +114,14 @@ impl VlmContext {
         if let Some(s) = slot.as_ref() {
             return Ok(Arc::clone(s));
         }
-        let (engine, prompt) = {
+        let index = pads.sink.name().trim_start_matches("sink_").parse::<usize>().unwrap_or(0);
+        let (engine, engines, prompt) = {
             let st = self.state.lock();
-            match (&st.engine, &st.prompt) {
-                (Some(e), Some(p)) => (Arc::clone(e), Arc::clone(p)),
-                _ => {
-                    return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"]));
+            match &st.prompt {
+                Some(p) if !st.engines.is_empty() => {
+                    (Arc::clone(&st.engines[index % st.engines.len()]), st.engines.clone(), Arc::clone(p))
                 }
+                _ => return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"])),
             }
         };
         let settings = self.settings.lock().clone();
@@ -131,6 +135,7 @@ impl VlmContext {
                 HistoryPolicyKind::Stop => HistoryPolicy::Stop,
             },
             prefix_cache: self.prefix_cache.lock().clone(),
+            peers: engines,
         };
         let stream = Stream::open(&engine, prompt, config)
             .map_err(|e| gst::error_msg!(gst::ResourceError::Failed, ["{}: {}", pads.sink.name(), e]))?;
@@ -235,37 +240,42 @@ impl VlmContext {
 
     fn start(&self) -> Result<(), gst::ErrorMessage> {
         let s = self.settings.lock().clone();
-        let config = EngineConfig {
-            name: "cpu".into(),
+        let fail = |e: Error| match e {
+            Error::File { .. } | Error::Config(_) => {
+                gst::error_msg!(gst::ResourceError::OpenRead, ["vlmcontext: {}", e])
+            }
+            e => gst::error_msg!(gst::ResourceError::Failed, ["vlmcontext: {}", e]),
+        };
+        let base = EngineConfig {
             threads: s.threads as i32,
             context_per_sequence: s.context_size,
             max_streams: s.max_streams,
             ..EngineConfig::default()
         };
-        let engine = Engine::start(&PathBuf::from(&s.model), config).map_err(|e| match e {
-            Error::File { .. } | Error::Config(_) => {
-                gst::error_msg!(gst::ResourceError::OpenRead, ["vlmcontext: {}", e])
-            }
-            e => gst::error_msg!(gst::ResourceError::Failed, ["vlmcontext: {}", e]),
-        })?;
-        let prompt = Prompt::new(engine.model(), &s.system_prompt)
+        let mut engines = vec![];
+        for config in EngineConfig::parse_list(&s.engines, &base).map_err(fail)? {
+            let engine = Engine::start(&PathBuf::from(&s.model), config).map_err(fail)?;
+            gst::info!(
+                CAT,
+                imp = self,
+                "engine {} ready: {} ({} owners of its weights), {} cells per sequence, rates {:?}",
+                engine.name(),
+                s.model,
+                models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu),
+                engine.n_ctx_per_seq(),
+                engine.rates()
+            );
+            engines.push(engine);
+        }
+        let prompt = Prompt::new(engines[0].model(), &s.system_prompt)
             .map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ["vlmcontext: {}", e]))?;
-        gst::info!(
-            CAT,
-            imp = self,
-            "engine {} ready: {} ({} owners of its weights), {} cells per sequence",
-            engine.name(),
-            s.model,
-            models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu),
-            engine.n_ctx_per_seq()
-        );
         let mut cache = self.prefix_cache.lock();
         let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
         if cache.as_ref().is_none_or(|c| c.limits() != limits) {
             *cache = Some(Arc::new(PrefixCache::new(limits.0, limits.1)));
         }
         drop(cache);
-        *self.state.lock() = State { engine: Some(engine), prompt: Some(Arc::new(prompt)) };
+        *self.state.lock() = State { engines, prompt: Some(Arc::new(prompt)) };
         Ok(())
     }
 
@@ -368,6 +378,12 @@ impl ObjectImpl for VlmContext {
                     .blurb("Prefix cache look-ups that found nothing (the first of a session included)")
                     .read_only()
                     .build(),
+                glib::ParamSpecString::builder("engines")
+                    .nick("Engines")
+                    .blurb("Language engines, NAME[:cpu|gpu[:THREADS]] separated by commas (e.g. cpu,gpu or big:cpu:1,little:cpu:1); stream i is resident on engine i modulo their number, and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
+                    .default_value(Some("cpu"))
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecUInt::builder("threads")
                     .nick("Threads")
                     .blurb("CPU threads of the language engine")
@@ -404,6 +420,7 @@ impl ObjectImpl for VlmContext {
             "history-keep" => s.history_keep = value.get().unwrap(),
             "prefix-cache-size" => s.prefix_cache_size = value.get().unwrap(),
             "prefix-cache-entries" => s.prefix_cache_entries = value.get().unwrap(),
+            "engines" => s.engines = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "threads" => s.threads = value.get().unwrap(),
             _ => unreachable!(),
         }
@@ -425,6 +442,7 @@ impl ObjectImpl for VlmContext {
             "prefix-cache-hits" => self.prefix_cache.lock().as_ref().map_or(0, |c| c.stats().hits).to_value(),
             "prefix-cache-misses" => self.prefix_cache.lock().as_ref().map_or(0, |c| c.stats().misses).to_value(),
             "history-restarts" => self.pads.lock().iter().map(|p| *p.restarts.lock()).sum::<u64>().to_value(),
+            "engines" => s.engines.to_value(),
             "threads" => s.threads.to_value(),
             "model-owners" => {
                 (models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu) as u32).to_value()

@@ -381,22 +381,9 @@ impl VlmQuery {
             return;
         };
         let placement = self.settings.lock().placement.clone();
-        if placement != "auto" && placement != stream.engine().name() {
-            gst::element_imp_warning!(
-                self,
-                gst::LibraryError::Settings,
-                [
-                    "question {}: placement={} names no engine of this stream (engines: {})",
-                    q.id,
-                    placement,
-                    stream.engine().name()
-                ]
-            );
-            return;
-        }
         let result = stream
             .wait_version(job.frames, &cancel)
-            .and_then(|version| vlm_runtime::answer(&version, q, &cancel, |_| {}));
+            .and_then(|version| vlm_runtime::answer_placed(&version, q, &placement, &cancel, |_| {}));
         self.shared.lock().current = None;
         match result {
             Ok(report) if !report.cancelled => self.push_answer(&job, &stream, report),
@@ -439,6 +426,7 @@ impl VlmQuery {
             .field("prepare-ms", r.prepare_ms)
             .field("tokens", r.tokens)
             .field("total-ms", r.total_ms)
+            .field("estimate-ms", r.estimate_ms.unwrap_or(-1.0))
             .field("pts", job.pts)
             .build();
         let _ = self.obj().post_message(gst::message::Element::builder(msg).src(&*self.obj()).build());

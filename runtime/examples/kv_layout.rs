@@ -81,8 +81,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let unrelated = model.tokenize(&"The quick brown fox jumps over the lazy dog. ".repeat(30), false, false)?;
     println!("{:<10} {:<10} {:>9} {:>16} {:>16}", "layout", "situation", "agree", "first diverging", "max |dlogit| @0");
     for unified in [false, true] {
-        let params =
-            |n_seq| ContextParams { n_ctx_per_seq: 1024, n_seq, n_batch: 512, threads: 2, kv_unified: unified };
+        let params = |n_seq| ContextParams {
+            n_ctx_per_seq: 1024,
+            n_seq,
+            n_batch: 512,
+            threads: 2,
+            kv_unified: unified,
+            flash_attention: false,
+        };
         let mut fresh = Context::new(Arc::clone(&model), &params(4))?;
         let end = history(&mut fresh, &prompt, &frames, &question, 0);
         let (reference, ref_logits) = continue_greedy(&mut fresh, end, 0, args.tokens);

@@ -71,6 +71,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             answer_reserve: 64,
             history_policy: HistoryPolicy::Stop,
             prefix_cache: None,
+            peers: vec![],
         };
         Stream::open(&engine, Arc::clone(&prompt), config)
     };

@@ -12,9 +12,11 @@ use llama_cpp_2::token::LlamaToken;
 use llama_cpp_2::token::data::LlamaTokenData;
 use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 
-use crate::engine::{Generation, Progress, Worker};
+use crate::engine::{Engine, Generation, Progress, Stage, Worker};
 use crate::error::{Error, Result};
 use crate::llama::Token;
+use crate::placer;
+use crate::snapshot::Snapshot;
 use crate::stream::{Version, prefill_history};
 use crate::text::Utf8Stream;
 
@@ -113,6 +115,8 @@ pub struct AnswerReport {
     /// Arrival to last token.
     pub total_ms: f64,
     pub cancelled: bool,
+    /// The placer's estimate of the path's total time, when the placer chose it.
+    pub estimate_ms: Option<f64>,
 }
 
 enum Event {
@@ -120,18 +124,91 @@ enum Event {
     Done(Result<AnswerReport>),
 }
 
-/// Answer `question` over `version`, calling `on_text` with each complete piece of text as it
-/// is generated. Blocks until the answer ends; `cancel` stops it at the next decode step. The
-/// answer shares the engine's decode steps with every other answer being generated there.
+/// Answer `question` over `version` on the stream's resident engine, calling `on_text` with
+/// each complete piece of text as it is generated. Blocks until the answer ends; `cancel` stops
+/// it at the next decode step. The answer shares the engine's decode steps with every other
+/// answer being generated there.
 pub fn answer(
     version: &Version,
     question: &Question,
     cancel: &Arc<AtomicBool>,
+    on_text: impl FnMut(&str),
+) -> Result<AnswerReport> {
+    let resident = Arc::clone(version.stream.engine());
+    let path = if version.stream.retain() { PreparePath::Resident } else { PreparePath::Replay };
+    answer_on(version, question, &resident, path, cancel, on_text)
+}
+
+/// Let the placer choose the engine and path (`placement` = `auto` or an engine's name), then
+/// answer there. The report carries the estimate beside the measured times.
+pub fn answer_placed(
+    version: &Version,
+    question: &Question,
+    placement: &str,
+    cancel: &Arc<AtomicBool>,
+    on_text: impl FnMut(&str),
+) -> Result<AnswerReport> {
+    let stream = &version.stream;
+    let suffix = stream.prompt().question_tokens(stream.engine().model(), &question.text)?.len();
+    let cached = cached_snapshot(version).is_some();
+    let plan = placer::choose(version, suffix, question.max_tokens, cached, placement)?;
+    let mut report = answer_on(version, question, &plan.engine, plan.path, cancel, on_text)?;
+    report.estimate_ms = Some(plan.total_ms());
+    Ok(report)
+}
+
+/// A stored snapshot of exactly `version`, if the prefix cache has one.
+fn cached_snapshot(version: &Version) -> Option<Arc<Snapshot>> {
+    let stream = &version.stream;
+    stream.prefix_cache()?.get(&(version.key, stream.engine().compat_tag()))
+}
+
+/// A snapshot holding `version`: from the prefix cache, or exported from the resident engine
+/// (after the jobs queued there; the stream's sequence may then hold more than the version,
+/// which the importer trims).
+pub fn snapshot(version: &Version) -> Result<Arc<Snapshot>> {
+    if let Some(s) = cached_snapshot(version) {
+        return Ok(s);
+    }
+    let stream = Arc::clone(&version.stream);
+    let (epoch, end, key, tag) = (version.epoch, version.end, version.key, stream.engine().compat_tag());
+    let engine = Arc::clone(stream.engine());
+    engine.call(move |w| {
+        if !stream.retain() || stream.resident_epoch() != epoch {
+            return Err(Error::Engine("the version is no longer resident: replay it instead".into()));
+        }
+        let started = Instant::now();
+        let bytes = w.ctx.seq_snapshot(stream.seq())?;
+        w.record(Stage::Export, end as usize, ms(started.elapsed()));
+        Ok(Arc::new(Snapshot { key, tag, bytes, end }))
+    })?
+}
+
+/// Answer on `engine`, preparing the history by `path`.
+pub fn answer_on(
+    version: &Version,
+    question: &Question,
+    engine: &Arc<Engine>,
+    path: PreparePath,
+    cancel: &Arc<AtomicBool>,
     mut on_text: impl FnMut(&str),
 ) -> Result<AnswerReport> {
+    let resident = Arc::ptr_eq(engine, version.stream.engine());
+    let preparation = match path {
+        PreparePath::Resident if resident && version.stream.retain() => Preparation::Branch,
+        PreparePath::Resident => {
+            return Err(Error::Config(format!("the history is not resident on engine {}", engine.name())));
+        }
+        PreparePath::Import => {
+            let snapshot = snapshot(version)?;
+            if let Some(why) = snapshot.tag.incompatibility(&engine.compat_tag()) {
+                return Err(Error::Incompatible(why));
+            }
+            Preparation::Import(snapshot)
+        }
+        PreparePath::Replay => Preparation::Replay,
+    };
     let (tx, rx) = mpsc::channel();
-    let engine = Arc::clone(version.stream.engine());
-    let model = Arc::clone(engine.model());
     engine.generate(Box::new(Answer {
         version: version.clone(),
         question: question.clone(),
@@ -140,7 +217,9 @@ pub fn answer(
         wait_ms: ms(question.arrival.elapsed()),
         submitted: Instant::now(),
         sampler: question.sampling.sampler(),
-        model,
+        model: Arc::clone(engine.model()),
+        engine: engine.name().to_owned(),
+        preparation,
         report: None,
         utf8: Utf8Stream::default(),
         limit: engine.n_ctx_per_seq() as i32,
@@ -155,6 +234,14 @@ pub fn answer(
     Err(Error::Engine("the engine stopped before the answer finished".into()))
 }
 
+/// How the answering engine gets the version's history.
+enum Preparation {
+    /// Copy the stream's sequence (same engine).
+    Branch,
+    Import(Arc<Snapshot>),
+    Replay,
+}
+
 /// One answer being generated on the engine thread.
 struct Answer {
     version: Version,
@@ -165,6 +252,8 @@ struct Answer {
     submitted: Instant,
     sampler: Option<LlamaSampler>,
     model: Arc<crate::llama::Model>,
+    engine: String,
+    preparation: Preparation,
     /// Filled in by `start`; sent when the answer ends.
     report: Option<AnswerReport>,
     utf8: Utf8Stream,
@@ -202,14 +291,25 @@ impl Answer {
     fn prepare(&mut self, w: &mut Worker, branch: i32) -> Result<i32> {
         let (version, stream) = (&self.version, &self.version.stream);
         let prep = Instant::now();
-        let path = if stream.retain() && stream.resident_epoch() == version.epoch {
-            w.ctx.seq_copy_prefix(stream.seq(), branch, version.end);
-            PreparePath::Resident
-        } else {
-            // The baseline, or a version of an older epoch: rebuild the history from its frames.
-            let end = prefill_history(w, stream.prompt(), &version.history, branch, &self.cancel)?;
-            debug_assert_eq!(end, version.end);
-            PreparePath::Replay
+        let path = match &self.preparation {
+            Preparation::Branch if stream.resident_epoch() == version.epoch => {
+                w.ctx.seq_copy_prefix(stream.seq(), branch, version.end);
+                PreparePath::Resident
+            }
+            Preparation::Import(snapshot) => {
+                w.ctx.seq_restore(branch, &snapshot.bytes)?;
+                w.ctx.seq_truncate(branch, version.end);
+                w.record(Stage::Import, version.end as usize, ms(prep.elapsed()));
+                PreparePath::Import
+            }
+            // The baseline, a replay on another engine, or a version of an older epoch:
+            // rebuild the history from its frames.
+            Preparation::Branch | Preparation::Replay => {
+                let end = prefill_history(w, stream.prompt(), &version.history, branch, &self.cancel)?;
+                debug_assert_eq!(end, version.end);
+                w.record(Stage::Prefill, end as usize, ms(prep.elapsed()));
+                PreparePath::Replay
+            }
         };
         let prepare_ms = ms(prep.elapsed());
         let suffix = stream.prompt().question_tokens(&self.model, &self.question.text)?;
@@ -220,11 +320,13 @@ impl Answer {
                 version.end
             )));
         }
+        let started = Instant::now();
         w.ctx.decode_tokens(&suffix, version.end, branch, true)?;
+        w.record(Stage::Prefill, suffix.len(), ms(started.elapsed()));
         self.report = Some(AnswerReport {
             text: String::new(),
             tokens: 0,
-            engine: stream.engine().name().to_owned(),
+            engine: self.engine.clone(),
             path,
             frames: version.frames(),
             frame: version.number,
@@ -234,6 +336,7 @@ impl Answer {
             ttft_ms: 0.0,
             total_ms: 0.0,
             cancelled: false,
+            estimate_ms: None,
         });
         Ok(version.end + suffix.len() as i32)
     }

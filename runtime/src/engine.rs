@@ -32,6 +32,9 @@ pub struct EngineConfig {
     pub max_streams: u32,
     /// Answers generated at once (each needs a sequence of its own).
     pub max_branches: u32,
+    /// Flash attention: faster KV export on GPUs, but V is stored untransposed, so snapshots
+    /// only move between engines that agree on it.
+    pub flash_attention: bool,
 }
 
 impl Default for EngineConfig {
@@ -43,7 +46,86 @@ impl Default for EngineConfig {
             context_per_sequence: 2048,
             max_streams: 2,
             max_branches: 4,
+            flash_attention: false,
         }
+    }
+}
+
+/// A stage of work whose cost the placer estimates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Prefill, per token (frames, replayed history, question suffixes).
+    Prefill,
+    /// One batched decode step.
+    DecodeStep,
+    /// Snapshot export, per token of history.
+    Export,
+    /// Snapshot import, per token of history.
+    Import,
+}
+
+/// Stage costs measured on one engine, as exponentially weighted means (ms per unit). They start
+/// from a short calibration run when the engine starts, so nothing is assumed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageRates {
+    pub prefill_ms_per_token: f64,
+    pub decode_ms_per_step: f64,
+    pub export_ms_per_token: f64,
+    pub import_ms_per_token: f64,
+}
+
+impl StageRates {
+    fn slot(&mut self, stage: Stage) -> &mut f64 {
+        match stage {
+            Stage::Prefill => &mut self.prefill_ms_per_token,
+            Stage::DecodeStep => &mut self.decode_ms_per_step,
+            Stage::Export => &mut self.export_ms_per_token,
+            Stage::Import => &mut self.import_ms_per_token,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Engines from a list such as `cpu`, `cpu,gpu` or `big:cpu:1,little:cpu:1`: each entry is
+    /// `NAME[:DEVICE[:THREADS]]`, DEVICE `cpu` or `gpu` (default: `gpu` for a name starting with
+    /// "gpu", else `cpu`), THREADS defaulting to `base.threads`. Other fields come from `base`.
+    pub fn parse_list(spec: &str, base: &EngineConfig) -> Result<Vec<EngineConfig>> {
+        let mut engines: Vec<EngineConfig> = vec![];
+        for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let bad =
+                |why: &str| Error::Config(format!("engine \"{entry}\": {why} (expected NAME[:cpu|gpu[:THREADS]])"));
+            let mut parts = entry.split(':');
+            let name = parts.next().unwrap_or_default();
+            if name.is_empty()
+                || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+                || name == "auto"
+            {
+                return Err(bad("invalid name"));
+            }
+            let device = match parts.next() {
+                None if name.starts_with("gpu") => Device::Gpu,
+                None | Some("cpu") => Device::Cpu,
+                Some("gpu") => Device::Gpu,
+                Some(_) => return Err(bad("unknown device")),
+            };
+            let threads = match parts.next() {
+                None => base.threads,
+                Some(t) => {
+                    t.parse::<i32>().ok().filter(|t| (1..=256).contains(t)).ok_or_else(|| bad("bad thread count"))?
+                }
+            };
+            if parts.next().is_some() {
+                return Err(bad("too many fields"));
+            }
+            if engines.iter().any(|e| e.name == name) {
+                return Err(bad("duplicate name"));
+            }
+            engines.push(EngineConfig { name: name.into(), device, threads, ..base.clone() });
+        }
+        if engines.is_empty() {
+            return Err(Error::Config("no engine configured".into()));
+        }
+        Ok(engines)
     }
 }
 
@@ -51,9 +133,20 @@ impl Default for EngineConfig {
 pub struct Worker {
     pub ctx: Context,
     free_branches: Vec<i32>,
+    rates: Arc<Mutex<StageRates>>,
 }
 
 impl Worker {
+    /// Record that `units` of `stage` took `ms`.
+    pub fn record(&self, stage: Stage, units: usize, ms: f64) {
+        if units > 0 {
+            let mut rates = self.rates.lock();
+            let slot = rates.slot(stage);
+            let sample = ms / units as f64;
+            *slot = if *slot <= 0.0 { sample } else { 0.8 * *slot + 0.2 * sample };
+        }
+    }
+
     /// Clear a sequence's cells.
     fn release(&mut self, seq: i32) {
         self.ctx.seq_clear(seq);
@@ -99,6 +192,9 @@ pub struct Engine {
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     queued: Arc<AtomicUsize>,
     widest: Arc<AtomicUsize>,
+    rates: Arc<Mutex<StageRates>>,
+    /// Estimated milliseconds of queued work (ingestion and preparation) ahead of a new job.
+    backlog: Mutex<f64>,
     free_streams: Mutex<VecDeque<i32>>,
     n_ctx_per_seq: u32,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -106,17 +202,27 @@ pub struct Engine {
 
 /// The engine thread's loop.
 fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, queued: Arc<AtomicUsize>, widest: Arc<AtomicUsize>) {
+    calibrate(&mut w);
+    crate::llama::stop_workers_before_exit();
     let mut waiting: VecDeque<Box<dyn Generation>> = VecDeque::new();
     let mut active: Vec<Active> = Vec::new();
     let done = |n: usize| {
         queued.fetch_sub(n, Ordering::AcqRel);
     };
     loop {
-        let idle = active.is_empty() && waiting.is_empty();
-        let first = if idle { jobs.recv().ok() } else { jobs.try_recv().ok() };
-        if idle && first.is_none() {
-            return; // the engine stopped and every job is done
+        if crate::llama::exiting() {
+            return; // the process is exiting: drop the work, free the context
         }
+        let idle = active.is_empty() && waiting.is_empty();
+        let first = if idle {
+            match jobs.recv_timeout(std::time::Duration::from_millis(200)) {
+                Ok(job) => Some(job),
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return, // stopped, every job done
+            }
+        } else {
+            jobs.try_recv().ok()
+        };
         for job in first.into_iter().chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
             match job {
                 Job::Run(f) => {
@@ -144,7 +250,9 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, queued: Arc<AtomicUsize>, wides
         }
         let entries: Vec<_> = active.iter().map(|a| (a.next.0, a.next.1, a.branch)).collect();
         widest.fetch_max(entries.len(), Ordering::Relaxed);
+        let started = std::time::Instant::now();
         let step = w.ctx.decode_step(&entries);
+        w.record(Stage::DecodeStep, 1, started.elapsed().as_secs_f64() * 1e3);
         let mut i = 0;
         active.retain_mut(|a| {
             let progress = match &step {
@@ -170,6 +278,34 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, queued: Arc<AtomicUsize>, wides
     }
 }
 
+/// Seed the stage rates with a short run on a scratch branch: 32 tokens of prefill, 4 decode
+/// steps, one export and import.
+fn calibrate(w: &mut Worker) {
+    let Some(seq) = w.free_branches.last().copied() else { return };
+    let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
+    let t = std::time::Instant::now();
+    if w.ctx.decode_tokens(&tokens, 0, seq, true).is_err() {
+        return;
+    }
+    w.record(Stage::Prefill, tokens.len(), t.elapsed().as_secs_f64() * 1e3);
+    for pos in 32..36 {
+        let t = std::time::Instant::now();
+        if w.ctx.decode_step(&[(100, pos, seq)]).is_err() {
+            break;
+        }
+        w.record(Stage::DecodeStep, 1, t.elapsed().as_secs_f64() * 1e3);
+    }
+    let t = std::time::Instant::now();
+    if let Ok(snapshot) = w.ctx.seq_snapshot(seq) {
+        w.record(Stage::Export, 36, t.elapsed().as_secs_f64() * 1e3);
+        let t = std::time::Instant::now();
+        if w.ctx.seq_restore(seq, &snapshot).is_ok() {
+            w.record(Stage::Import, 36, t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    w.ctx.seq_clear(seq);
+}
+
 impl Engine {
     /// Load (or share) the model and start the engine thread.
     pub fn start(model_path: &std::path::Path, config: EngineConfig) -> Result<Arc<Engine>> {
@@ -187,18 +323,33 @@ impl Engine {
                 n_batch: 512,
                 threads: config.threads,
                 kv_unified: false,
+                flash_attention: config.flash_attention,
             },
         )?;
         let n_ctx_per_seq = ctx.n_ctx_per_seq();
         let streams = config.max_streams as i32;
-        let worker = Worker { ctx, free_branches: (streams..streams + config.max_branches as i32).rev().collect() };
+        let rates = Arc::new(Mutex::new(StageRates {
+            prefill_ms_per_token: 0.0,
+            decode_ms_per_step: 0.0,
+            export_ms_per_token: 0.0,
+            import_ms_per_token: 0.0,
+        }));
+        let worker = Worker {
+            ctx,
+            free_branches: (streams..streams + config.max_branches as i32).rev().collect(),
+            rates: Arc::clone(&rates),
+        };
         let (tx, rx) = mpsc::channel::<Job>();
         let queued = Arc::new(AtomicUsize::new(0));
         let widest = Arc::new(AtomicUsize::new(0));
         let (q, wd) = (Arc::clone(&queued), Arc::clone(&widest));
         let thread = std::thread::Builder::new()
             .name(format!("vlm-engine-{}", config.name))
-            .spawn(move || run(worker, rx, q, wd))
+            .spawn(move || {
+                let registration = crate::llama::WorkerThread::register();
+                run(worker, rx, q, wd);
+                drop(registration);
+            })
             .map_err(|e| Error::Engine(format!("cannot start engine thread: {e}")))?;
         Ok(Arc::new(Engine {
             free_streams: Mutex::new((0..streams).collect()),
@@ -207,6 +358,8 @@ impl Engine {
             jobs: Mutex::new(Some(tx)),
             queued,
             widest,
+            rates,
+            backlog: Mutex::new(0.0),
             n_ctx_per_seq,
             thread: Mutex::new(Some(thread)),
         }))
@@ -223,9 +376,14 @@ impl Engine {
     /// Which stored KV this engine can consume.
     pub fn compat_tag(&self) -> CompatTag {
         CompatTag {
+            model: self.model.identity(),
             backend: self.config.device.name().into(),
             kv_dtype: "f16",
-            layout: "per-sequence streams, V transposed",
+            layout: if self.config.flash_attention {
+                "V untransposed (flash attention)"
+            } else {
+                "V transposed (no flash attention)"
+            },
         }
     }
 
@@ -236,6 +394,38 @@ impl Engine {
     /// Jobs and generations waiting or running on this engine.
     pub fn queue_depth(&self) -> usize {
         self.queued.load(Ordering::Acquire)
+    }
+
+    /// The stage costs measured on this engine so far.
+    pub fn rates(&self) -> StageRates {
+        *self.rates.lock()
+    }
+
+    /// Estimated milliseconds before a job submitted now starts: the measured cost of the work
+    /// queued ahead of it.
+    pub fn backlog_ms(&self) -> f64 {
+        self.backlog.lock().max(0.0)
+    }
+
+    /// Run `job` (estimated to cost `cost_ms`) on the engine thread; its cost counts in the
+    /// backlog until it has run.
+    pub fn submit_costed(self: &Arc<Self>, cost_ms: f64, job: impl FnOnce(&mut Worker) + Send + 'static) -> Result<()> {
+        *self.backlog.lock() += cost_ms;
+        let engine = Arc::clone(self);
+        self.submit(move |w| {
+            job(w);
+            *engine.backlog.lock() -= cost_ms;
+        })
+        .inspect_err(|_| *self.backlog.lock() -= cost_ms)
+    }
+
+    /// Run `job` on the engine thread and wait for its result.
+    pub fn call<R: Send + 'static>(&self, job: impl FnOnce(&mut Worker) -> R + Send + 'static) -> Result<R> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.submit(move |w| {
+            let _ = tx.send(job(w));
+        })?;
+        rx.recv().map_err(|_| Error::Engine(format!("engine {} dropped a job", self.name())))
     }
 
     /// Most answers decoded together in one step so far.
@@ -291,7 +481,8 @@ impl Engine {
     /// Stop accepting jobs and wait for the queued ones to finish.
     pub fn stop(&self) {
         self.jobs.lock().take();
-        // The last owner may be a job on the engine thread itself: it cannot join itself.
+        // The last owner may be a job on the engine thread itself: it cannot join itself; the
+        // thread then ends on its own once the queue is drained.
         if let Some(t) = self.thread.lock().take()
             && t.thread().id() != std::thread::current().id()
         {
@@ -300,8 +491,34 @@ impl Engine {
     }
 }
 
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("name", &self.config.name).field("device", &self.config.device).finish()
+    }
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_lists_parse_and_bad_ones_are_refused() {
+        let base = EngineConfig { threads: 2, ..EngineConfig::default() };
+        let e = EngineConfig::parse_list("cpu", &base).unwrap();
+        assert_eq!((e.len(), e[0].name.as_str(), &e[0].device, e[0].threads), (1, "cpu", &Device::Cpu, 2));
+        let e = EngineConfig::parse_list("big:cpu:1, little:cpu:1,gpu", &base).unwrap();
+        assert_eq!(
+            e.iter().map(|e| (e.name.as_str(), e.device.name(), e.threads)).collect::<Vec<_>>(),
+            [("big", "cpu", 1), ("little", "cpu", 1), ("gpu", "gpu", 2)]
+        );
+        for bad in ["", "a:tpu", "a:cpu:0", "a,a", "auto", "a b", "a:cpu:1:2"] {
+            assert!(EngineConfig::parse_list(bad, &base).is_err(), "{bad:?} must be refused");
+        }
     }
 }

@@ -19,6 +19,9 @@ pub enum Error {
     /// The stream's history has no room for another frame.
     #[error("history full: {frames} frames fill the {cells} cells of the stream's sequence")]
     HistoryFull { frames: u64, cells: u32 },
+    /// A stored state cannot be consumed by the target engine.
+    #[error("incompatible snapshot: {0}")]
+    Incompatible(String),
     /// The work was cancelled (flush, stop) before it finished.
     #[error("cancelled")]
     Cancelled,

@@ -16,13 +16,14 @@ pub mod error;
 mod gguf;
 pub mod llama;
 pub mod models;
+pub mod placer;
 pub mod prefix;
 pub mod prompt;
 pub mod snapshot;
 pub mod stream;
 pub mod text;
 
-pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer};
+pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer, answer_on, answer_placed};
 pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use llama::Device;

@@ -54,6 +54,43 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
     }
 }
 
+/// Threads that run llama.cpp work (engine threads), and whether the process is exiting.
+static WORKERS: (Mutex<usize>, parking_lot::Condvar) = (Mutex::new(0), parking_lot::Condvar::new());
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Held by a thread that runs llama.cpp work, for its whole life (drop it last, after the
+/// contexts it used are freed).
+pub(crate) struct WorkerThread(());
+
+impl WorkerThread {
+    pub(crate) fn register() -> WorkerThread {
+        *WORKERS.0.lock() += 1;
+        WorkerThread(())
+    }
+}
+
+impl Drop for WorkerThread {
+    fn drop(&mut self) {
+        *WORKERS.0.lock() -= 1;
+        WORKERS.1.notify_all();
+    }
+}
+
+/// Whether the process is exiting: worker threads stop taking work and free their contexts.
+pub(crate) fn exiting() -> bool {
+    EXITING.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// At process exit, before llama.cpp's static objects are destroyed: stop the worker threads and
+/// wait (a bounded time) until they have freed their contexts, so that no computation or free
+/// races those destructors. (Engines kept alive by queued work may outlive their users.)
+extern "C" fn stop_workers_at_exit() {
+    EXITING.store(true, std::sync::atomic::Ordering::Release);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut live = WORKERS.0.lock();
+    while *live > 0 && !WORKERS.1.wait_until(&mut live, deadline).timed_out() {}
+}
+
 /// Initialise llama.cpp's backends once per process and install the log router.
 pub fn init_backend() {
     static INIT: OnceLock<()> = OnceLock::new();
@@ -67,6 +104,17 @@ pub fn init_backend() {
             sys::llama_backend_init();
         }
     });
+}
+
+/// Make sure worker threads are stopped before llama.cpp's static objects are destroyed at
+/// exit. Called by each engine thread after its first computation, when the lazily built
+/// statics of the backends it uses exist: exit handlers run in reverse order of registration,
+/// so this one runs before their destructors. (Registering twice is harmless.)
+pub(crate) fn stop_workers_before_exit() {
+    // SAFETY: registering a plain `extern "C"` function that lives as long as the process.
+    unsafe {
+        libc::atexit(stop_workers_at_exit);
+    }
 }
 
 /// Where a model's weights and a context's compute live.
@@ -326,6 +374,8 @@ pub struct ContextParams {
     /// One KV buffer shared by all sequences (true) or one per sequence (false, what engines
     /// use; see [`Context::new`]).
     pub kv_unified: bool,
+    /// Flash attention (also decides the V layout: contexts that exchange snapshots must agree).
+    pub flash_attention: bool,
 }
 
 /// A language context: the KV memory of several sequences plus compute buffers. Owned by one
@@ -368,7 +418,11 @@ impl Context {
             // (`seq_copy_prefix`) instead of sharing cells.
             cp.kv_unified = p.kv_unified;
             // Contexts that exchange snapshots must agree on flash attention (V layout).
-            cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+            cp.flash_attn_type = if p.flash_attention {
+                sys::LLAMA_FLASH_ATTN_TYPE_ENABLED
+            } else {
+                sys::LLAMA_FLASH_ATTN_TYPE_DISABLED
+            };
             cp.no_perf = true;
             sys::llama_init_from_model(model.as_ptr(), cp)
         };
@@ -549,6 +603,20 @@ impl Context {
             return Err(Error::Engine(format!("snapshot of {} bytes refused for sequence {seq}", snapshot.len())));
         }
         Ok(())
+    }
+
+    /// Largest position held by `seq` (-1 when empty).
+    pub fn seq_pos_max(&self, seq: i32) -> i32 {
+        // SAFETY: valid memory handle.
+        unsafe { sys::llama_memory_seq_pos_max(self.memory(), seq) }
+    }
+
+    /// Forget the cells of `seq` from position `end` on.
+    pub fn seq_truncate(&mut self, seq: i32, end: i32) {
+        // SAFETY: valid memory handle.
+        unsafe {
+            sys::llama_memory_seq_rm(self.memory(), seq, end, -1);
+        }
     }
 
     /// Forget every cell of `seq`.

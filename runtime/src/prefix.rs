@@ -61,11 +61,30 @@ impl PrefixKey {
 /// Which engines can consume a stored representation of a prefix.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct CompatTag {
-    /// `cpu`, `Vulkan0`, ...
+    /// The model whose KV it is.
+    pub model: String,
+    /// `cpu`, `gpu`: llama.cpp serialises a sequence's state in a backend-neutral form, so the
+    /// backend is recorded but does not decide compatibility.
     pub backend: String,
     pub kv_dtype: &'static str,
-    /// KV layout: per-sequence streams; V transposed because flash attention is off.
+    /// KV layout: V transposed or not (flash attention off or on).
     pub layout: &'static str,
+}
+
+impl CompatTag {
+    /// Why a snapshot tagged `self` cannot be imported by an engine tagged `target`.
+    pub fn incompatibility(&self, target: &CompatTag) -> Option<String> {
+        if self.model != target.model {
+            return Some(format!("snapshot of model {} cannot feed model {}", self.model, target.model));
+        }
+        if self.kv_dtype != target.kv_dtype {
+            return Some(format!("KV dtype {} differs from the target's {}", self.kv_dtype, target.kv_dtype));
+        }
+        if self.layout != target.layout {
+            return Some(format!("KV layout \"{}\" differs from the target's \"{}\"", self.layout, target.layout));
+        }
+        None
+    }
 }
 
 #[cfg(test)]

@@ -15,11 +15,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::engine::{Engine, Worker};
+use crate::engine::{Engine, Stage, Worker};
 use crate::error::{Error, Result};
 use crate::llama::Segment;
 use crate::prefix::PrefixKey;
@@ -71,6 +71,9 @@ pub struct StreamConfig {
     /// Exact-match cache of complete prefixes, shared by the streams that should reuse each
     /// other's KV; `None` to keep none.
     pub prefix_cache: Option<Arc<PrefixCache>>,
+    /// Every engine that may answer this stream's questions (the resident one included); the
+    /// placer chooses among them. Empty: the resident engine only.
+    pub peers: Vec<Arc<Engine>>,
 }
 
 /// Versions kept bindable; a question bound to an older one is refused.
@@ -232,6 +235,17 @@ impl Stream {
         &self.engine
     }
 
+    /// Engines that may answer this stream's questions, the resident one first.
+    pub fn peers(&self) -> Vec<Arc<Engine>> {
+        let mut peers = vec![Arc::clone(&self.engine)];
+        peers.extend(self.config.peers.iter().filter(|e| !Arc::ptr_eq(e, &self.engine)).cloned());
+        peers
+    }
+
+    pub(crate) fn prefix_cache(&self) -> Option<&Arc<PrefixCache>> {
+        self.config.prefix_cache.as_ref().filter(|c| c.enabled())
+    }
+
     pub fn retain(&self) -> bool {
         self.config.retain
     }
@@ -340,7 +354,9 @@ impl Stream {
         let s = Arc::clone(self);
         let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
         let tag = self.engine.compat_tag();
-        self.engine.submit(move |w| {
+        let tokens = if whole { record.end as usize } else { record.history.last().map_or(0, |f| f.n_pos() as usize) };
+        let cost = tokens as f64 * self.engine.rates().prefill_ms_per_token;
+        self.engine.submit_costed(cost, move |w| {
             let never = AtomicBool::new(false);
             s.resident_epoch.store(record.epoch, Ordering::Release);
             let cache_key = (record.key, tag.clone());
@@ -348,6 +364,7 @@ impl Stream {
             let result = match cached {
                 Some(snapshot) => w.ctx.seq_restore(s.seq, &snapshot.bytes).map(|()| snapshot.end),
                 None => {
+                    let started = Instant::now();
                     let end = if whole {
                         w.ctx.seq_clear(s.seq);
                         prefill_history(w, &s.prompt, &record.history, s.seq, &never)
@@ -355,6 +372,7 @@ impl Stream {
                         let frame = record.history.last().expect("a frame version has a frame");
                         prefill_frame(w, frame, record.end - frame.n_pos(), s.seq)
                     };
+                    w.record(Stage::Prefill, tokens, started.elapsed().as_secs_f64() * 1e3);
                     if let (Ok(end), Some(cache)) = (&end, &cache) {
                         // A failed export only means nothing is cached.
                         if let Ok(bytes) = w.ctx.seq_snapshot(s.seq) {

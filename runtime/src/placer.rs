@@ -1,0 +1,102 @@
+//! The placer: for a question bound to a version, estimate every complete path on every engine
+//! that may answer it, and pick the cheapest.
+//!
+//! A path's cost = queue delay (the engine's measured backlog) + preparation of the history
+//! (nothing for a resident branch; export/transfer/import for a snapshot; prefill of the whole
+//! history for a replay) + the question suffix's prefill + the expected decode, all from stage
+//! rates measured online on each engine (so co-running slowdowns are in them), not from a fixed
+//! CPU < GPU order.
+
+use std::sync::Arc;
+
+use crate::answer::PreparePath;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::stream::Version;
+
+/// The estimate of one complete path.
+#[derive(Debug, Clone)]
+pub struct PathEstimate {
+    pub engine: Arc<Engine>,
+    pub path: PreparePath,
+    pub queue_ms: f64,
+    pub prepare_ms: f64,
+    pub suffix_ms: f64,
+    pub decode_ms: f64,
+}
+
+impl PathEstimate {
+    pub fn total_ms(&self) -> f64 {
+        self.queue_ms + self.prepare_ms + self.suffix_ms + self.decode_ms
+    }
+}
+
+/// Every complete path for answering over `version` with a suffix of `suffix_tokens` and
+/// `expected_tokens` generated, cheapest first. `snapshot_cached` says whether a snapshot of the
+/// version is already stored (then importing needs no export on the resident engine).
+pub fn estimate(
+    version: &Version,
+    suffix_tokens: usize,
+    expected_tokens: u32,
+    snapshot_cached: bool,
+) -> Vec<PathEstimate> {
+    let stream = &version.stream;
+    let resident = stream.engine();
+    let history = version.end as f64;
+    let resident_usable = stream.retain() && stream.resident_epoch() == version.epoch;
+    let export_ms =
+        if snapshot_cached { 0.0 } else { resident.backlog_ms() + history * resident.rates().export_ms_per_token };
+    let mut paths = vec![];
+    for engine in stream.peers() {
+        let rates = engine.rates();
+        let run = |path, queue_ms: f64, prepare_ms: f64| PathEstimate {
+            engine: Arc::clone(&engine),
+            path,
+            queue_ms,
+            prepare_ms,
+            suffix_ms: suffix_tokens as f64 * rates.prefill_ms_per_token,
+            decode_ms: expected_tokens as f64 * rates.decode_ms_per_step,
+        };
+        let here = Arc::ptr_eq(&engine, resident);
+        if here && resident_usable {
+            paths.push(run(PreparePath::Resident, engine.backlog_ms(), 0.0));
+        }
+        if !here && resident_usable && engine.compat_tag().layout == resident.compat_tag().layout {
+            let queue = export_ms.max(engine.backlog_ms());
+            paths.push(run(PreparePath::Import, queue, history * rates.import_ms_per_token));
+        }
+        paths.push(run(PreparePath::Replay, engine.backlog_ms(), history * rates.prefill_ms_per_token));
+    }
+    paths.sort_by(|a, b| a.total_ms().total_cmp(&b.total_ms()));
+    paths
+}
+
+/// Leave the resident engine only for a path this much cheaper: estimates are noisy, and a
+/// resident answer moves nothing.
+const MOVE_FACTOR: f64 = 0.8;
+
+/// The cheapest path, on any engine (`placement` = `auto`) or on the named one.
+pub fn choose(
+    version: &Version,
+    suffix_tokens: usize,
+    expected_tokens: u32,
+    snapshot_cached: bool,
+    placement: &str,
+) -> Result<PathEstimate> {
+    let paths: Vec<_> = estimate(version, suffix_tokens, expected_tokens, snapshot_cached)
+        .into_iter()
+        .filter(|p| placement == "auto" || p.engine.name() == placement)
+        .collect();
+    let resident = paths.iter().find(|p| p.path == PreparePath::Resident);
+    match (paths.first(), resident) {
+        (Some(best), Some(resident)) if best.total_ms() > resident.total_ms() * MOVE_FACTOR => Ok(resident.clone()),
+        (Some(best), _) => Ok(best.clone()),
+        (None, _) => {
+            let names: Vec<String> = version.stream.peers().iter().map(|e| e.name().to_owned()).collect();
+            Err(Error::Config(format!(
+                "placement={placement} names no engine of this stream (engines: {})",
+                names.join(", ")
+            )))
+        }
+    }
+}

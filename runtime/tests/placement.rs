@@ -1,0 +1,160 @@
+//! Several engines: snapshot import, replay, and the placer's choice, against real llama.cpp.
+//! Two 1-thread CPU engines stand for two engines of comparable speed sharing one memory system
+//! (as the RK3588's CPU and GPU do, or its big and little cores).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use common::*;
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, PreparePath, Stream, StreamConfig};
+use vlm_runtime::{answer_on, answer_placed};
+
+/// The placer compares measured rates: tests running side by side would skew each other's
+/// measurements, so these run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn engine_named(name: &str, flash_attention: bool) -> Arc<Engine> {
+    let config = EngineConfig {
+        name: name.into(),
+        threads: 1,
+        context_per_sequence: 1024,
+        flash_attention,
+        ..EngineConfig::default()
+    };
+    Engine::start(&model_path(), config).unwrap()
+}
+
+fn stream_on(resident: &Arc<Engine>, peers: &[&Arc<Engine>], name: &str, max_pending: usize) -> Arc<Stream> {
+    let prompt = Arc::new(Prompt::new(resident.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let config = StreamConfig {
+        name: name.into(),
+        retain: true,
+        max_pending,
+        answer_reserve: 128,
+        history_policy: HistoryPolicy::Stop,
+        prefix_cache: None,
+        peers: peers.iter().map(|e| Arc::clone(e)).collect(),
+    };
+    Stream::open(resident, prompt, config).unwrap()
+}
+
+fn never() -> Arc<AtomicBool> {
+    Arc::new(AtomicBool::new(false))
+}
+
+#[test]
+fn import_and_replay_answer_on_the_other_engine_like_the_resident_one() {
+    let _serial = serial();
+    let (a, b) = (engine_named("a", false), engine_named("b", false));
+    let enc = encoder();
+    let s = stream_on(&a, &[&a, &b], "s", 4);
+    for v in 0..3 {
+        s.register(frame(&enc, v), &never()).unwrap();
+    }
+    let version = s.wait_version(3, &never()).unwrap();
+    let q = question("What is in the picture?", 12);
+    let resident = answer_on(&version, &q, &a, PreparePath::Resident, &never(), |_| {}).unwrap();
+    let imported = answer_on(&version, &q, &b, PreparePath::Import, &never(), |_| {}).unwrap();
+    let replayed = answer_on(&version, &q, &b, PreparePath::Replay, &never(), |_| {}).unwrap();
+    assert_eq!((resident.engine.as_str(), resident.path), ("a", PreparePath::Resident));
+    assert_eq!((imported.engine.as_str(), imported.path), ("b", PreparePath::Import));
+    assert_eq!((replayed.engine.as_str(), replayed.path), ("b", PreparePath::Replay));
+    assert!(resident.tokens > 0);
+    assert_eq!(imported.text, resident.text, "an imported prefix answered differently on the same backend");
+    assert_eq!(replayed.text, resident.text, "a replayed prefix answered differently on the same backend");
+}
+
+#[test]
+fn a_snapshot_round_trip_preserves_bytes_positions_and_boundaries() {
+    let _serial = serial();
+    let (a, b) = (engine_named("a", false), engine_named("b", false));
+    let enc = encoder();
+    let s = stream_on(&a, &[&a, &b], "s", 4);
+    for v in 0..2 {
+        s.register(frame(&enc, v), &never()).unwrap();
+    }
+    let version = s.wait_version(2, &never()).unwrap();
+    let exported = vlm_runtime::answer::snapshot(&version).unwrap();
+    assert_eq!(exported.end, version.end);
+    let bytes = exported.bytes.clone();
+    // a → b (into b's first stream sequence, unused) → back out of b.
+    let round = b
+        .call(move |w| {
+            w.ctx.seq_restore(0, &bytes).unwrap();
+            let pos_max = w.ctx.seq_pos_max(0);
+            let again = w.ctx.seq_snapshot(0).unwrap();
+            w.ctx.seq_clear(0);
+            (pos_max, again)
+        })
+        .unwrap();
+    assert_eq!(round.0, version.end - 1, "positions survive the transfer");
+    assert_eq!(round.1, exported.bytes, "the snapshot changed on its way through the other engine");
+}
+
+#[test]
+fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_busy() {
+    let _serial = serial();
+    let (a, b) = (engine_named("a", false), engine_named("b", false));
+    let enc = encoder();
+    let s = stream_on(&a, &[&a, &b], "s", 4);
+    for v in 0..3 {
+        s.register(frame(&enc, v), &never()).unwrap();
+    }
+    let version = s.wait_version(3, &never()).unwrap();
+    let q = question("What is in the picture?", 8);
+    let idle = answer_placed(&version, &q, "auto", &never(), |_| {}).unwrap();
+    assert_eq!((idle.engine.as_str(), idle.path), ("a", PreparePath::Resident), "idle resident engine");
+    assert!(idle.estimate_ms.is_some());
+
+    // Keep `a` busy for real: another stream on it with 12 frames waiting for their prefill.
+    let busy = stream_on(&a, &[&a, &b], "busy", 16);
+    for v in 10..22 {
+        busy.register(frame(&enc, v), &never()).unwrap();
+    }
+    assert!(a.backlog_ms() > b.backlog_ms() + 1000.0, "a: {} ms, b: {} ms", a.backlog_ms(), b.backlog_ms());
+    let moved = answer_placed(&version, &question("What is in the picture?", 8), "auto", &never(), |_| {}).unwrap();
+    assert_eq!(moved.engine, "b", "waiting for a cost more: {moved:?}");
+    assert_ne!(moved.path, PreparePath::Resident);
+    assert_eq!(moved.text, idle.text);
+    assert!(moved.ttft_ms < a.rates().prefill_ms_per_token * 36.0 * 12.0, "moving must beat the wait it avoided");
+}
+
+#[test]
+fn forced_placement_is_obeyed_and_an_unknown_engine_is_refused() {
+    let _serial = serial();
+    let (a, b) = (engine_named("a", false), engine_named("b", false));
+    let enc = encoder();
+    let s = stream_on(&a, &[&a, &b], "s", 4);
+    s.register(frame(&enc, 0), &never()).unwrap();
+    let version = s.wait_version(1, &never()).unwrap();
+    let on_b = answer_placed(&version, &question("Describe it.", 4), "b", &never(), |_| {}).unwrap();
+    assert_eq!(on_b.engine, "b");
+    let err = answer_placed(&version, &question("Describe it.", 4), "gpu", &never(), |_| {}).unwrap_err();
+    assert!(matches!(&err, Error::Config(m) if m.contains("gpu") && m.contains("a, b")), "{err}");
+}
+
+#[test]
+fn an_incompatible_snapshot_is_refused_with_its_reason() {
+    let _serial = serial();
+    let (a, fa) = (engine_named("a", false), engine_named("fa", true));
+    let enc = encoder();
+    let s = stream_on(&a, &[&a, &fa], "s", 4);
+    s.register(frame(&enc, 0), &never()).unwrap();
+    let version = s.wait_version(1, &never()).unwrap();
+    let err =
+        answer_on(&version, &question("Describe it.", 4), &fa, PreparePath::Import, &never(), |_| {}).unwrap_err();
+    assert!(matches!(&err, Error::Incompatible(why) if why.contains("layout")), "{err}");
+    // The placer never proposes that import; replay on that engine still works.
+    let paths = vlm_runtime::placer::estimate(&version, 10, 4, false);
+    assert!(!paths.iter().any(|p| p.engine.name() == "fa" && p.path == PreparePath::Import));
+    let replayed =
+        answer_on(&version, &question("Describe it.", 4), &fa, PreparePath::Replay, &never(), |_| {}).unwrap();
+    assert_eq!(replayed.engine, "fa");
+}
