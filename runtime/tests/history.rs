@@ -132,7 +132,7 @@ fn interleaved_streams_answer_as_they_would_alone() {
 fn a_missing_model_is_an_error_naming_the_file() {
     let config = vlm_runtime::EngineConfig::default();
     let err =
-        vlm_runtime::Engine::start(std::path::Path::new("/nonexistent/model.gguf"), config).err().expect("must fail");
+        vlm_runtime::Engine::start(std::path::Path::new("/nonexistent/model.gguf"), config).expect_err("must fail");
     assert!(matches!(err, Error::File { .. }), "{err:?}");
     assert!(err.to_string().contains("/nonexistent/model.gguf"), "{err}");
 }
