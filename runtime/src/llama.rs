@@ -467,6 +467,8 @@ impl Context {
                 b.n_tokens = part.len() as i32;
                 let rc = sys::llama_decode(self.ptr.as_ptr(), b);
                 sys::llama_batch_free(b);
+                // GPU backends compute asynchronously: wait, so that stage timings are real.
+                sys::llama_synchronize(self.ptr.as_ptr());
                 rc
             };
             if rc != 0 {
@@ -512,6 +514,7 @@ impl Context {
                 null_mut(),
             );
             sys::mtmd_input_chunk_free(chunk);
+            sys::llama_synchronize(self.ptr.as_ptr());
             rc
         };
         if rc != 0 {
@@ -542,6 +545,7 @@ impl Context {
             b.n_tokens = entries.len() as i32;
             let rc = sys::llama_decode(self.ptr.as_ptr(), b);
             sys::llama_batch_free(b);
+            sys::llama_synchronize(self.ptr.as_ptr());
             rc
         };
         if rc != 0 {

@@ -1,0 +1,131 @@
+//! Fidelity report (c) and stage costs: the mixed path (a CPU prefix imported into the GPU
+//! engine, decoded there) against the all-GPU reference, over a fixed prompt set; plus the stage
+//! rates every engine measured. Prints tables and one JSON object.
+//!
+//!   GGML_VK_VISIBLE_DEVICES=0 cargo run -p vlm-runtime --example fidelity -- [--engines cpu,gpu] [--tokens 8]
+//!
+//! Without a GPU, Mesa's lavapipe stands in (about 30x slower than the CPU backend, and its first
+//! run compiles shaders for a minute or more): keep --tokens small. The comparison is reported,
+//! not asserted: CPU and GPU kernels already part after a few greedy tokens with no transfer.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use clap::Parser;
+use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::{
+    Device, Engine, EngineConfig, HistoryPolicy, PreparePath, Question, Sampling, Stream, StreamConfig, answer_on, models,
+};
+
+#[derive(Parser)]
+struct Args {
+    /// Engines (NAME[:cpu|gpu[:THREADS]]); the first holds the streams (the "CPU prefix").
+    #[arg(long, default_value = "cpu,gpu")]
+    engines: String,
+    /// Greedy tokens per answer.
+    #[arg(long, default_value_t = 8)]
+    tokens: u32,
+    /// Frames per history.
+    #[arg(long, default_value_t = 1)]
+    frames: u32,
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    #[arg(long, env = "VLM_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: std::path::PathBuf,
+    #[arg(long, env = "VLM_MMPROJ", default_value = "models/test-mmproj-mlp.gguf")]
+    mmproj: std::path::PathBuf,
+}
+
+const QUESTIONS: [&str; 4] =
+    ["What is in the picture?", "Describe the colours.", "Is anything moving?", "Summarise the scene in a few words."];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let base = EngineConfig { context_per_sequence: 512, max_streams: 1, max_branches: 2, ..EngineConfig::default() };
+    let mut engines = vec![];
+    for config in EngineConfig::parse_list(&args.engines, &base)? {
+        let t = Instant::now();
+        let name = config.name.clone();
+        engines.push(Engine::start(&args.model, config)?);
+        eprintln!("engine {name} ready in {:.1} s", t.elapsed().as_secs_f64());
+    }
+    let (home, others) = engines.split_first().ok_or("no engine")?;
+    let model = models::model(&args.model, &Device::Cpu)?;
+    let encoder = MtmdEncoder::new(models::projector(&args.mmproj, &model, false, 2)?);
+    let prompt = Arc::new(Prompt::new(&model, DEFAULT_SYSTEM_PROMPT)?);
+    let never = Arc::new(AtomicBool::new(false));
+    let config = StreamConfig {
+        name: "fidelity".into(),
+        retain: true,
+        max_pending: 4,
+        answer_reserve: 64,
+        history_policy: HistoryPolicy::Stop,
+        prefix_cache: None,
+        peers: engines.clone(),
+    };
+    let stream = Stream::open(home, prompt, config)?;
+    for v in 0..args.frames {
+        let rgb: Vec<u8> = (0..64 * 48 * 3).map(|i| (i as u32 * (v + 3) % 251) as u8).collect();
+        stream.register(Arc::new(encoder.encode(&Picture::packed(&rgb, 64, 48, 192, PixelLayout::Rgb))?), &never)?;
+    }
+    let version = stream.wait_version(args.frames as u64, &never)?;
+    let mut rows = vec![];
+    println!("{:<8} {:<40} {:>7} {:>9} {:>12} {:>12}", "engine", "question", "agree", "diverge@", "mixed ms", "reference ms");
+    for target in others {
+        for q in QUESTIONS {
+            let question = |id: &str| Question {
+                id: id.into(),
+                text: q.into(),
+                max_tokens: args.tokens,
+                sampling: Sampling::default(),
+                arrival: Instant::now(),
+            };
+            let mixed = answer_on(&version, &question("mixed"), target, PreparePath::Import, &never, |_| {})?;
+            let reference = answer_on(&version, &question("reference"), target, PreparePath::Replay, &never, |_| {})?;
+            let tokenize = |t: &str| model.tokenize(t, false, false).unwrap_or_default();
+            let (a, b) = (tokenize(&mixed.text), tokenize(&reference.text));
+            let agree = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+            let diverge = if a == b { "-".to_string() } else { agree.to_string() };
+            println!(
+                "{:<8} {:<40} {:>3}/{:<3} {:>9} {:>12.0} {:>12.0}",
+                target.name(),
+                q,
+                agree,
+                a.len().max(b.len()),
+                diverge,
+                mixed.total_ms,
+                reference.total_ms
+            );
+            rows.push(serde_json::json!({
+                "engine": target.name(), "question": q, "mixed": mixed.text, "reference": reference.text,
+                "agreeing_tokens": agree, "identical": a == b, "mixed_ms": mixed.total_ms, "reference_ms": reference.total_ms,
+            }));
+        }
+    }
+    println!("\n{:<8} {:>16} {:>16} {:>16} {:>16}", "engine", "prefill ms/tok", "decode ms/step", "export ms/tok", "import ms/tok");
+    let mut rates = vec![];
+    for e in &engines {
+        let r = e.rates();
+        println!(
+            "{:<8} {:>16.2} {:>16.2} {:>16.4} {:>16.4}",
+            e.name(),
+            r.prefill_ms_per_token,
+            r.decode_ms_per_step,
+            r.export_ms_per_token,
+            r.import_ms_per_token
+        );
+        rates.push(serde_json::json!({
+            "engine": e.name(), "prefill_ms_per_token": r.prefill_ms_per_token, "decode_ms_per_step": r.decode_ms_per_step,
+            "export_ms_per_token": r.export_ms_per_token, "import_ms_per_token": r.import_ms_per_token,
+        }));
+    }
+    let json = serde_json::json!({"report": "fidelity-mixed-vs-reference", "engines": args.engines, "history_tokens": version.end,
+        "tokens": args.tokens, "rows": rows, "rates": rates});
+    println!("{json}");
+    if let Some(path) = args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+    }
+    Ok(())
+}
