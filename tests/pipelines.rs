@@ -185,3 +185,35 @@ fn a_full_history_restarts_under_the_policy_and_says_so() {
     assert_eq!(frames.len(), 3);
     assert!(frames.iter().all(|&f| (1..=6).contains(&f)), "{frames:?}");
 }
+
+fn encode_run(extra: &str) -> gst::Element {
+    let pipeline = launch(&format!(
+        "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=64,height=48 ! videoconvert \
+         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+           interval=0 cache-entries=0 {extra} ! fakesink"
+    ));
+    let run = run(&pipeline);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap()
+}
+
+#[test]
+fn a_slow_encoder_blocks_upstream_instead_of_queueing() {
+    // The source makes a 64x48 frame in microseconds, the encoder needs a millisecond or more:
+    // without backpressure the frames would pile up in front of it.
+    let enc = encode_run("max-pending=2");
+    assert_eq!(enc.property::<u64>("frames-seen"), 60);
+    assert_eq!(enc.property::<u64>("frames-encoded"), 60, "blocking, nothing is skipped");
+    assert_eq!(enc.property::<u64>("frames-skipped"), 0);
+    let peak = enc.property::<u32>("peak-pending");
+    assert!((1..=2).contains(&peak), "peak pending {peak}");
+}
+
+#[test]
+fn a_leaky_encoder_skips_frames_and_counts_them() {
+    let enc = encode_run("max-pending=1 leaky=true");
+    let (encoded, skipped) = (enc.property::<u64>("frames-encoded"), enc.property::<u64>("frames-skipped"));
+    assert_eq!(encoded + skipped, 60, "every frame is either encoded or counted as skipped");
+    assert!(skipped > 0, "a source 100x faster than the encoder must make a leaky encoder skip");
+    assert_eq!(enc.property::<u32>("peak-pending"), 1);
+}

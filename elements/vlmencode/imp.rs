@@ -1,3 +1,4 @@
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, LazyLock};
 use std::time::Instant;
@@ -5,10 +6,8 @@ use std::time::Instant;
 use gst::glib;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
-use gst_base::prelude::*;
-use gst_base::subclass::prelude::*;
 use gst_video::prelude::*;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use vlm_runtime::encoder::{FrameEncoder, MtmdEncoder, Picture, PixelFormat, PixelLayout, YuvMatrix};
 use vlm_runtime::{Device, models};
 
@@ -22,6 +21,9 @@ static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
 const DEFAULT_INTERVAL: u64 = 1_000_000_000;
 
 const DEFAULT_CACHE_ENTRIES: u32 = 64;
+const DEFAULT_MAX_PENDING: u32 = 2;
+/// Frames (encoded or not) and events waiting in order behind the encoder, at most.
+const MAX_QUEUED: usize = 64;
 const DEFAULT_CACHE_BYTES: u64 = 64 << 20;
 
 /// The raw formats vlmencode reads, and how.
@@ -69,6 +71,8 @@ struct Settings {
     max_rate: f64,
     cache_entries: u32,
     cache_bytes: u64,
+    max_pending: u32,
+    leaky: bool,
     threads: u32,
 }
 
@@ -81,6 +85,8 @@ impl Default for Settings {
             max_rate: 0.0,
             cache_entries: DEFAULT_CACHE_ENTRIES,
             cache_bytes: DEFAULT_CACHE_BYTES,
+            max_pending: DEFAULT_MAX_PENDING,
+            leaky: false,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
         }
     }
@@ -90,24 +96,47 @@ impl Default for Settings {
 struct Stats {
     seen: u64,
     encoded: u64,
-    /// Due frames not encoded because of max-rate.
+    /// Due frames not encoded because of max-rate or, when leaky, a full encoder.
     skipped: u64,
     encode_ms_total: f64,
+    /// Most due frames ever waiting for the encoder at once.
+    peak_pending: usize,
 }
 
 #[derive(Default)]
 struct State {
     info: Option<gst_video::VideoInfo>,
+    segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     encoder: Option<Arc<FrameEncoder>>,
     last_encoded: Option<gst::ClockTime>,
     last_encoded_at: Option<Instant>,
 }
 
+/// What waits, in stream order, for the encoding task.
+enum Item {
+    /// A frame, with the caps to read it by when it is to be encoded.
+    Frame(gst::Buffer, Option<gst_video::VideoInfo>),
+    Event(gst::Event),
+}
+
 #[derive(Default)]
+struct Queue {
+    items: VecDeque<Item>,
+    /// Frames queued or being encoded.
+    pending: usize,
+    flushing: bool,
+    /// The last downstream flow result, returned to upstream by the next chain call.
+    flow: Option<gst::FlowError>,
+}
+
 pub struct VlmEncode {
+    sinkpad: gst::Pad,
+    srcpad: gst::Pad,
     settings: Mutex<Settings>,
     state: Mutex<State>,
     stats: Mutex<Stats>,
+    queue: Mutex<Queue>,
+    changed: Condvar,
 }
 
 impl VlmEncode {
@@ -177,14 +206,257 @@ impl VlmEncode {
     }
 }
 
+impl VlmEncode {
+    /// Queue an item for the encoding task, blocking while the queue is full (backpressure).
+    fn enqueue(&self, item: Item, encode: bool) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let max_pending = self.settings.lock().max_pending as usize;
+        let mut q = self.queue.lock();
+        while !q.flushing && (q.items.len() >= MAX_QUEUED || (encode && q.pending >= max_pending)) {
+            self.changed.wait(&mut q);
+        }
+        if q.flushing {
+            return Err(gst::FlowError::Flushing);
+        }
+        if let Some(e) = q.flow {
+            return Err(e);
+        }
+        if encode {
+            q.pending += 1;
+            let mut stats = self.stats.lock();
+            stats.peak_pending = stats.peak_pending.max(q.pending);
+        }
+        q.items.push_back(item);
+        self.changed.notify_all();
+        Ok(gst::FlowSuccess::Ok)
+    }
+
+    fn sink_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        self.stats.lock().seen += 1;
+        let (running_time, info) = {
+            let state = self.state.lock();
+            let rt = buffer.pts().and_then(|pts| state.segment.as_ref().and_then(|s| s.to_running_time(pts)));
+            (rt, state.info.clone())
+        };
+        let info = info.ok_or(gst::FlowError::NotNegotiated)?;
+        if !self.due(running_time) {
+            gst::trace!(CAT, imp = self, "frame {:?} not due", buffer.pts());
+            return self.enqueue(Item::Frame(buffer, None), false);
+        }
+        // Load the encoder here, on the streaming thread, so a bad file fails the stream at once.
+        self.encoder().map_err(|e| {
+            self.post_error_message(e);
+            gst::FlowError::Error
+        })?;
+        let (max_pending, leaky) = {
+            let s = self.settings.lock();
+            (s.max_pending as usize, s.leaky)
+        };
+        if leaky && self.queue.lock().pending >= max_pending {
+            self.stats.lock().skipped += 1;
+            gst::debug!(CAT, imp = self, "encoder busy: frame {:?} passes without embeddings (leaky)", buffer.pts());
+            return self.enqueue(Item::Frame(buffer, None), false);
+        }
+        self.enqueue(Item::Frame(buffer, Some(info)), true)
+    }
+
+    fn sink_event(&self, event: gst::Event) -> bool {
+        use gst::EventView;
+        match event.view() {
+            EventView::FlushStart(_) => {
+                self.set_flushing(true);
+                let forwarded = self.srcpad.push_event(event);
+                let _ = self.srcpad.pause_task();
+                return forwarded;
+            }
+            EventView::FlushStop(_) => {
+                self.set_flushing(false);
+                self.state.lock().last_encoded = None;
+                let forwarded = self.srcpad.push_event(event);
+                self.start_task();
+                return forwarded;
+            }
+            EventView::Caps(c) => match gst_video::VideoInfo::from_caps(c.caps()) {
+                Ok(info) if info.width() > 0 && info.height() > 0 && pixel_format(&info).is_some() => {
+                    self.state.lock().info = Some(info);
+                }
+                _ => {
+                    gst::element_imp_error!(self, gst::StreamError::Format, ["unsupported video caps {}", c.caps()]);
+                    return false;
+                }
+            },
+            EventView::Segment(seg) => {
+                self.state.lock().segment = seg.segment().downcast_ref::<gst::ClockTime>().cloned();
+            }
+            _ => (),
+        }
+        if event.is_serialized() {
+            self.enqueue(Item::Event(event), false).is_ok()
+        } else {
+            self.srcpad.push_event(event)
+        }
+    }
+
+    fn set_flushing(&self, flushing: bool) {
+        let mut q = self.queue.lock();
+        q.flushing = flushing;
+        q.items.clear();
+        q.pending = 0;
+        q.flow = None;
+        self.changed.notify_all();
+    }
+
+    fn start_task(&self) {
+        let this = self.ref_counted();
+        let _ = self.srcpad.start_task(move || this.task_iteration());
+    }
+
+    /// One iteration of the source pad's task: take the next item, encode it if due, push it.
+    fn task_iteration(&self) {
+        let item = {
+            let mut q = self.queue.lock();
+            loop {
+                if q.flushing || q.flow.is_some() {
+                    drop(q);
+                    let _ = self.srcpad.pause_task();
+                    return;
+                }
+                if let Some(item) = q.items.pop_front() {
+                    self.changed.notify_all();
+                    break item;
+                }
+                self.changed.wait(&mut q);
+            }
+        };
+        let result = match item {
+            Item::Event(event) => {
+                let eos = event.type_() == gst::EventType::Eos;
+                self.srcpad.push_event(event);
+                if eos {
+                    let _ = self.srcpad.pause_task();
+                }
+                Ok(gst::FlowSuccess::Ok)
+            }
+            Item::Frame(buffer, None) => self.srcpad.push(buffer),
+            Item::Frame(mut buffer, Some(info)) => {
+                let encoded = self.encode(&mut buffer, &info);
+                let mut q = self.queue.lock();
+                q.pending = q.pending.saturating_sub(1);
+                self.changed.notify_all();
+                drop(q);
+                encoded.and_then(|()| self.srcpad.push(buffer))
+            }
+        };
+        if let Err(e) = result {
+            gst::debug!(CAT, imp = self, "task paused: {e:?}");
+            if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
+                gst::element_imp_error!(self, gst::StreamError::Failed, ["streaming stopped, reason {:?}", e]);
+                self.srcpad.push_event(gst::event::Eos::new());
+            }
+            self.queue.lock().flow = Some(e);
+            self.changed.notify_all();
+            let _ = self.srcpad.pause_task();
+        }
+    }
+
+    /// Encode one frame (or take it from the cache) and attach the embeddings.
+    fn encode(&self, buffer: &mut gst::Buffer, info: &gst_video::VideoInfo) -> Result<(), gst::FlowError> {
+        let encoder = self.state.lock().encoder.clone().ok_or(gst::FlowError::Flushing)?;
+        let format = pixel_format(info).ok_or(gst::FlowError::NotNegotiated)?;
+        let started = Instant::now();
+        let (frame, hit) = {
+            let vframe = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer.as_ref(), info).map_err(|_| {
+                gst::element_imp_error!(self, gst::StreamError::Format, ["cannot map a video frame of {:?}", info]);
+                gst::FlowError::Error
+            })?;
+            let plane = |i: u32| if i < vframe.n_planes() { vframe.plane_data(i).unwrap_or(&[]) } else { &[] };
+            let stride = |i: usize| vframe.plane_stride().get(i).map_or(0, |s| *s as usize);
+            let picture = Picture {
+                planes: [plane(0), plane(1), plane(2)],
+                strides: [stride(0), stride(1), stride(2)],
+                width: info.width(),
+                height: info.height(),
+                format,
+            };
+            encoder.encode(&picture).map_err(|e| {
+                gst::element_imp_error!(self, gst::StreamError::Decode, ["vision encoding failed: {}", e]);
+                gst::FlowError::Error
+            })?
+        };
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        gst::debug!(
+            CAT,
+            imp = self,
+            "frame {:?}: {} in {:.1} ms",
+            buffer.pts(),
+            if hit { "cache hit" } else { "encoded" },
+            ms
+        );
+        VlmFrameMeta::add(buffer.make_mut(), frame);
+        if !hit {
+            let mut st = self.stats.lock();
+            st.encoded += 1;
+            st.encode_ms_total += ms;
+        }
+        Ok(())
+    }
+
+    fn start(&self) -> Result<(), gst::ErrorMessage> {
+        let mmproj = self.settings.lock().mmproj.clone();
+        vlm_runtime::llama::check_readable(&PathBuf::from(&mmproj), "mmproj")
+            .map_err(|e| gst::error_msg!(gst::ResourceError::OpenRead, ["vlmencode: {}", e]))?;
+        *self.state.lock() = State::default();
+        *self.stats.lock() = Stats::default();
+        *self.queue.lock() = Queue::default();
+        Ok(())
+    }
+
+    fn stop(&self) {
+        self.set_flushing(true);
+        let _ = self.srcpad.stop_task();
+        // The encoder and its cache statistics stay readable until the next start.
+        let mut state = self.state.lock();
+        *state = State { encoder: state.encoder.take(), ..State::default() };
+    }
+}
+
 #[glib::object_subclass]
 impl ObjectSubclass for VlmEncode {
     const NAME: &'static str = "GstVlmEncode";
     type Type = super::VlmEncode;
-    type ParentType = gst_base::BaseTransform;
+    type ParentType = gst::Element;
+
+    fn with_class(klass: &Self::Class) -> Self {
+        let sinkpad = gst::Pad::builder_from_template(&klass.pad_template("sink").unwrap())
+            .chain_function(|_, parent, buffer| {
+                VlmEncode::catch_panic_pad_function(parent, || Err(gst::FlowError::Error), |imp| imp.sink_chain(buffer))
+            })
+            .event_function(|_, parent, event| {
+                VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.sink_event(event))
+            })
+            .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
+            .build();
+        let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
+            .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
+            .build();
+        VlmEncode {
+            sinkpad,
+            srcpad,
+            settings: Mutex::default(),
+            state: Mutex::default(),
+            stats: Mutex::default(),
+            queue: Mutex::default(),
+            changed: Condvar::new(),
+        }
+    }
 }
 
 impl ObjectImpl for VlmEncode {
+    fn constructed(&self) {
+        self.parent_constructed();
+        self.obj().add_pad(&self.sinkpad).unwrap();
+        self.obj().add_pad(&self.srcpad).unwrap();
+    }
+
     fn properties() -> &'static [glib::ParamSpec] {
         static PROPS: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
             vec![
@@ -223,6 +495,20 @@ impl ObjectImpl for VlmEncode {
                     .default_value(DEFAULT_CACHE_BYTES)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecUInt::builder("max-pending")
+                    .nick("Max pending")
+                    .blurb("Frames waiting for or in the encoder (which runs off the streaming thread) before upstream blocks, or, when leaky, before due frames pass without embeddings")
+                    .minimum(1)
+                    .maximum(64)
+                    .default_value(DEFAULT_MAX_PENDING)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecBoolean::builder("leaky")
+                    .nick("Leaky")
+                    .blurb("When the encoder is full, let due frames pass without embeddings (counted in frames-skipped) instead of blocking upstream")
+                    .default_value(false)
+                    .mutable_playing()
+                    .build(),
                 glib::ParamSpecUInt::builder("threads")
                     .nick("Threads")
                     .blurb("CPU threads of the vision encoder")
@@ -235,7 +521,12 @@ impl ObjectImpl for VlmEncode {
                 glib::ParamSpecUInt64::builder("frames-encoded").nick("Frames encoded").blurb("Frames given embeddings").read_only().build(),
                 glib::ParamSpecUInt64::builder("frames-skipped")
                     .nick("Frames skipped")
-                    .blurb("Due frames not encoded because of max-rate")
+                    .blurb("Due frames that passed without embeddings because of max-rate or, when leaky, a full encoder")
+                    .read_only()
+                    .build(),
+                glib::ParamSpecUInt::builder("peak-pending")
+                    .nick("Peak pending")
+                    .blurb("Most frames that waited for the encoder at once")
                     .read_only()
                     .build(),
                 glib::ParamSpecUInt64::builder("cache-hits")
@@ -265,6 +556,8 @@ impl ObjectImpl for VlmEncode {
             "model" => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "interval" => s.interval = value.get().unwrap(),
             "max-rate" => s.max_rate = value.get().unwrap(),
+            "max-pending" => s.max_pending = value.get().unwrap(),
+            "leaky" => s.leaky = value.get().unwrap(),
             "cache-entries" => s.cache_entries = value.get().unwrap(),
             "cache-bytes" => s.cache_bytes = value.get().unwrap(),
             "threads" => s.threads = value.get().unwrap(),
@@ -278,6 +571,9 @@ impl ObjectImpl for VlmEncode {
             "model" => self.settings.lock().model.to_value(),
             "interval" => self.settings.lock().interval.to_value(),
             "max-rate" => self.settings.lock().max_rate.to_value(),
+            "max-pending" => self.settings.lock().max_pending.to_value(),
+            "leaky" => self.settings.lock().leaky.to_value(),
+            "peak-pending" => (self.stats.lock().peak_pending as u32).to_value(),
             "cache-entries" => self.settings.lock().cache_entries.to_value(),
             "cache-bytes" => self.settings.lock().cache_bytes.to_value(),
             "frames-skipped" => self.stats.lock().skipped.to_value(),
@@ -320,90 +616,22 @@ impl ElementImpl for VlmEncode {
         });
         TEMPLATES.as_ref()
     }
-}
 
-impl BaseTransformImpl for VlmEncode {
-    const MODE: gst_base::subclass::BaseTransformMode = gst_base::subclass::BaseTransformMode::AlwaysInPlace;
-    const PASSTHROUGH_ON_SAME_CAPS: bool = false;
-    const TRANSFORM_IP_ON_PASSTHROUGH: bool = false;
-
-    fn start(&self) -> Result<(), gst::ErrorMessage> {
-        let mmproj = self.settings.lock().mmproj.clone();
-        vlm_runtime::llama::check_readable(&PathBuf::from(&mmproj), "mmproj")
-            .map_err(|e| gst::error_msg!(gst::ResourceError::OpenRead, ["vlmencode: {}", e]))?;
-        *self.state.lock() = State::default();
-        *self.stats.lock() = Stats::default();
-        Ok(())
-    }
-
-    fn stop(&self) -> Result<(), gst::ErrorMessage> {
-        // The encoder and its cache statistics stay readable until the next start.
-        let mut state = self.state.lock();
-        *state = State { encoder: state.encoder.take(), ..State::default() };
-        Ok(())
-    }
-
-    fn set_caps(&self, incaps: &gst::Caps, _outcaps: &gst::Caps) -> Result<(), gst::LoggableError> {
-        let info = gst_video::VideoInfo::from_caps(incaps)
-            .map_err(|_| gst::loggable_error!(CAT, "invalid video caps {incaps}"))?;
-        if info.width() == 0 || info.height() == 0 {
-            return Err(gst::loggable_error!(CAT, "zero-size video {}x{}", info.width(), info.height()));
+    fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
+        match transition {
+            gst::StateChange::ReadyToPaused => {
+                if let Err(e) = self.start() {
+                    self.post_error_message(e);
+                    return Err(gst::StateChangeError);
+                }
+            }
+            gst::StateChange::PausedToReady => self.stop(),
+            _ => (),
         }
-        self.state.lock().info = Some(info);
-        Ok(())
-    }
-
-    fn transform_ip(&self, buf: &mut gst::BufferRef) -> Result<gst::FlowSuccess, gst::FlowError> {
-        self.stats.lock().seen += 1;
-        let segment_time = buf.pts().and_then(|pts| {
-            let seg = self.obj().segment();
-            seg.downcast_ref::<gst::ClockTime>().and_then(|s| s.to_running_time(pts))
-        });
-        if !self.due(segment_time) {
-            gst::trace!(CAT, imp = self, "frame {:?} not due", buf.pts());
-            return Ok(gst::FlowSuccess::Ok);
+        let ret = self.parent_change_state(transition)?;
+        if transition == gst::StateChange::ReadyToPaused {
+            self.start_task();
         }
-        let encoder = self.encoder().map_err(|e| {
-            self.post_error_message(e);
-            gst::FlowError::Error
-        })?;
-        let info = self.state.lock().info.clone().ok_or(gst::FlowError::NotNegotiated)?;
-        let format = pixel_format(&info).ok_or(gst::FlowError::NotNegotiated)?;
-        let started = Instant::now();
-        let (frame, hit) = {
-            let vframe = gst_video::VideoFrameRef::from_buffer_ref_readable(&*buf, &info).map_err(|_| {
-                gst::element_imp_error!(self, gst::StreamError::Format, ["cannot map video frame"]);
-                gst::FlowError::Error
-            })?;
-            let plane = |i: u32| if i < vframe.n_planes() { vframe.plane_data(i).unwrap_or(&[]) } else { &[] };
-            let stride = |i: usize| vframe.plane_stride().get(i).map_or(0, |s| *s as usize);
-            let picture = Picture {
-                planes: [plane(0), plane(1), plane(2)],
-                strides: [stride(0), stride(1), stride(2)],
-                width: info.width(),
-                height: info.height(),
-                format,
-            };
-            encoder.encode(&picture).map_err(|e| {
-                gst::element_imp_error!(self, gst::StreamError::Decode, ["vision encoding failed: {}", e]);
-                gst::FlowError::Error
-            })?
-        };
-        let ms = started.elapsed().as_secs_f64() * 1e3;
-        gst::debug!(
-            CAT,
-            imp = self,
-            "frame {:?}: {} in {:.1} ms",
-            buf.pts(),
-            if hit { "cache hit" } else { "encoded" },
-            ms
-        );
-        VlmFrameMeta::add(buf, frame);
-        if !hit {
-            let mut st = self.stats.lock();
-            st.encoded += 1;
-            st.encode_ms_total += ms;
-        }
-        Ok(gst::FlowSuccess::Ok)
+        Ok(ret)
     }
 }

@@ -1,6 +1,8 @@
 //! `vlmencode`: runs the vision encoder on sampled video frames and attaches the projected
-//! embeddings to them (`VlmFrameMeta`). Video passes through unchanged, so a `tee` can still
-//! display it.
+//! embeddings to them (`VlmFrameMeta`). Video passes through unchanged and in order, so a `tee`
+//! can still display it. Encoding runs on the element's own task, off the streaming thread, with
+//! at most `max-pending` frames waiting for it: then upstream blocks, or with `leaky=true` due
+//! frames pass without embeddings (counted).
 //!
 //! ```text
 //! gst-launch-1.0 videotestsrc ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=1000000000 \
@@ -17,7 +19,7 @@ use gst::prelude::*;
 mod imp;
 
 glib::wrapper! {
-    pub struct VlmEncode(ObjectSubclass<imp::VlmEncode>) @extends gst_base::BaseTransform, gst::Element, gst::Object;
+    pub struct VlmEncode(ObjectSubclass<imp::VlmEncode>) @extends gst::Element, gst::Object;
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {

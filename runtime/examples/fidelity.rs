@@ -16,7 +16,8 @@ use clap::Parser;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
-    Device, Engine, EngineConfig, HistoryPolicy, PreparePath, Question, Sampling, Stream, StreamConfig, answer_on, models,
+    Device, Engine, EngineConfig, HistoryPolicy, PreparePath, Question, Sampling, Stream, StreamConfig, answer_on,
+    models,
 };
 
 #[derive(Parser)]
@@ -72,7 +73,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let version = stream.wait_version(args.frames as u64, &never)?;
     let mut rows = vec![];
-    println!("{:<8} {:<40} {:>7} {:>9} {:>12} {:>12}", "engine", "question", "agree", "diverge@", "mixed ms", "reference ms");
+    println!(
+        "{:<8} {:<40} {:>7} {:>9} {:>12} {:>12}",
+        "engine", "question", "agree", "diverge@", "mixed ms", "reference ms"
+    );
     for target in others {
         for q in QUESTIONS {
             let question = |id: &str| Question {
@@ -104,7 +108,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }));
         }
     }
-    println!("\n{:<8} {:>16} {:>16} {:>16} {:>16}", "engine", "prefill ms/tok", "decode ms/step", "export ms/tok", "import ms/tok");
+    println!(
+        "\n{:<8} {:>16} {:>16} {:>16} {:>16}",
+        "engine", "prefill ms/tok", "decode ms/step", "export ms/tok", "import ms/tok"
+    );
     let mut rates = vec![];
     for e in &engines {
         let r = e.rates();
