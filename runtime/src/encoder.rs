@@ -115,6 +115,30 @@ impl<'a> Picture<'a> {
         }
     }
 
+    /// Identity of this picture as `encoder_id` sees it: the encoder (with its preprocessing),
+    /// the pixel format (with its YUV matrix), the size and the visible pixels (stride padding
+    /// excluded). Cheaper than preprocessing, so an embedding-cache hit costs a hash only.
+    pub fn identity(&self, encoder_id: &str) -> u64 {
+        let mut hash = Xxh3::new();
+        hash.update(encoder_id.as_bytes());
+        hash.update(format!("{:?}", self.format).as_bytes());
+        hash.update(&self.width.to_le_bytes());
+        hash.update(&self.height.to_le_bytes());
+        let (w, h) = (self.width as usize, self.height as usize);
+        let (cw, ch) = (w.div_ceil(2), h.div_ceil(2));
+        let visible: [(usize, usize); 3] = match self.format {
+            PixelFormat::Packed(l) => [(w * l.bytes_per_pixel(), h), (0, 0), (0, 0)],
+            PixelFormat::Nv12(_) => [(w, h), (cw * 2, ch), (0, 0)],
+            PixelFormat::I420(_) => [(w, h), (cw, ch), (cw, ch)],
+        };
+        for ((plane, stride), (row_bytes, rows)) in self.planes.iter().zip(self.strides).zip(visible) {
+            for row in plane.chunks(stride.max(1)).take(rows) {
+                hash.update(&row[..row_bytes.min(row.len())]);
+            }
+        }
+        hash.digest()
+    }
+
     /// Preprocess into packed RGB, honouring strides.
     pub fn to_rgb(&self) -> Result<Rgb> {
         let (w, h) = (self.width as usize, self.height as usize);
@@ -190,20 +214,10 @@ pub trait VisionEncoder: Send + Sync {
     /// Encode a preprocessed picture into the segments it becomes in the language sequence.
     fn encode_rgb(&self, rgb: &Rgb) -> Result<Vec<Segment>>;
 
-    /// Identity of `rgb` as this encoder sees it.
-    fn content_hash(&self, rgb: &Rgb) -> u64 {
-        let mut hash = Xxh3::new();
-        hash.update(self.id().as_bytes());
-        hash.update(&rgb.width.to_le_bytes());
-        hash.update(&rgb.height.to_le_bytes());
-        hash.update(&rgb.data);
-        hash.digest()
-    }
-
     /// Preprocess and encode one picture.
     fn encode(&self, picture: &Picture<'_>) -> Result<Frame> {
-        let rgb = picture.to_rgb()?;
-        Ok(Frame { content_hash: self.content_hash(&rgb), segments: self.encode_rgb(&rgb)? })
+        let segments = self.encode_rgb(&picture.to_rgb()?)?;
+        Ok(Frame { content_hash: picture.identity(self.id()), segments })
     }
 }
 
@@ -260,12 +274,11 @@ impl FrameEncoder {
     /// The frame's embeddings, from the cache when the same picture was encoded before (then
     /// the same shared handle is returned). The flag says whether it was a cache hit.
     pub fn encode(&self, picture: &Picture<'_>) -> Result<(Arc<Frame>, bool)> {
-        let rgb = picture.to_rgb()?;
-        let content_hash = self.encoder.content_hash(&rgb);
+        let content_hash = picture.identity(self.encoder.id());
         if let Some(frame) = self.cache.get(&content_hash) {
             return Ok((frame, true));
         }
-        let frame = Arc::new(Frame { content_hash, segments: self.encoder.encode_rgb(&rgb)? });
+        let frame = Arc::new(Frame { content_hash, segments: self.encoder.encode_rgb(&picture.to_rgb()?)? });
         self.cache.insert(content_hash, Arc::clone(&frame));
         Ok((frame, false))
     }
@@ -334,6 +347,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn identity_ignores_stride_padding_but_not_pixels_or_format() {
+        let tight = [1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
+        let padded = [1u8, 2, 3, 4, 5, 6, 0, 0, 7, 8, 9, 10, 11, 12, 9, 9];
+        let a = Picture::packed(&tight, 2, 2, 6, PixelLayout::Rgb);
+        let b = Picture::packed(&padded, 2, 2, 8, PixelLayout::Rgb);
+        assert_eq!(a.identity("e"), b.identity("e"));
+        assert_ne!(a.identity("e"), a.identity("other encoder"));
+        assert_ne!(a.identity("e"), Picture::packed(&tight, 2, 2, 6, PixelLayout::Bgr).identity("e"));
+        let mut changed = tight;
+        changed[11] = 0;
+        assert_ne!(a.identity("e"), Picture::packed(&changed, 2, 2, 6, PixelLayout::Rgb).identity("e"));
     }
 
     #[test]
