@@ -217,3 +217,23 @@ fn a_leaky_encoder_skips_frames_and_counts_them() {
     assert!(skipped > 0, "a source 100x faster than the encoder must make a leaky encoder skip");
     assert_eq!(enc.property::<u32>("peak-pending"), 1);
 }
+
+#[test]
+fn committed_answers_make_later_questions_see_the_conversation() {
+    let questions = "filesrc location=pipelines/questions.srt ! subparse ! q.query";
+    let run_with = |commit: &str| {
+        let run = run(&launch(&format!(
+            "{SOURCE} ! vlmquery name=q max-tokens=6 commit-answers={commit} ! fakesink sync=false {questions}"
+        )));
+        assert!(run.errors.is_empty(), "{:?}", run.errors);
+        assert!(run.warnings.is_empty(), "{:?}", run.warnings);
+        run.answers
+    };
+    let (plain, committed) = (run_with("none"), run_with("ordered"));
+    assert_eq!(plain.len(), 3);
+    assert_eq!(committed.len(), 3);
+    let text = |a: &gst::Structure| a.get::<String>("text").unwrap();
+    // The first question has no earlier answer to see: the same either way.
+    assert_eq!(text(&committed[0]), text(&plain[0]));
+    assert_eq!(committed[1].get::<u64>("frames").unwrap(), plain[1].get::<u64>("frames").unwrap());
+}

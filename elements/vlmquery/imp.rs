@@ -17,6 +17,19 @@ static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
 });
 
 const DEFAULT_MAX_TOKENS: u32 = 64;
+
+/// Whether answers become history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmCommitAnswers")]
+pub enum CommitAnswers {
+    #[enum_value(name = "None: answers never become history", nick = "none")]
+    None,
+    #[enum_value(
+        name = "Ordered: each answer is appended to its stream's history, in question order",
+        nick = "ordered"
+    )]
+    Ordered,
+}
 const DEFAULT_MAX_QUESTIONS: u32 = 16;
 /// Frames remembered for binding timed questions to running times.
 const FRAME_HISTORY: usize = 4096;
@@ -26,6 +39,7 @@ struct Settings {
     placement: String,
     max_tokens: u32,
     max_questions: u32,
+    commit_answers: CommitAnswers,
     sampling: Sampling,
 }
 
@@ -35,6 +49,7 @@ impl Default for Settings {
             placement: "auto".into(),
             max_tokens: DEFAULT_MAX_TOKENS,
             max_questions: DEFAULT_MAX_QUESTIONS,
+            commit_answers: CommitAnswers::None,
             sampling: Sampling::default(),
         }
     }
@@ -386,7 +401,15 @@ impl VlmQuery {
             .and_then(|version| vlm_runtime::answer_placed(&version, q, &placement, &cancel, |_| {}));
         self.shared.lock().current = None;
         match result {
-            Ok(report) if !report.cancelled => self.push_answer(&job, &stream, report),
+            Ok(report) if !report.cancelled => {
+                // Answers are produced one at a time, in question order: commit in that order.
+                if self.settings.lock().commit_answers == CommitAnswers::Ordered
+                    && let Err(e) = stream.commit(&q.text, &report.token_ids, &cancel)
+                {
+                    gst::element_imp_warning!(self, gst::StreamError::Failed, ["answer {} not committed: {}", q.id, e]);
+                }
+                self.push_answer(&job, &stream, report)
+            }
             Ok(_) | Err(vlm_runtime::Error::Cancelled) => {
                 gst::debug!(CAT, imp = self, "question {} cancelled", q.id)
             }
@@ -516,6 +539,11 @@ impl ObjectImpl for VlmQuery {
                     .default_value(DEFAULT_MAX_QUESTIONS)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecEnum::builder_with_default("commit-answers", CommitAnswers::None)
+                    .nick("Commit answers")
+                    .blurb("Whether each question and its answer become part of the stream's history (in question order), so later questions see the conversation")
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecFloat::builder("temp")
                     .nick("Temperature")
                     .blurb("Sampling temperature; 0 = greedy (answers reproduce)")
@@ -587,6 +615,7 @@ impl ObjectImpl for VlmQuery {
             }
             "max-tokens" => s.max_tokens = value.get().unwrap(),
             "max-questions" => s.max_questions = value.get().unwrap(),
+            "commit-answers" => s.commit_answers = value.get().unwrap(),
             "temp" => s.sampling.temperature = value.get().unwrap(),
             "seed" => s.sampling.seed = value.get().unwrap(),
             "top-k" => s.sampling.top_k = value.get().unwrap(),
@@ -602,6 +631,7 @@ impl ObjectImpl for VlmQuery {
             "placement" => s.placement.to_value(),
             "max-tokens" => s.max_tokens.to_value(),
             "max-questions" => s.max_questions.to_value(),
+            "commit-answers" => s.commit_answers.to_value(),
             "temp" => s.sampling.temperature.to_value(),
             "seed" => s.sampling.seed.to_value(),
             "top-k" => s.sampling.top_k.to_value(),

@@ -98,6 +98,8 @@ pub struct AnswerReport {
     pub text: String,
     /// Tokens actually generated.
     pub tokens: u32,
+    /// Their ids (what `Stream::commit` takes).
+    pub token_ids: Vec<Token>,
     pub engine: String,
     pub path: PreparePath,
     /// History length (frames) of the bound version.
@@ -326,6 +328,7 @@ impl Answer {
         self.report = Some(AnswerReport {
             text: String::new(),
             tokens: 0,
+            token_ids: Vec::new(),
             engine: self.engine.clone(),
             path,
             frames: version.frames(),
@@ -368,6 +371,7 @@ impl Answer {
             return self.finish(Ok(()));
         }
         report.tokens += 1;
+        report.token_ids.push(token);
         let done = report.tokens >= self.question.max_tokens || pos >= self.limit;
         let piece = self.utf8.push(&self.model.token_bytes(token));
         self.emit(piece);

@@ -47,6 +47,17 @@ impl PrefixKey {
         PrefixKey(h.digest128())
     }
 
+    /// The key of this history followed by committed text.
+    pub fn then_text(self, tokens: &[Token]) -> PrefixKey {
+        let mut h = Xxh3::new();
+        h.update(&self.0.to_le_bytes());
+        h.update(b"text");
+        for t in tokens {
+            h.update(&t.to_le_bytes());
+        }
+        PrefixKey(h.digest128())
+    }
+
     /// The key of this history followed by a frame.
     pub fn then_frame(self, content_hash: u64, n_pos: i32) -> PrefixKey {
         let mut h = Xxh3::new();

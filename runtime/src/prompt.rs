@@ -15,6 +15,8 @@ use crate::llama::{Model, Token};
 
 const FRAMES: &str = "\u{1}FRAMES\u{1}";
 const QUESTION: &str = "\u{1}QUESTION\u{1}";
+const ANSWER: &str = "\u{1}ANSWER\u{1}";
+const NEXT: &str = "\u{1}NEXT\u{1}";
 
 pub const DEFAULT_SYSTEM_PROMPT: &str =
     "You are a helpful assistant watching a live video. Answer questions about it briefly.";
@@ -25,6 +27,9 @@ pub struct Prompt {
     pub prefix: Vec<Token>,
     between: Vec<Token>,
     after: Vec<Token>,
+    /// After a committed answer: the end of the assistant's turn and the start of the next
+    /// user turn, where later frames go.
+    pub reopen: Vec<Token>,
 }
 
 impl Prompt {
@@ -37,10 +42,19 @@ impl Prompt {
                 return Err(Error::Config("the model's chat template does not keep the user's text in order".into()));
             }
         };
+        let conversation = model.apply_chat_template(
+            &[("system", system), ("user", &format!("{FRAMES}\n{QUESTION}")), ("assistant", ANSWER), ("user", NEXT)],
+            false,
+        )?;
+        let reopen = match (conversation.find(ANSWER), conversation.find(NEXT)) {
+            (Some(a), Some(n)) if a < n => &conversation[a + ANSWER.len()..n],
+            _ => return Err(Error::Config("the model's chat template does not keep a conversation in order".into())),
+        };
         Ok(Prompt {
             prefix: model.tokenize(&rendered[..f], true, true)?,
             between: model.tokenize(&rendered[f + FRAMES.len()..q], false, true)?,
             after: model.tokenize(&rendered[q + QUESTION.len()..], false, true)?,
+            reopen: model.tokenize(reopen, false, true)?,
         })
     }
 

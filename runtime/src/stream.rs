@@ -21,7 +21,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::engine::{Engine, Stage, Worker};
 use crate::error::{Error, Result};
-use crate::llama::Segment;
+use crate::llama::{Segment, Token};
 use crate::prefix::PrefixKey;
 use crate::prompt::Prompt;
 use crate::snapshot::{PrefixCache, Snapshot};
@@ -32,6 +32,32 @@ pub struct Frame {
     pub segments: Vec<Segment>,
     /// Identity of the picture (hash of its pixels, the encoder and its preprocessing).
     pub content_hash: u64,
+}
+
+/// One entry of a history after its prompt: a frame, or committed text (a question and its
+/// answer, under the `commit-answers` policy).
+#[derive(Debug, Clone)]
+pub enum Entry {
+    Frame(Arc<Frame>),
+    Text(Arc<[Token]>),
+}
+
+impl Entry {
+    /// Positions the entry occupies in the language sequence.
+    pub fn n_pos(&self) -> i32 {
+        match self {
+            Entry::Frame(f) => f.n_pos(),
+            Entry::Text(t) => t.len() as i32,
+        }
+    }
+
+    /// The prefix key of a history with this entry appended to `base`.
+    fn extend(&self, base: PrefixKey) -> PrefixKey {
+        match self {
+            Entry::Frame(f) => base.then_frame(f.content_hash, f.n_pos()),
+            Entry::Text(t) => base.then_text(t),
+        }
+    }
 }
 
 impl Frame {
@@ -82,16 +108,22 @@ const VERSIONS_KEPT: usize = 64;
 /// A planned or published version.
 #[derive(Clone)]
 struct Record {
+    /// Number of the newest frame in the history.
     number: u64,
+    /// Counts every registered record (frames and commits), in order.
+    serial: u64,
     epoch: u32,
     end: i32,
     key: PrefixKey,
-    history: Arc<[Arc<Frame>]>,
+    history: Arc<[Entry]>,
 }
 
 struct Timeline {
     registered: u64,
     published: u64,
+    published_serial: u64,
+    /// (frame number, serial) of the recently registered frames.
+    frame_serials: VecDeque<(u64, u64)>,
     /// Published versions, oldest first (at most VERSIONS_KEPT).
     versions: VecDeque<Record>,
     /// The newest registered version (planned, maybe not yet published).
@@ -112,14 +144,14 @@ pub struct Version {
     /// First free position after the history.
     pub end: i32,
     pub key: PrefixKey,
-    /// The frames of the history, oldest first (kept for replay).
-    pub history: Arc<[Arc<Frame>]>,
+    /// The entries of the history after its prompt, oldest first (kept for replay).
+    pub history: Arc<[Entry]>,
 }
 
 impl Version {
     /// History length in frames.
     pub fn frames(&self) -> u64 {
-        self.history.len() as u64
+        self.history.iter().filter(|e| matches!(e, Entry::Frame(_))).count() as u64
     }
 }
 
@@ -151,29 +183,36 @@ pub fn lookup(id: u64) -> Option<Arc<Stream>> {
     STREAMS.lock().get(&id).and_then(Weak::upgrade)
 }
 
-/// Prefill the prompt and `frames` into `seq` from position 0; returns the end position.
+/// Prefill the prompt and `entries` into `seq` from position 0; returns the end position.
 pub(crate) fn prefill_history(
     w: &mut Worker,
     prompt: &Prompt,
-    frames: &[Arc<Frame>],
+    entries: &[Entry],
     seq: i32,
     cancel: &AtomicBool,
 ) -> Result<i32> {
     w.ctx.decode_tokens(&prompt.prefix, 0, seq, false)?;
     let mut pos = prompt.prefix.len() as i32;
-    for frame in frames {
+    for entry in entries {
         if cancel.load(Ordering::Acquire) {
             return Err(Error::Cancelled);
         }
-        pos = prefill_frame(w, frame, pos, seq)?;
+        pos = prefill_entry(w, entry, pos, seq)?;
     }
     Ok(pos)
 }
 
-/// Prefill one frame's segments into `seq` at `start`; returns the next free position.
-pub(crate) fn prefill_frame(w: &mut Worker, frame: &Frame, start: i32, seq: i32) -> Result<i32> {
+/// Prefill one entry into `seq` at `start`; returns the next free position.
+pub(crate) fn prefill_entry(w: &mut Worker, entry: &Entry, start: i32, seq: i32) -> Result<i32> {
+    let segments = match entry {
+        Entry::Text(tokens) => {
+            w.ctx.decode_tokens(tokens, start, seq, false)?;
+            return Ok(start + tokens.len() as i32);
+        }
+        Entry::Frame(frame) => &frame.segments,
+    };
     let mut pos = start;
-    for segment in &frame.segments {
+    for segment in segments {
         pos = match segment {
             Segment::Text(tokens) => {
                 w.ctx.decode_tokens(tokens, pos, seq, false)?;
@@ -191,6 +230,7 @@ impl Stream {
         let seq = engine.take_stream_seq()?;
         let root = Record {
             number: 0,
+            serial: 0,
             epoch: 0,
             end: prompt.prefix.len() as i32,
             key: PrefixKey::root(&engine.model().identity(), &prompt.prefix),
@@ -206,6 +246,8 @@ impl Stream {
             timeline: Mutex::new(Timeline {
                 registered: 0,
                 published: 0,
+                published_serial: 0,
+                frame_serials: VecDeque::new(),
                 versions: VecDeque::new(),
                 tail: root.clone(),
                 restarts: 0,
@@ -279,49 +321,71 @@ impl Stream {
         self.timeline.lock().restarts
     }
 
-    /// Plan the version that appends `frame` to `tail`, applying the history policy.
-    fn plan(&self, tail: &Record, frame: &Arc<Frame>) -> Result<(Record, Option<(usize, usize)>)> {
+    /// Plan the version that appends `entry` to `tail` (a new frame when `new_frame`),
+    /// applying the history policy.
+    fn plan(&self, tail: &Record, entry: Entry, new_frame: bool) -> Result<(Record, Option<(usize, usize)>)> {
         let capacity = self.engine.n_ctx_per_seq() as i32 - self.config.answer_reserve;
-        let n_pos = frame.n_pos();
-        let append = |history: &[Arc<Frame>], base: PrefixKey, start: i32| {
-            let mut all = history.to_vec();
-            all.push(Arc::clone(frame));
-            (base.then_frame(frame.content_hash, n_pos), start + n_pos, Arc::<[Arc<Frame>]>::from(all))
-        };
+        let n_pos = entry.n_pos();
+        let number = tail.number + new_frame as u64;
+        let serial = tail.serial + 1;
+        let with = |kept: &[Entry]| -> Arc<[Entry]> { kept.iter().cloned().chain([entry.clone()]).collect() };
         if tail.end + n_pos <= capacity {
-            let (key, end, history) = append(&tail.history, tail.key, tail.end);
-            return Ok((Record { number: tail.number + 1, epoch: tail.epoch, end, key, history }, None));
+            let (key, end, history) = (entry.extend(tail.key), tail.end + n_pos, with(&tail.history));
+            return Ok((Record { number, serial, epoch: tail.epoch, end, key, history }, None));
         }
-        let full = || Error::HistoryFull { frames: tail.history.len() as u64, cells: self.engine.n_ctx_per_seq() };
+        let frames = |h: &[Entry]| h.iter().filter(|e| matches!(e, Entry::Frame(_))).count();
+        let full = || Error::HistoryFull { frames: frames(&tail.history) as u64, cells: self.engine.n_ctx_per_seq() };
         let HistoryPolicy::Restart { keep } = self.config.history_policy else {
             return Err(full());
         };
-        // Keep the newest `keep` frames, fewer if they do not fit with the new one.
+        // Keep the entries from the newest `keep` frames on, fewer if they do not fit.
         let prefix_len = self.prompt.prefix.len() as i32;
-        let mut kept: &[Arc<Frame>] = &tail.history[tail.history.len().saturating_sub(keep)..];
-        while !kept.is_empty() && prefix_len + kept.iter().map(|f| f.n_pos()).sum::<i32>() + n_pos > capacity {
+        let mut from = tail.history.len();
+        let mut seen = 0;
+        while from > 0 && seen < keep {
+            from -= 1;
+            seen += matches!(tail.history[from], Entry::Frame(_)) as usize;
+        }
+        let mut kept: &[Entry] = &tail.history[from..];
+        while !kept.is_empty() && prefix_len + kept.iter().map(Entry::n_pos).sum::<i32>() + n_pos > capacity {
             kept = &kept[1..];
         }
         if prefix_len + n_pos > capacity {
             return Err(full());
         }
-        let mut key = PrefixKey::root(&self.engine.model().identity(), &self.prompt.prefix);
-        let mut start = prefix_len;
-        for f in kept {
-            key = key.then_frame(f.content_hash, f.n_pos());
-            start += f.n_pos();
-        }
-        let (key, end, history) = append(kept, key, start);
-        let dropped = tail.history.len() - kept.len();
-        Ok((Record { number: tail.number + 1, epoch: tail.epoch + 1, end, key, history }, Some((kept.len(), dropped))))
+        let root = PrefixKey::root(&self.engine.model().identity(), &self.prompt.prefix);
+        let key = kept.iter().chain([&entry]).fold(root, |key, e| e.extend(key));
+        let end = prefix_len + kept.iter().map(Entry::n_pos).sum::<i32>() + n_pos;
+        let dropped = frames(&tail.history) - frames(kept);
+        let record = Record { number, serial, epoch: tail.epoch + 1, end, key, history: with(kept) };
+        Ok((record, Some((frames(kept), dropped))))
     }
 
-    /// Register a frame now and prefill it asynchronously. Blocks while `max_pending` frames are
-    /// already waiting for their prefill (backpressure), until `cancel` is set or the stream
+    /// Register a frame now and prefill it asynchronously. Blocks while `max_pending` entries
+    /// are already waiting for their prefill (backpressure), until `cancel` is set or the stream
     /// closes.
     pub fn register(self: &Arc<Self>, frame: Arc<Frame>, cancel: &AtomicBool) -> Result<Registration> {
+        self.append(Entry::Frame(frame), true, cancel)
+    }
+
+    /// Commit a question and its answer into the history, after everything registered so far
+    /// (the `commit-answers=ordered` policy: callers commit in question order). The text is the
+    /// question's own suffix, the answer's tokens, and the template's turn change back to the
+    /// user, so later frames and questions continue one valid conversation; no KV tail is
+    /// concatenated: the text is prefilled on the stream's sequence.
+    pub fn commit(self: &Arc<Self>, question: &str, answer: &[Token], cancel: &AtomicBool) -> Result<Registration> {
+        let mut tokens = self.prompt.question_tokens(self.engine.model(), question)?;
+        tokens.extend_from_slice(answer);
+        tokens.extend_from_slice(&self.prompt.reopen);
+        self.append(Entry::Text(tokens.into()), false, cancel)
+    }
+
+    fn append(self: &Arc<Self>, entry: Entry, new_frame: bool, cancel: &AtomicBool) -> Result<Registration> {
         let mut t = self.timeline.lock();
-        while (t.registered - t.published) as usize >= self.config.max_pending && t.failed.is_none() && !t.closed {
+        while (t.tail.serial - t.published_serial) as usize >= self.config.max_pending
+            && t.failed.is_none()
+            && !t.closed
+        {
             if cancel.load(Ordering::Acquire) {
                 return Err(Error::Cancelled);
             }
@@ -333,8 +397,14 @@ impl Stream {
         if t.closed {
             return Err(Error::Cancelled);
         }
-        let (record, restart) = self.plan(&t.tail, &frame)?;
+        let (record, restart) = self.plan(&t.tail, entry, new_frame)?;
         t.registered = record.number;
+        if new_frame {
+            if t.frame_serials.len() == VERSIONS_KEPT {
+                t.frame_serials.pop_front();
+            }
+            t.frame_serials.push_back((record.number, record.serial));
+        }
         t.tail = record.clone();
         if restart.is_some() {
             t.restarts += 1;
@@ -354,7 +424,7 @@ impl Stream {
         let s = Arc::clone(self);
         let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
         let tag = self.engine.compat_tag();
-        let tokens = if whole { record.end as usize } else { record.history.last().map_or(0, |f| f.n_pos() as usize) };
+        let tokens = if whole { record.end as usize } else { record.history.last().map_or(0, |e| e.n_pos() as usize) };
         let cost = tokens as f64 * self.engine.rates().prefill_ms_per_token;
         self.engine.submit_costed(cost, move |w| {
             let never = AtomicBool::new(false);
@@ -369,8 +439,8 @@ impl Stream {
                         w.ctx.seq_clear(s.seq);
                         prefill_history(w, &s.prompt, &record.history, s.seq, &never)
                     } else {
-                        let frame = record.history.last().expect("a frame version has a frame");
-                        prefill_frame(w, frame, record.end - frame.n_pos(), s.seq)
+                        let entry = record.history.last().expect("an appended version has an entry");
+                        prefill_entry(w, entry, record.end - entry.n_pos(), s.seq)
                     };
                     w.record(Stage::Prefill, tokens, started.elapsed().as_secs_f64() * 1e3);
                     if let (Ok(end), Some(cache)) = (&end, &cache) {
@@ -398,6 +468,7 @@ impl Stream {
         match record {
             Ok(r) => {
                 t.published = r.number;
+                t.published_serial = r.serial;
                 if t.versions.len() == VERSIONS_KEPT {
                     t.versions.pop_front();
                 }
@@ -420,8 +491,12 @@ impl Stream {
             if number > t.registered && t.closed {
                 return Err(Error::BadInput(format!("stream {} has no frame {number}", self.name())));
             }
-            if number <= t.published {
-                let r = t.versions.iter().find(|r| r.number == number).ok_or_else(|| {
+            // The newest record of that frame: with its committed answers, once every one
+            // registered so far is published.
+            let last_serial =
+                t.frame_serials.iter().find(|(n, _)| *n == number + 1).map_or(t.tail.serial, |(_, s)| s - 1);
+            if number <= t.published && t.published_serial >= last_serial {
+                let r = t.versions.iter().rev().find(|r| r.number == number).ok_or_else(|| {
                     Error::BadInput(format!("version {number} of stream {} is no longer retained", self.name()))
                 })?;
                 return Ok(Version {

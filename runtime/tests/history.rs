@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use common::*;
+use vlm_runtime::stream::Entry;
 use vlm_runtime::{Error, PreparePath, answer};
 
 fn ask(stream: &Arc<vlm_runtime::Stream>, frames: u64, text: &str) -> vlm_runtime::AnswerReport {
@@ -185,10 +186,12 @@ fn a_full_history_restarts_from_its_newest_frames_without_changing_pinned_versio
     let newest = ask(&stream, 12, "What changed?");
     assert_eq!(newest.path, PreparePath::Resident);
     let v12 = stream.wait_version(12, &never).unwrap();
-    assert!(v12.frames() < 12 && Arc::ptr_eq(v12.history.last().unwrap(), &frames[11]));
+    let kept: Vec<_> =
+        v12.history.iter().map(|e| if let Entry::Frame(f) = e { Arc::clone(f) } else { panic!() }).collect();
+    assert!(kept.len() < 12 && Arc::ptr_eq(kept.last().unwrap(), &frames[11]));
     let baseline = open(&engine, "baseline", false);
-    for f in v12.history.iter() {
-        baseline.register(Arc::clone(f), &never).unwrap();
+    for f in kept {
+        baseline.register(f, &never).unwrap();
     }
     assert_eq!(newest.text, ask(&baseline, v12.frames(), "What changed?").text);
 }
@@ -250,4 +253,40 @@ fn an_identical_history_imports_cached_kv_and_a_different_one_does_not() {
     assert_eq!((s.hits, s.misses), (6, 6), "{s:?}");
     let v3 = third.wait_version(3, &never).unwrap();
     assert_ne!(v3.key, second.wait_version(3, &never).unwrap().key);
+}
+
+#[test]
+fn committed_answers_become_history_in_question_order() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let stream = open(&engine, "s", true);
+    for v in 0..2 {
+        stream.register(frame(&enc, v), &never).unwrap();
+    }
+    let v2 = stream.wait_version(2, &never).unwrap();
+    let q1 = answer(&v2, &question("What is in the picture?", 8), &never, |_| {}).unwrap();
+    let r = stream.commit("What is in the picture?", &q1.token_ids, &never).unwrap();
+    assert_eq!(r.number, 2, "a commit adds no frame");
+    // The next question on frame 2 waits for the commit and sees it: a new, longer version.
+    let v2c = stream.wait_version(2, &never).unwrap();
+    assert_eq!(v2c.frames(), 2);
+    assert!(v2c.end > v2.end && v2c.key != v2.key);
+    assert!(matches!(v2c.history.last(), Some(Entry::Text(_))));
+    let q2 = answer(&v2c, &question("And what colour is it?", 8), &never, |_| {}).unwrap();
+    // The same conversation replayed from scratch (the baseline) answers the same.
+    let baseline = open(&engine, "baseline", false);
+    for v in 0..2 {
+        baseline.register(frame(&enc, v), &never).unwrap();
+    }
+    baseline.commit("What is in the picture?", &q1.token_ids, &never).unwrap();
+    let b2 = baseline.wait_version(2, &never).unwrap();
+    assert_eq!(b2.key, v2c.key, "the same conversation has the same prefix key");
+    let b = answer(&b2, &question("And what colour is it?", 8), &never, |_| {}).unwrap();
+    assert_eq!(b.text, q2.text);
+    // Frames after the commit continue the same conversation.
+    stream.register(frame(&enc, 2), &never).unwrap();
+    let v3 = stream.wait_version(3, &never).unwrap();
+    assert_eq!((v3.frames(), v3.history.len()), (3, 4));
+    assert_eq!(ask(&stream, 3, "What changed?").frames, 3);
 }
