@@ -237,3 +237,23 @@ fn committed_answers_make_later_questions_see_the_conversation() {
     assert_eq!(text(&committed[0]), text(&plain[0]));
     assert_eq!(committed[1].get::<u64>("frames").unwrap(), plain[1].get::<u64>("frames").unwrap());
 }
+
+#[test]
+fn the_npu_backend_falls_back_or_fails_clearly_in_a_build_without_it() {
+    // auto with an RKNN model: this build has no NPU backend, so it says why and uses the CPU.
+    let pipeline = launch(
+        "videotestsrc num-buffers=3 ! videoconvert ! vlmencode name=enc backend=auto rknn-model=/nonexistent/vision.rknn \
+         mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 ! fakesink",
+    );
+    let run = run(&pipeline);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let enc = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
+    assert_eq!(enc.property::<String>("active-backend"), "cpu");
+    assert_eq!(enc.property::<u64>("frames-encoded"), 3);
+    // rknn asked for explicitly: a clear error naming what is missing, not a crash.
+    let model = model();
+    let e = error_of(&format!(
+        "videotestsrc num-buffers=3 ! videoconvert ! vlmencode backend=rknn rknn-model={model} model={model} ! fakesink"
+    ));
+    assert!(e.contains("RKNN"), "{e}");
+}

@@ -8,7 +8,7 @@ use gst::prelude::*;
 use gst::subclass::prelude::*;
 use gst_video::prelude::*;
 use parking_lot::{Condvar, Mutex};
-use vlm_runtime::encoder::{FrameEncoder, MtmdEncoder, Picture, PixelFormat, PixelLayout, YuvMatrix};
+use vlm_runtime::encoder::{EncoderBackend, FrameEncoder, Picture, PixelFormat, PixelLayout, YuvMatrix, open_encoder};
 use vlm_runtime::{Device, models};
 
 use crate::events::ModelQuery;
@@ -63,8 +63,24 @@ fn pixel_format(info: &gst_video::VideoInfo) -> Option<PixelFormat> {
     })
 }
 
+/// Which vision encoder runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmEncodeBackend")]
+pub enum Backend {
+    #[enum_value(name = "Auto: the NPU (rknn builds, rknn-model set), else the GPU, else the CPU", nick = "auto")]
+    Auto,
+    #[enum_value(name = "CPU (libmtmd)", nick = "cpu")]
+    Cpu,
+    #[enum_value(name = "GPU (libmtmd on llama.cpp's GPU device)", nick = "gpu")]
+    Gpu,
+    #[enum_value(name = "Rockchip NPU (RKNN; rknn builds only)", nick = "rknn")]
+    Rknn,
+}
+
 #[derive(Debug, Clone)]
 struct Settings {
+    backend: Backend,
+    rknn_model: String,
     mmproj: String,
     model: String,
     interval: u64,
@@ -79,6 +95,8 @@ struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
+            backend: Backend::Auto,
+            rknn_model: String::new(),
             mmproj: String::new(),
             model: String::new(),
             interval: DEFAULT_INTERVAL,
@@ -108,6 +126,8 @@ struct State {
     info: Option<gst_video::VideoInfo>,
     segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     encoder: Option<Arc<FrameEncoder>>,
+    /// The backend the encoder runs on (`cpu`, `gpu`, `rknn`).
+    backend: &'static str,
     last_encoded: Option<gst::ClockTime>,
     last_encoded_at: Option<Instant>,
 }
@@ -165,14 +185,37 @@ impl VlmEncode {
         };
         let fail = |e: vlm_runtime::Error| gst::error_msg!(gst::ResourceError::OpenRead, ["{}", e]);
         let model = models::model(&PathBuf::from(&model_path), &Device::Cpu).map_err(fail)?;
-        let projector = models::projector(&PathBuf::from(&settings.mmproj), &model, false, settings.threads as i32)
-            .map_err(fail)?;
-        gst::info!(CAT, imp = self, "projector {} loaded for {}", settings.mmproj, model_path);
-        let encoder = Arc::new(FrameEncoder::new(
-            Arc::new(MtmdEncoder::new(projector)),
-            settings.cache_entries as usize,
-            settings.cache_bytes as usize,
-        ));
+        let backend = match settings.backend {
+            Backend::Auto => EncoderBackend::Auto,
+            Backend::Cpu => EncoderBackend::Cpu,
+            Backend::Gpu => EncoderBackend::Gpu,
+            Backend::Rknn => EncoderBackend::Rknn,
+        };
+        let rknn_model = (!settings.rknn_model.is_empty()).then(|| PathBuf::from(&settings.rknn_model));
+        let choice = open_encoder(
+            backend,
+            &PathBuf::from(&settings.mmproj),
+            rknn_model.as_deref(),
+            &model,
+            settings.threads as i32,
+        )
+        .map_err(fail)?;
+        if let Some(why) = &choice.fallback {
+            gst::info!(CAT, imp = self, "NPU unavailable ({why}): falling back to {}", choice.backend);
+            let _ = self.obj().post_message(
+                gst::message::Info::builder(
+                    gst::LibraryError::Init,
+                    &format!("vlmencode: NPU unavailable, using {}", choice.backend),
+                )
+                .debug(why)
+                .src(&*self.obj())
+                .build(),
+            );
+        }
+        gst::info!(CAT, imp = self, "{} vision encoder loaded for {}", choice.backend, model_path);
+        self.state.lock().backend = choice.backend;
+        let encoder =
+            Arc::new(FrameEncoder::new(choice.encoder, settings.cache_entries as usize, settings.cache_bytes as usize));
         self.state.lock().encoder = Some(Arc::clone(&encoder));
         Ok(encoder)
     }
@@ -401,8 +444,10 @@ impl VlmEncode {
     }
 
     fn start(&self) -> Result<(), gst::ErrorMessage> {
-        let mmproj = self.settings.lock().mmproj.clone();
-        vlm_runtime::llama::check_readable(&PathBuf::from(&mmproj), "mmproj")
+        let s = self.settings.lock().clone();
+        let (file, what) =
+            if s.backend == Backend::Rknn { (&s.rknn_model, "rknn-model") } else { (&s.mmproj, "mmproj") };
+        vlm_runtime::llama::check_readable(&PathBuf::from(file), what)
             .map_err(|e| gst::error_msg!(gst::ResourceError::OpenRead, ["vlmencode: {}", e]))?;
         *self.state.lock() = State::default();
         *self.stats.lock() = Stats::default();
@@ -415,7 +460,7 @@ impl VlmEncode {
         let _ = self.srcpad.stop_task();
         // The encoder and its cache statistics stay readable until the next start.
         let mut state = self.state.lock();
-        *state = State { encoder: state.encoder.take(), ..State::default() };
+        *state = State { encoder: state.encoder.take(), backend: state.backend, ..State::default() };
     }
 }
 
@@ -460,6 +505,21 @@ impl ObjectImpl for VlmEncode {
     fn properties() -> &'static [glib::ParamSpec] {
         static PROPS: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
             vec![
+                glib::ParamSpecEnum::builder_with_default("backend", Backend::Auto)
+                    .nick("Backend")
+                    .blurb("Vision encoder: auto (NPU, then GPU, then CPU), cpu, gpu or rknn")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("rknn-model")
+                    .nick("RKNN model")
+                    .blurb("Path to the .rknn vision encoder for the NPU (rknn builds); it must output the language model's embedding width")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("active-backend")
+                    .nick("Active backend")
+                    .blurb("The backend the encoder runs on once loaded: cpu, gpu or rknn")
+                    .read_only()
+                    .build(),
                 glib::ParamSpecString::builder("mmproj")
                     .nick("Projector")
                     .blurb("Path to a libmtmd projector GGUF (vision tower + projector)")
@@ -552,6 +612,8 @@ impl ObjectImpl for VlmEncode {
     fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
         let mut s = self.settings.lock();
         match pspec.name() {
+            "backend" => s.backend = value.get().unwrap(),
+            "rknn-model" => s.rknn_model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "mmproj" => s.mmproj = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "model" => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "interval" => s.interval = value.get().unwrap(),
@@ -567,6 +629,9 @@ impl ObjectImpl for VlmEncode {
 
     fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
         match pspec.name() {
+            "backend" => self.settings.lock().backend.to_value(),
+            "rknn-model" => self.settings.lock().rknn_model.to_value(),
+            "active-backend" => self.state.lock().backend.to_value(),
             "mmproj" => self.settings.lock().mmproj.to_value(),
             "model" => self.settings.lock().model.to_value(),
             "interval" => self.settings.lock().interval.to_value(),

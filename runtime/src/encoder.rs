@@ -99,6 +99,31 @@ pub struct Rgb {
     pub height: u32,
 }
 
+impl Rgb {
+    /// Bilinear resize to `width` × `height` (for encoders with a fixed input size).
+    pub fn resize(&self, width: u32, height: u32) -> Rgb {
+        let (sw, sh, dw, dh) = (self.width as usize, self.height as usize, width as usize, height as usize);
+        let mut data = Vec::with_capacity(dw * dh * 3);
+        let src = |x: usize, y: usize, c: usize| self.data[(y * sw + x) * 3 + c] as f32;
+        for y in 0..dh {
+            let fy = ((y as f32 + 0.5) * sh as f32 / dh as f32 - 0.5).clamp(0.0, (sh - 1) as f32);
+            let (y0, ty) = (fy as usize, fy.fract());
+            let y1 = (y0 + 1).min(sh - 1);
+            for x in 0..dw {
+                let fx = ((x as f32 + 0.5) * sw as f32 / dw as f32 - 0.5).clamp(0.0, (sw - 1) as f32);
+                let (x0, tx) = (fx as usize, fx.fract());
+                let x1 = (x0 + 1).min(sw - 1);
+                for c in 0..3 {
+                    let top = src(x0, y0, c) * (1.0 - tx) + src(x1, y0, c) * tx;
+                    let bottom = src(x0, y1, c) * (1.0 - tx) + src(x1, y1, c) * tx;
+                    data.push((top * (1.0 - ty) + bottom * ty).round() as u8);
+                }
+            }
+        }
+        Rgb { data, width, height }
+    }
+}
+
 fn plane_fits(data: &[u8], stride: usize, row_bytes: usize, rows: usize) -> bool {
     stride >= row_bytes && (rows == 0 || data.len() >= stride * (rows - 1) + row_bytes)
 }
@@ -256,6 +281,72 @@ impl Weighted for Frame {
     }
 }
 
+/// Which vision encoder to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EncoderBackend {
+    /// The NPU when this build has it and an RKNN model is given, else the GPU when llama.cpp
+    /// has one, else the CPU.
+    Auto,
+    Cpu,
+    Gpu,
+    /// The Rockchip NPU (the `rknn` cargo feature).
+    Rknn,
+}
+
+/// The encoder `open_encoder` chose, and why it did not take the NPU when `auto` could have.
+pub struct EncoderChoice {
+    pub encoder: Arc<dyn VisionEncoder>,
+    pub backend: &'static str,
+    pub fallback: Option<String>,
+}
+
+#[cfg(feature = "rknn")]
+fn open_rknn(model: &std::path::Path, width: usize) -> Result<Arc<dyn VisionEncoder>> {
+    Ok(Arc::new(crate::rknn::RknnEncoder::new(model, width)?))
+}
+
+#[cfg(not(feature = "rknn"))]
+fn open_rknn(model: &std::path::Path, _width: usize) -> Result<Arc<dyn VisionEncoder>> {
+    Err(Error::Config(format!(
+        "cannot run {}: this build has no RKNN backend (build with the rknn cargo feature on a Rockchip board)",
+        model.display()
+    )))
+}
+
+/// Open the vision encoder for `backend`: libmtmd with `mmproj` on the CPU or GPU, or the NPU
+/// with `rknn_model`, feeding `model`.
+pub fn open_encoder(
+    backend: EncoderBackend,
+    mmproj: &std::path::Path,
+    rknn_model: Option<&std::path::Path>,
+    model: &Arc<crate::llama::Model>,
+    threads: i32,
+) -> Result<EncoderChoice> {
+    let mtmd = |gpu: bool| -> Result<Arc<dyn VisionEncoder>> {
+        Ok(Arc::new(MtmdEncoder::new(crate::models::projector(mmproj, model, gpu, threads)?)))
+    };
+    let rknn = || match rknn_model {
+        Some(m) => open_rknn(m, model.n_embd()),
+        None => Err(Error::Config("backend rknn needs an RKNN model (rknn-model)".into())),
+    };
+    let gpu = crate::llama::gpu_available;
+    Ok(match backend {
+        EncoderBackend::Cpu => EncoderChoice { encoder: mtmd(false)?, backend: "cpu", fallback: None },
+        EncoderBackend::Gpu if !gpu() => return Err(Error::Config("backend gpu: llama.cpp has no GPU device".into())),
+        EncoderBackend::Gpu => EncoderChoice { encoder: mtmd(true)?, backend: "gpu", fallback: None },
+        EncoderBackend::Rknn => EncoderChoice { encoder: rknn()?, backend: "rknn", fallback: None },
+        EncoderBackend::Auto => {
+            let fallback = match rknn_model.map(|_| rknn()) {
+                Some(Ok(encoder)) => return Ok(EncoderChoice { encoder, backend: "rknn", fallback: None }),
+                Some(Err(e)) => Some(e.to_string()),
+                None => None,
+            };
+            let on_gpu = gpu();
+            EncoderChoice { encoder: mtmd(on_gpu)?, backend: if on_gpu { "gpu" } else { "cpu" }, fallback }
+        }
+    })
+}
+
 /// An encoder with an embedding cache in front of it.
 pub struct FrameEncoder {
     encoder: Arc<dyn VisionEncoder>,
@@ -361,6 +452,17 @@ mod tests {
         let mut changed = tight;
         changed[11] = 0;
         assert_ne!(a.identity("e"), Picture::packed(&changed, 2, 2, 6, PixelLayout::Rgb).identity("e"));
+    }
+
+    #[test]
+    fn resize_keeps_flat_colours_and_corners() {
+        let flat = Rgb { data: [10u8, 20, 30].repeat(6 * 4), width: 6, height: 4 };
+        let small = flat.resize(3, 2);
+        assert_eq!((small.width, small.height), (3, 2));
+        assert!(small.data.chunks(3).all(|p| p == [10, 20, 30]));
+        let grad = Rgb { data: (0..4).flat_map(|x| [x as u8 * 80; 3]).collect(), width: 4, height: 1 };
+        let up = grad.resize(8, 1);
+        assert_eq!((up.data[0], up.data[21]), (0, 240));
     }
 
     #[test]

@@ -19,6 +19,8 @@ pub mod models;
 pub mod placer;
 pub mod prefix;
 pub mod prompt;
+#[cfg(feature = "rknn")]
+pub mod rknn;
 pub mod snapshot;
 pub mod stream;
 pub mod text;

@@ -117,6 +117,14 @@ pub(crate) fn stop_workers_before_exit() {
     }
 }
 
+/// Whether llama.cpp has a GPU device (Vulkan by default; Mesa's lavapipe counts only when
+/// GGML_VK_VISIBLE_DEVICES lists it).
+pub fn gpu_available() -> bool {
+    init_backend();
+    // SAFETY: the backend registry is initialised; the call only looks a device up.
+    unsafe { !sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_GPU).is_null() }
+}
+
 /// Where a model's weights and a context's compute live.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Device {
@@ -488,7 +496,9 @@ impl Context {
                 self.model.n_embd()
             )));
         }
-        let projector = &image.projector;
+        let ImageSource::Mtmd { chunk, projector } = &image.source else {
+            return self.decode_plain_embeddings(image, pos, seq);
+        };
         let ctx = projector.ctx.lock();
         let mut next = 0;
         // SAFETY: the chunk was produced by mtmd_input_chunk_save for this projector; `load`
@@ -497,7 +507,7 @@ impl Context {
         // and its length is rows*width as the chunk declares. The projector mutex serialises all
         // use of the mtmd context.
         let rc = unsafe {
-            let chunk = sys::mtmd_input_chunk_load(image.chunk.as_ptr().cast(), image.chunk.len());
+            let chunk = sys::mtmd_input_chunk_load(chunk.as_ptr().cast(), chunk.len());
             if chunk.is_null() {
                 return Err(Error::BadInput("malformed image chunk metadata".into()));
             }
@@ -523,6 +533,37 @@ impl Context {
             )));
         }
         Ok(next)
+    }
+
+    /// Decode plain embedding rows into `seq` at `pos..`, causally, in batches of n_batch.
+    fn decode_plain_embeddings(&mut self, image: &ImageEmbeddings, pos: i32, seq: i32) -> Result<i32> {
+        for (i, rows) in image.data.chunks(self.n_batch as usize * image.width).enumerate() {
+            let n = rows.len() / image.width;
+            let start = pos + (i * self.n_batch as usize) as i32;
+            // SAFETY: the batch is allocated for n rows of `width` floats (width = the model's
+            // input width, checked by the caller) with one sequence each; it is freed after use.
+            let rc = unsafe {
+                let mut b = sys::llama_batch_init(n as i32, image.width as i32, 1);
+                std::ptr::copy_nonoverlapping(rows.as_ptr(), b.embd, rows.len());
+                for j in 0..n {
+                    *b.pos.add(j) = start + j as i32;
+                    *b.n_seq_id.add(j) = 1;
+                    **b.seq_id.add(j) = seq;
+                    *b.logits.add(j) = 0;
+                }
+                b.n_tokens = n as i32;
+                let rc = sys::llama_decode(self.ptr.as_ptr(), b);
+                sys::llama_batch_free(b);
+                sys::llama_synchronize(self.ptr.as_ptr());
+                rc
+            };
+            if rc != 0 {
+                return Err(Error::Engine(format!(
+                    "decoding embeddings failed ({rc}) at position {start} of sequence {seq}"
+                )));
+            }
+        }
+        Ok(pos + image.rows as i32)
     }
 
     /// Decode one token for each of several sequences in one batch (one decode step of several
@@ -660,9 +701,16 @@ pub struct ImageEmbeddings {
     pub width: usize,
     /// Positions the image occupies in the language sequence (≠ rows for M-RoPE models).
     pub n_pos: i32,
-    /// libmtmd's description of the chunk (`mtmd_input_chunk_save`), needed to decode it later.
-    chunk: Vec<u8>,
-    projector: Arc<Projector>,
+    source: ImageSource,
+}
+
+/// Who produced image embeddings, which says how they are decoded.
+enum ImageSource {
+    /// libmtmd: its chunk description (`mtmd_input_chunk_save`) and projector, so that
+    /// `mtmd_helper_decode_image_chunk` applies the projector's positions and attention rule.
+    Mtmd { chunk: Vec<u8>, projector: Arc<Projector> },
+    /// Another encoder (the NPU): plain rows on 1-D positions, decoded causally.
+    Plain,
 }
 
 impl std::fmt::Debug for ImageEmbeddings {
@@ -676,8 +724,13 @@ impl std::fmt::Debug for ImageEmbeddings {
 }
 
 impl ImageEmbeddings {
-    pub fn projector(&self) -> &Arc<Projector> {
-        &self.projector
+    /// Embeddings made by an encoder other than libmtmd: `rows` rows of `width` floats on 1-D
+    /// positions, decoded causally (what LLaVA-style projectors need).
+    pub fn plain(data: Box<[f32]>, rows: usize, width: usize) -> Result<ImageEmbeddings> {
+        if rows == 0 || data.len() != rows * width {
+            return Err(Error::BadInput(format!("{} floats are not {rows} rows of {width}", data.len())));
+        }
+        Ok(ImageEmbeddings { data, rows, width, n_pos: rows as i32, source: ImageSource::Plain })
     }
 }
 
@@ -792,14 +845,8 @@ impl Projector {
                             return Err(Error::Engine("mtmd_input_chunk_save failed".into()));
                         }
                         let n_pos = sys::mtmd_input_chunk_get_n_pos(c);
-                        segments.push(Segment::Image(ImageEmbeddings {
-                            data,
-                            rows,
-                            width: n_embd,
-                            n_pos,
-                            chunk,
-                            projector: Arc::clone(self),
-                        }));
+                        let source = ImageSource::Mtmd { chunk, projector: Arc::clone(self) };
+                        segments.push(Segment::Image(ImageEmbeddings { data, rows, width: n_embd, n_pos, source }));
                     }
                     Ok(())
                 })()
