@@ -250,21 +250,10 @@ impl Model {
     pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
         let len = i32::try_from(text.len()).map_err(|_| Error::BadInput("text too long to tokenize".into()))?;
         let mut tokens = vec![0; text.len() + 8];
-        // SAFETY: text/len describe a valid byte slice, tokens/capacity a writable buffer.
-        let mut n = unsafe {
-            sys::llama_tokenize(
-                self.vocab(),
-                text.as_ptr().cast(),
-                len,
-                tokens.as_mut_ptr(),
-                tokens.len() as i32,
-                add_special,
-                parse_special,
-            )
-        };
-        if n < 0 {
-            tokens.resize((-n) as usize, 0);
-            // SAFETY: as above, with the capacity llama.cpp asked for.
+        // A negative result is the capacity llama.cpp needs: retry once with it.
+        let mut n = -1;
+        for _ in 0..2 {
+            // SAFETY: text/len describe a valid byte slice, tokens/capacity a writable buffer.
             n = unsafe {
                 sys::llama_tokenize(
                     self.vocab(),
@@ -276,6 +265,10 @@ impl Model {
                     parse_special,
                 )
             };
+            if n >= 0 {
+                break;
+            }
+            tokens.resize((-n) as usize, 0);
         }
         if n < 0 {
             return Err(Error::BadInput("tokenization failed".into()));

@@ -49,16 +49,23 @@ fn never() -> Arc<AtomicBool> {
     Arc::new(AtomicBool::new(false))
 }
 
+/// Engines `a` and `b` (`b` with flash attention when `flash_b`), and a stream resident on `a`
+/// that may be answered on both, holding `frames` frames.
+fn two_engines(flash_b: bool, frames: u32) -> (Arc<Engine>, Arc<Engine>, vlm_runtime::Version) {
+    let (a, b) = (engine_named("a", false), engine_named(if flash_b { "fa" } else { "b" }, flash_b));
+    let enc = encoder();
+    let s = stream_on(&a, &[&a, &b], "s", 4);
+    for v in 0..frames {
+        s.register(frame(&enc, v), &never()).unwrap();
+    }
+    let version = s.wait_version(frames as u64, &never()).unwrap();
+    (a, b, version)
+}
+
 #[test]
 fn import_and_replay_answer_on_the_other_engine_like_the_resident_one() {
     let _serial = serial();
-    let (a, b) = (engine_named("a", false), engine_named("b", false));
-    let enc = encoder();
-    let s = stream_on(&a, &[&a, &b], "s", 4);
-    for v in 0..3 {
-        s.register(frame(&enc, v), &never()).unwrap();
-    }
-    let version = s.wait_version(3, &never()).unwrap();
+    let (a, b, version) = two_engines(false, 3);
     let q = question("What is in the picture?", 12);
     let resident = answer_on(&version, &q, &a, PreparePath::Resident, &never(), |_| {}).unwrap();
     let imported = answer_on(&version, &q, &b, PreparePath::Import, &never(), |_| {}).unwrap();
@@ -74,13 +81,7 @@ fn import_and_replay_answer_on_the_other_engine_like_the_resident_one() {
 #[test]
 fn a_snapshot_round_trip_preserves_bytes_positions_and_boundaries() {
     let _serial = serial();
-    let (a, b) = (engine_named("a", false), engine_named("b", false));
-    let enc = encoder();
-    let s = stream_on(&a, &[&a, &b], "s", 4);
-    for v in 0..2 {
-        s.register(frame(&enc, v), &never()).unwrap();
-    }
-    let version = s.wait_version(2, &never()).unwrap();
+    let (_a, b, version) = two_engines(false, 2);
     let exported = vlm_runtime::answer::snapshot(&version).unwrap();
     assert_eq!(exported.end, version.end);
     let bytes = exported.bytes.clone();
@@ -101,13 +102,8 @@ fn a_snapshot_round_trip_preserves_bytes_positions_and_boundaries() {
 #[test]
 fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_busy() {
     let _serial = serial();
-    let (a, b) = (engine_named("a", false), engine_named("b", false));
+    let (a, b, version) = two_engines(false, 3);
     let enc = encoder();
-    let s = stream_on(&a, &[&a, &b], "s", 4);
-    for v in 0..3 {
-        s.register(frame(&enc, v), &never()).unwrap();
-    }
-    let version = s.wait_version(3, &never()).unwrap();
     let q = question("What is in the picture?", 8);
     let idle = answer_placed(&version, &q, "auto", &never(), |_| {}).unwrap();
     assert_eq!((idle.engine.as_str(), idle.path), ("a", PreparePath::Resident), "idle resident engine");
@@ -129,11 +125,7 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
 #[test]
 fn forced_placement_is_obeyed_and_an_unknown_engine_is_refused() {
     let _serial = serial();
-    let (a, b) = (engine_named("a", false), engine_named("b", false));
-    let enc = encoder();
-    let s = stream_on(&a, &[&a, &b], "s", 4);
-    s.register(frame(&enc, 0), &never()).unwrap();
-    let version = s.wait_version(1, &never()).unwrap();
+    let (_a, _b, version) = two_engines(false, 1);
     let on_b = answer_placed(&version, &question("Describe it.", 4), "b", &never(), |_| {}).unwrap();
     assert_eq!(on_b.engine, "b");
     let err = answer_placed(&version, &question("Describe it.", 4), "gpu", &never(), |_| {}).unwrap_err();
@@ -143,11 +135,7 @@ fn forced_placement_is_obeyed_and_an_unknown_engine_is_refused() {
 #[test]
 fn an_incompatible_snapshot_is_refused_with_its_reason() {
     let _serial = serial();
-    let (a, fa) = (engine_named("a", false), engine_named("fa", true));
-    let enc = encoder();
-    let s = stream_on(&a, &[&a, &fa], "s", 4);
-    s.register(frame(&enc, 0), &never()).unwrap();
-    let version = s.wait_version(1, &never()).unwrap();
+    let (a, fa, version) = two_engines(true, 1);
     let err =
         answer_on(&version, &question("Describe it.", 4), &fa, PreparePath::Import, &never(), |_| {}).unwrap_err();
     assert!(matches!(&err, Error::Incompatible(why) if why.contains("layout")), "{err}");
