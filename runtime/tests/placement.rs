@@ -135,7 +135,7 @@ fn forced_placement_is_obeyed_and_an_unknown_engine_is_refused() {
 #[test]
 fn an_incompatible_snapshot_is_refused_with_its_reason() {
     let _serial = serial();
-    let (a, fa, version) = two_engines(true, 1);
+    let (_a, fa, version) = two_engines(true, 1);
     let err =
         answer_on(&version, &question("Describe it.", 4), &fa, PreparePath::Import, &never(), |_| {}).unwrap_err();
     assert!(matches!(&err, Error::Incompatible(why) if why.contains("layout")), "{err}");
