@@ -76,4 +76,9 @@ if [ ! -s "$mmproj" ] || [ scripts/make_test_mmproj.py -nt "$mmproj" ]; then
   say "generating $mmproj"
   "$venv/bin/python" scripts/make_test_mmproj.py "$mmproj" --proj mlp --image-size 96 --patch-size 16
 fi
+# A projector of the wrong output width (512, not SmolLM2-135M's 576), for the error-path tests.
+wrong="models/test-mmproj-mlp-w512.gguf"
+if [ ! -s "$wrong" ] || [ scripts/make_test_mmproj.py -nt "$wrong" ]; then
+  "$venv/bin/python" scripts/make_test_mmproj.py "$wrong" --proj mlp --text-embd 512 >/dev/null
+fi
 say "ready: $model, $mmproj"

@@ -148,6 +148,11 @@ fn a_missing_or_wrong_mmproj_is_an_error_naming_the_file() {
         "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=/nonexistent/proj.gguf ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! fakesink",
     );
     assert!(e.contains("/nonexistent/proj.gguf"), "{e}");
+    // A projector whose output width does not match the language model.
+    let e = error_of(
+        "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp-w512.gguf ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! fakesink",
+    );
+    assert!(e.contains("test-mmproj-mlp-w512.gguf") && e.contains("576"), "{e}");
     // The language model given as the projector: refused before libmtmd sees it.
     let e = error_of(
         "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! fakesink",
