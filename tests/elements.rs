@@ -301,3 +301,48 @@ fn vlmencode_handles_a_resolution_change_mid_stream() {
     assert_eq!(a.len(), b.len(), "the projector resizes every picture to its own input size");
     assert_ne!(a, b);
 }
+
+#[test]
+fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
+    init();
+    let engine = Engine::start(
+        std::path::Path::new(&model()),
+        EngineConfig { context_per_sequence: 1024, ..EngineConfig::default() },
+    )
+    .unwrap();
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let config = StreamConfig {
+        name: "flush".into(),
+        retain: true,
+        max_pending: 4,
+        answer_reserve: 128,
+        history_policy: vlm_runtime::HistoryPolicy::Stop,
+        prefix_cache: None,
+        peers: vec![],
+    };
+    let stream = Stream::open(&engine, prompt, config).unwrap();
+    let never = AtomicBool::new(false);
+    let f = frame(&encoder(), 0);
+    let number = stream.register(Arc::clone(&f), &never).unwrap().number;
+
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    h.element().unwrap().set_property("max-tokens", 200u32);
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    assert!(h.push_event(StreamEvent::event(stream.id(), "flush")));
+    let mut buf = picture(gst_video::VideoFormat::Rgb, 0);
+    VlmFrameMeta::add(buf.get_mut().unwrap(), f).set_position(stream.id(), number);
+    assert_eq!(h.push(buf), Ok(gst::FlowSuccess::Ok));
+    assert!(h.push_event(QuestionEvent::event("Tell me a long story about the picture.", Some("long"), None)));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    assert!(h.push_event(gst::event::FlushStart::new()));
+    assert!(h.push_event(gst::event::FlushStop::new(true)));
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "a flush must not wait for a 200-token answer");
+    assert_eq!(h.element().unwrap().property::<u64>("answers"), 0, "the flushed answer is not pushed");
+    // After the flush the element answers again.
+    assert!(h.push_event(StreamEvent::event(stream.id(), "flush")));
+    assert!(h.push_event(QuestionEvent::event("What is shown?", Some("after"), Some(4))));
+    let answer = h.pull().expect("an answer after the flush");
+    assert!(answer.size() > 0);
+}

@@ -353,9 +353,11 @@ impl VlmQuery {
                     self.changed.notify_all();
                     break item;
                 }
+                gst::trace!(CAT, imp = self, "task waiting for a question");
                 self.changed.wait(&mut shared);
             }
         };
+        gst::trace!(CAT, imp = self, "task took an item");
         self.ensure_src_started();
         match item {
             Item::Eos => {
@@ -414,6 +416,7 @@ impl VlmQuery {
                 gst::debug!(CAT, imp = self, "question {} cancelled", q.id)
             }
             Err(e) => {
+                gst::warning!(CAT, imp = self, "question {} not answered: {e}", q.id);
                 gst::element_imp_warning!(self, gst::StreamError::Failed, ["question {} not answered: {}", q.id, e])
             }
         }

@@ -228,9 +228,10 @@ impl Stream {
     /// Create a stream on `engine` and prefill its prompt prefix (version 0).
     pub fn open(engine: &Arc<Engine>, prompt: Arc<Prompt>, config: StreamConfig) -> Result<Arc<Stream>> {
         let seq = engine.take_stream_seq()?;
+        // Serials start at 1: a published serial of 0 means nothing is published yet.
         let root = Record {
             number: 0,
-            serial: 0,
+            serial: 1,
             epoch: 0,
             end: prompt.prefix.len() as i32,
             key: PrefixKey::root(&engine.model().identity(), &prompt.prefix),

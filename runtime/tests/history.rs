@@ -290,3 +290,29 @@ fn committed_answers_become_history_in_question_order() {
     assert_eq!((v3.frames(), v3.history.len()), (3, 4));
     assert_eq!(ask(&stream, 3, "What changed?").frames, 3);
 }
+
+#[test]
+fn the_prompt_version_is_waited_for_and_stays_bindable() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    // Hold the engine: nothing, not even the prompt, is published yet.
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    engine
+        .submit(move |_| {
+            let _ = held.recv();
+        })
+        .unwrap();
+    let stream = open(&engine, "s", true);
+    stream.register(frame(&enc, 0), &never).unwrap();
+    let waiter = {
+        let (stream, never) = (Arc::clone(&stream), Arc::clone(&never));
+        std::thread::spawn(move || stream.wait_version(0, &never).map(|v| (v.number, v.frames())))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(!waiter.is_finished(), "version 0 was handed out before its prefill");
+    release.send(()).unwrap();
+    assert_eq!(waiter.join().unwrap().unwrap(), (0, 0));
+    assert_eq!(stream.wait_version(1, &never).unwrap().number, 1);
+    assert_eq!(stream.wait_version(0, &never).unwrap().number, 0, "older versions stay bindable");
+}
