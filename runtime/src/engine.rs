@@ -190,7 +190,6 @@ pub struct Engine {
     config: EngineConfig,
     model: Arc<Model>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
-    queued: Arc<AtomicUsize>,
     widest: Arc<AtomicUsize>,
     rates: Arc<Mutex<StageRates>>,
     /// Estimated milliseconds of queued work (ingestion and preparation) ahead of a new job.
@@ -201,14 +200,11 @@ pub struct Engine {
 }
 
 /// The engine thread's loop.
-fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, queued: Arc<AtomicUsize>, widest: Arc<AtomicUsize>) {
+fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, widest: Arc<AtomicUsize>) {
     calibrate(&mut w);
     crate::llama::stop_workers_before_exit();
     let mut waiting: VecDeque<Box<dyn Generation>> = VecDeque::new();
     let mut active: Vec<Active> = Vec::new();
-    let done = |n: usize| {
-        queued.fetch_sub(n, Ordering::AcqRel);
-    };
     loop {
         if crate::llama::exiting() {
             return; // the process is exiting: drop the work, free the context
@@ -225,10 +221,7 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, queued: Arc<AtomicUsize>, wides
         };
         for job in first.into_iter().chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
             match job {
-                Job::Run(f) => {
-                    f(&mut w);
-                    done(1);
-                }
+                Job::Run(f) => f(&mut w),
                 Job::Generate(g) => waiting.push_back(g),
             }
         }
@@ -239,10 +232,7 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, queued: Arc<AtomicUsize>, wides
             };
             match g.start(&mut w, branch) {
                 Progress::Next { token, pos } => active.push(Active { generation: g, branch, next: (token, pos) }),
-                Progress::Done => {
-                    w.release(branch);
-                    done(1);
-                }
+                Progress::Done => w.release(branch),
             }
         }
         if active.is_empty() {
@@ -270,7 +260,6 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, queued: Arc<AtomicUsize>, wides
                 }
                 Progress::Done => {
                     w.release(a.branch);
-                    done(1);
                     false
                 }
             }
@@ -340,14 +329,13 @@ impl Engine {
             rates: Arc::clone(&rates),
         };
         let (tx, rx) = mpsc::channel::<Job>();
-        let queued = Arc::new(AtomicUsize::new(0));
         let widest = Arc::new(AtomicUsize::new(0));
-        let (q, wd) = (Arc::clone(&queued), Arc::clone(&widest));
+        let wd = Arc::clone(&widest);
         let thread = std::thread::Builder::new()
             .name(format!("vlm-engine-{}", config.name))
             .spawn(move || {
                 let registration = crate::llama::WorkerThread::register();
-                run(worker, rx, q, wd);
+                run(worker, rx, wd);
                 drop(registration);
             })
             .map_err(|e| Error::Engine(format!("cannot start engine thread: {e}")))?;
@@ -356,7 +344,6 @@ impl Engine {
             config,
             model,
             jobs: Mutex::new(Some(tx)),
-            queued,
             widest,
             rates,
             backlog: Mutex::new(0.0),
@@ -389,11 +376,6 @@ impl Engine {
 
     pub fn n_ctx_per_seq(&self) -> u32 {
         self.n_ctx_per_seq
-    }
-
-    /// Jobs and generations waiting or running on this engine.
-    pub fn queue_depth(&self) -> usize {
-        self.queued.load(Ordering::Acquire)
     }
 
     /// The stage costs measured on this engine so far.
@@ -436,11 +418,7 @@ impl Engine {
     fn send(&self, job: Job) -> Result<()> {
         let jobs = self.jobs.lock();
         let tx = jobs.as_ref().ok_or_else(|| Error::Engine(format!("engine {} is stopped", self.name())))?;
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        tx.send(job).map_err(|_| {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
-            Error::Engine(format!("engine {} thread has exited", self.config.name))
-        })
+        tx.send(job).map_err(|_| Error::Engine(format!("engine {} thread has exited", self.config.name)))
     }
 
     /// Run `job` on the engine thread after the jobs already queued (and between two decode steps

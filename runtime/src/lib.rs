@@ -5,8 +5,12 @@
 //! - [`models`]: one shared copy of each model's weights per device per process;
 //! - [`engine`]: a language engine (one context, one thread, several sequences);
 //! - [`stream`]: a stream's versioned, append-only history;
-//! - [`answer`]: answering a question from a pinned version;
-//! - [`encoder`]: vision encoding of frames into embeddings.
+//! - [`answer`]: answering a question from a pinned version (branch, import or replay);
+//! - [`placer`]: choosing the engine and path of each answer from measured stage costs;
+//! - [`prefix`]: prefix keys and compatibility tags; [`snapshot`]: KV snapshots;
+//! - [`cache`]: the bounded cache every cache uses;
+//! - [`encoder`]: vision encoding of frames into embeddings (libmtmd; `rknn`: the NPU);
+//! - [`prompt`]: the chat layout of histories and questions; [`text`]: streaming UTF-8.
 
 pub mod answer;
 pub mod cache;
