@@ -196,6 +196,15 @@ pub fn answer_on(
     mut on_text: impl FnMut(&str),
 ) -> Result<AnswerReport> {
     let resident = Arc::ptr_eq(engine, version.stream.engine());
+    let rates = engine.rates();
+    let suffix = version.stream.prompt().question_tokens(engine.model(), &question.text)?.len() as f64;
+    let history = version.end as f64;
+    let start_ms = suffix * rates.prefill_ms_per_token
+        + match path {
+            PreparePath::Resident => 0.0,
+            PreparePath::Import => history * rates.import_ms_per_token,
+            PreparePath::Replay => history * rates.prefill_ms_per_token,
+        };
     let preparation = match path {
         PreparePath::Resident if resident && version.stream.retain() => Preparation::Branch,
         PreparePath::Resident => {
@@ -211,22 +220,25 @@ pub fn answer_on(
         PreparePath::Replay => Preparation::Replay,
     };
     let (tx, rx) = mpsc::channel();
-    engine.generate(Box::new(Answer {
-        version: version.clone(),
-        question: question.clone(),
-        cancel: Arc::clone(cancel),
-        tx,
-        wait_ms: ms(question.arrival.elapsed()),
-        submitted: Instant::now(),
-        sampler: question.sampling.sampler(),
-        model: Arc::clone(engine.model()),
-        engine: engine.name().to_owned(),
-        preparation,
-        report: None,
-        utf8: Utf8Stream::default(),
-        limit: engine.n_ctx_per_seq() as i32,
-        pos: 0,
-    }))?;
+    engine.generate(
+        Box::new(Answer {
+            version: version.clone(),
+            question: question.clone(),
+            cancel: Arc::clone(cancel),
+            tx,
+            wait_ms: ms(question.arrival.elapsed()),
+            submitted: Instant::now(),
+            sampler: question.sampling.sampler(),
+            model: Arc::clone(engine.model()),
+            engine: engine.name().to_owned(),
+            preparation,
+            report: None,
+            utf8: Utf8Stream::default(),
+            limit: engine.n_ctx_per_seq() as i32,
+            pos: 0,
+        }),
+        start_ms,
+    )?;
     for event in rx {
         match event {
             Event::Text(t) => on_text(&t),

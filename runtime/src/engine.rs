@@ -181,9 +181,15 @@ struct Active {
     next: (Token, i32),
 }
 
+type Work = Box<dyn FnOnce(&mut Worker) + Send>;
+
 enum Job {
-    Run(Box<dyn FnOnce(&mut Worker) + Send>),
-    Generate(Box<dyn Generation>),
+    /// Ingestion and other work, in order, after the answers that are starting.
+    Run(Work),
+    /// Work an answer waits for (a snapshot export): before ingestion.
+    Urgent(Work),
+    /// An answer, with the estimated cost of its start (history preparation + suffix).
+    Generate(Box<dyn Generation>, f64),
 }
 
 pub struct Engine {
@@ -192,24 +198,27 @@ pub struct Engine {
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     widest: Arc<AtomicUsize>,
     rates: Arc<Mutex<StageRates>>,
-    /// Estimated milliseconds of queued work (ingestion and preparation) ahead of a new job.
-    backlog: Mutex<f64>,
+    /// Estimated milliseconds of queued ingestion (and other ordered work).
+    ingest_backlog: Arc<Mutex<f64>>,
+    /// Estimated milliseconds of answer starts queued or running, which go before ingestion.
+    start_backlog: Arc<Mutex<f64>>,
     free_streams: Mutex<VecDeque<i32>>,
     n_ctx_per_seq: u32,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// The engine thread's loop.
-fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, widest: Arc<AtomicUsize>) {
+fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, widest: Arc<AtomicUsize>, start_backlog: Arc<Mutex<f64>>) {
     calibrate(&mut w);
     crate::llama::stop_workers_before_exit();
-    let mut waiting: VecDeque<Box<dyn Generation>> = VecDeque::new();
+    let mut waiting: VecDeque<(Box<dyn Generation>, f64)> = VecDeque::new();
     let mut active: Vec<Active> = Vec::new();
+    let mut runs: VecDeque<Work> = VecDeque::new();
     loop {
         if crate::llama::exiting() {
             return; // the process is exiting: drop the work, free the context
         }
-        let idle = active.is_empty() && waiting.is_empty();
+        let idle = active.is_empty() && waiting.is_empty() && runs.is_empty();
         let first = if idle {
             match jobs.recv_timeout(std::time::Duration::from_millis(200)) {
                 Ok(job) => Some(job),
@@ -221,19 +230,29 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, widest: Arc<AtomicUsize>) {
         };
         for job in first.into_iter().chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
             match job {
-                Job::Run(f) => f(&mut w),
-                Job::Generate(g) => waiting.push_back(g),
+                Job::Run(f) => runs.push_back(f),
+                Job::Urgent(f) => f(&mut w),
+                Job::Generate(g, cost) => waiting.push_back((g, cost)),
             }
         }
+        // Answers start first: their versions are already published, so the frames queued
+        // behind them must not delay their first token. Then one ingestion job, then one decode
+        // step of every active answer: ingestion and answers alternate, and urgent work (a
+        // snapshot export) waits for one job at most.
         while let Some(branch) = w.free_branches.pop() {
-            let Some(mut g) = waiting.pop_front() else {
+            let Some((mut g, cost)) = waiting.pop_front() else {
                 w.free_branches.push(branch);
                 break;
             };
-            match g.start(&mut w, branch) {
+            let progress = g.start(&mut w, branch);
+            *start_backlog.lock() -= cost;
+            match progress {
                 Progress::Next { token, pos } => active.push(Active { generation: g, branch, next: (token, pos) }),
                 Progress::Done => w.release(branch),
             }
+        }
+        if let Some(run) = runs.pop_front() {
+            run(&mut w);
         }
         if active.is_empty() {
             continue;
@@ -331,11 +350,13 @@ impl Engine {
         let (tx, rx) = mpsc::channel::<Job>();
         let widest = Arc::new(AtomicUsize::new(0));
         let wd = Arc::clone(&widest);
+        let start_backlog = Arc::new(Mutex::new(0.0));
+        let sb = Arc::clone(&start_backlog);
         let thread = std::thread::Builder::new()
             .name(format!("vlm-engine-{}", config.name))
             .spawn(move || {
                 let registration = crate::llama::WorkerThread::register();
-                run(worker, rx, wd);
+                run(worker, rx, wd, sb);
                 drop(registration);
             })
             .map_err(|e| Error::Engine(format!("cannot start engine thread: {e}")))?;
@@ -346,7 +367,8 @@ impl Engine {
             jobs: Mutex::new(Some(tx)),
             widest,
             rates,
-            backlog: Mutex::new(0.0),
+            ingest_backlog: Arc::new(Mutex::new(0.0)),
+            start_backlog,
             n_ctx_per_seq,
             thread: Mutex::new(Some(thread)),
         }))
@@ -383,30 +405,35 @@ impl Engine {
         *self.rates.lock()
     }
 
-    /// Estimated milliseconds before a job submitted now starts: the measured cost of the work
-    /// queued ahead of it.
-    pub fn backlog_ms(&self) -> f64 {
-        self.backlog.lock().max(0.0)
+    /// Estimated milliseconds of queued ingestion on this engine (measured costs).
+    pub fn ingest_backlog_ms(&self) -> f64 {
+        self.ingest_backlog.lock().max(0.0)
     }
 
-    /// Run `job` (estimated to cost `cost_ms`) on the engine thread; its cost counts in the
-    /// backlog until it has run.
-    pub fn submit_costed(self: &Arc<Self>, cost_ms: f64, job: impl FnOnce(&mut Worker) + Send + 'static) -> Result<()> {
-        *self.backlog.lock() += cost_ms;
-        let engine = Arc::clone(self);
+    /// Estimated milliseconds before a new answer starts here: the starts of the answers ahead
+    /// of it (answers go before queued ingestion).
+    pub fn start_backlog_ms(&self) -> f64 {
+        self.start_backlog.lock().max(0.0)
+    }
+
+    /// Run `job` (estimated to cost `cost_ms`) on the engine thread, in order with other ingestion;
+    /// its cost counts in the ingestion backlog until it has run.
+    pub fn submit_costed(&self, cost_ms: f64, job: impl FnOnce(&mut Worker) + Send + 'static) -> Result<()> {
+        *self.ingest_backlog.lock() += cost_ms;
+        let backlog = Arc::clone(&self.ingest_backlog);
         self.submit(move |w| {
             job(w);
-            *engine.backlog.lock() -= cost_ms;
+            *backlog.lock() -= cost_ms;
         })
-        .inspect_err(|_| *self.backlog.lock() -= cost_ms)
+        .inspect_err(|_| *self.ingest_backlog.lock() -= cost_ms)
     }
 
-    /// Run `job` on the engine thread and wait for its result.
+    /// Run `job` on the engine thread ahead of queued ingestion and wait for its result.
     pub fn call<R: Send + 'static>(&self, job: impl FnOnce(&mut Worker) -> R + Send + 'static) -> Result<R> {
         let (tx, rx) = mpsc::sync_channel(1);
-        self.submit(move |w| {
+        self.send(Job::Urgent(Box::new(move |w| {
             let _ = tx.send(job(w));
-        })?;
+        })))?;
         rx.recv().map_err(|_| Error::Engine(format!("engine {} dropped a job", self.name())))
     }
 
@@ -427,9 +454,11 @@ impl Engine {
         self.send(Job::Run(Box::new(job)))
     }
 
-    /// Queue a generation; it starts when a branch is free and then shares every decode step.
-    pub(crate) fn generate(&self, generation: Box<dyn Generation>) -> Result<()> {
-        self.send(Job::Generate(generation))
+    /// Queue a generation whose start costs about `start_ms`; it starts when a branch is free,
+    /// before queued ingestion, and then shares every decode step.
+    pub(crate) fn generate(&self, generation: Box<dyn Generation>, start_ms: f64) -> Result<()> {
+        *self.start_backlog.lock() += start_ms;
+        self.send(Job::Generate(generation, start_ms)).inspect_err(|_| *self.start_backlog.lock() -= start_ms)
     }
 
     /// Reserve a stream sequence.

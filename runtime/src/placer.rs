@@ -1,11 +1,13 @@
 //! The placer: for a question bound to a version, estimate every complete path on every engine
 //! that may answer it, and pick the cheapest.
 //!
-//! A path's cost = queue delay (the engine's measured backlog) + preparation of the history
-//! (nothing for a resident branch; export/transfer/import for a snapshot; prefill of the whole
-//! history for a replay) + the question suffix's prefill + the expected decode, all from stage
-//! rates measured online on each engine (so co-running slowdowns are in them), not from a fixed
-//! CPU < GPU order.
+//! A path's cost = queue delay (the starts of the answers ahead of it on that engine: answers go
+//! before queued frame ingestion) + preparation of the history (nothing for a resident branch;
+//! export and import for a snapshot; prefill of the whole history for a replay) + the question
+//! suffix's prefill + the expected decode + the delay it imposes on frame ingestion (an answer
+//! run on an engine with frames waiting delays them, and so the versions later questions need),
+//! all from stage rates measured online on each engine (so co-running slowdowns are in them),
+//! not from a fixed CPU < GPU order.
 
 use std::sync::Arc;
 
@@ -23,11 +25,13 @@ pub struct PathEstimate {
     pub prepare_ms: f64,
     pub suffix_ms: f64,
     pub decode_ms: f64,
+    /// How much later the frames waiting on that engine are ingested because of this answer.
+    pub ingest_delay_ms: f64,
 }
 
 impl PathEstimate {
     pub fn total_ms(&self) -> f64 {
-        self.queue_ms + self.prepare_ms + self.suffix_ms + self.decode_ms
+        self.queue_ms + self.prepare_ms + self.suffix_ms + self.decode_ms + self.ingest_delay_ms
     }
 }
 
@@ -44,28 +48,37 @@ pub fn estimate(
     let resident = stream.engine();
     let history = version.end as f64;
     let resident_usable = stream.retain() && stream.resident_epoch() == version.epoch;
-    let export_ms =
-        if snapshot_cached { 0.0 } else { resident.backlog_ms() + history * resident.rates().export_ms_per_token };
+    let export_ms = if snapshot_cached {
+        0.0
+    } else {
+        resident.start_backlog_ms() + history * resident.rates().export_ms_per_token
+    };
     let mut paths = vec![];
     for engine in stream.peers() {
         let rates = engine.rates();
-        let run = |path, queue_ms: f64, prepare_ms: f64| PathEstimate {
-            engine: Arc::clone(&engine),
-            path,
-            queue_ms,
-            prepare_ms,
-            suffix_ms: suffix_tokens as f64 * rates.prefill_ms_per_token,
-            decode_ms: expected_tokens as f64 * rates.decode_ms_per_step,
+        let run = |path, queue_ms: f64, prepare_ms: f64| {
+            let suffix_ms = suffix_tokens as f64 * rates.prefill_ms_per_token;
+            let decode_ms = expected_tokens as f64 * rates.decode_ms_per_step;
+            let ingesting = engine.ingest_backlog_ms() > 0.0;
+            PathEstimate {
+                engine: Arc::clone(&engine),
+                path,
+                queue_ms,
+                prepare_ms,
+                suffix_ms,
+                decode_ms,
+                ingest_delay_ms: if ingesting { prepare_ms + suffix_ms + decode_ms } else { 0.0 },
+            }
         };
         let here = Arc::ptr_eq(&engine, resident);
         if here && resident_usable {
-            paths.push(run(PreparePath::Resident, engine.backlog_ms(), 0.0));
+            paths.push(run(PreparePath::Resident, engine.start_backlog_ms(), 0.0));
         }
         if !here && resident_usable && engine.compat_tag().layout == resident.compat_tag().layout {
-            let queue = export_ms.max(engine.backlog_ms());
+            let queue = export_ms.max(engine.start_backlog_ms());
             paths.push(run(PreparePath::Import, queue, history * rates.import_ms_per_token));
         }
-        paths.push(run(PreparePath::Replay, engine.backlog_ms(), history * rates.prefill_ms_per_token));
+        paths.push(run(PreparePath::Replay, engine.start_backlog_ms(), history * rates.prefill_ms_per_token));
     }
     paths.sort_by(|a, b| a.total_ms().total_cmp(&b.total_ms()));
     paths

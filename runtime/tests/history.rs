@@ -176,7 +176,9 @@ fn a_full_history_restarts_from_its_newest_frames_without_changing_pinned_versio
     assert_eq!(restart.number as usize, dropped + kept + 1, "the restart keeps the newest frames");
     assert_eq!(stream.restarts() as usize, registrations.iter().filter(|r| r.restart.is_some()).count());
 
-    // The pinned version of the old epoch answers from its own frames, by replay, unchanged.
+    // Once the restart has run, the pinned version of the old epoch answers from its own
+    // frames, by replay, unchanged.
+    stream.wait_version(12, &never).unwrap();
     let after = answer(&v5, &question("What changed?", 10), &never, |_| {}).unwrap();
     assert_eq!(after.path, PreparePath::Replay);
     assert_eq!(after.frames, 5);

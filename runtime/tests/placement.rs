@@ -25,17 +25,24 @@ fn engine_named(name: &str, flash_attention: bool) -> Arc<Engine> {
         name: name.into(),
         threads: 1,
         context_per_sequence: 1024,
+        max_streams: 3,
         flash_attention,
         ..EngineConfig::default()
     };
     Engine::start(&model_path(), config).unwrap()
 }
 
-fn stream_on(resident: &Arc<Engine>, peers: &[&Arc<Engine>], name: &str, max_pending: usize) -> Arc<Stream> {
+fn stream_on(
+    resident: &Arc<Engine>,
+    peers: &[&Arc<Engine>],
+    name: &str,
+    max_pending: usize,
+    retain: bool,
+) -> Arc<Stream> {
     let prompt = Arc::new(Prompt::new(resident.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
     let config = StreamConfig {
         name: name.into(),
-        retain: true,
+        retain,
         max_pending,
         answer_reserve: 128,
         history_policy: HistoryPolicy::Stop,
@@ -54,7 +61,7 @@ fn never() -> Arc<AtomicBool> {
 fn two_engines(flash_b: bool, frames: u32) -> (Arc<Engine>, Arc<Engine>, vlm_runtime::Version) {
     let (a, b) = (engine_named("a", false), engine_named(if flash_b { "fa" } else { "b" }, flash_b));
     let enc = encoder();
-    let s = stream_on(&a, &[&a, &b], "s", 4);
+    let s = stream_on(&a, &[&a, &b], "s", 4, true);
     for v in 0..frames {
         s.register(frame(&enc, v), &never()).unwrap();
     }
@@ -109,17 +116,37 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
     assert_eq!((idle.engine.as_str(), idle.path), ("a", PreparePath::Resident), "idle resident engine");
     assert!(idle.estimate_ms.is_some());
 
-    // Keep `a` busy for real: another stream on it with 12 frames waiting for their prefill.
-    let busy = stream_on(&a, &[&a, &b], "busy", 16);
-    for v in 10..22 {
-        busy.register(frame(&enc, v), &never()).unwrap();
+    // Frames waiting for ingestion on `a`: an answer there would delay them (answers go first),
+    // so the cheapest complete path imports the history into `b` (a replay would cost more).
+    let ingesting = stream_on(&a, &[&a, &b], "ingesting", 16, true);
+    for v in 10..16 {
+        ingesting.register(frame(&enc, v), &never()).unwrap();
     }
-    assert!(a.backlog_ms() > b.backlog_ms() + 1000.0, "a: {} ms, b: {} ms", a.backlog_ms(), b.backlog_ms());
+    assert!(a.ingest_backlog_ms() > 0.0);
+    let q2 = question("What is in the picture?", 8);
+    let imported = answer_placed(&version, &q2, "auto", &never(), |_| {}).unwrap();
+    assert_eq!((imported.engine.as_str(), imported.path), ("b", PreparePath::Import), "{imported:?}");
+    assert!(imported.ttft_ms < 1000.0, "the export went ahead of the queued frames: {imported:?}");
+    assert_eq!(imported.text, idle.text);
+
+    // Keep `a` busy for real: a re-prefill of a 12-frame history starts there first.
+    let long = stream_on(&a, &[&a, &b], "long", 16, false);
+    for v in 20..32 {
+        long.register(frame(&enc, v), &never()).unwrap();
+    }
+    let long_version = long.wait_version(12, &never()).unwrap();
+    let busy =
+        std::thread::spawn(move || vlm_runtime::answer(&long_version, &question("Describe it.", 4), &never(), |_| {}));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while a.start_backlog_ms() < 1000.0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(a.start_backlog_ms() > 1000.0, "a: {} ms of answer starts ahead", a.start_backlog_ms());
     let moved = answer_placed(&version, &question("What is in the picture?", 8), "auto", &never(), |_| {}).unwrap();
     assert_eq!(moved.engine, "b", "waiting for a cost more: {moved:?}");
     assert_ne!(moved.path, PreparePath::Resident);
     assert_eq!(moved.text, idle.text);
-    assert!(moved.ttft_ms < a.rates().prefill_ms_per_token * 36.0 * 12.0, "moving must beat the wait it avoided");
+    busy.join().unwrap().unwrap();
 }
 
 #[test]
