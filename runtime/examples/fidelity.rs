@@ -44,7 +44,7 @@ const QUESTIONS: [&str; 4] =
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let base = EngineConfig { context_per_sequence: 512, max_streams: 1, max_branches: 2, ..EngineConfig::default() };
+    let base = EngineConfig { context_per_sequence: 512, max_streams: 2, max_branches: 2, ..EngineConfig::default() };
     let mut engines = vec![];
     for config in EngineConfig::parse_list(&args.engines, &base)? {
         let t = Instant::now();
@@ -72,6 +72,42 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         stream.register(Arc::new(encoder.encode(&Picture::packed(&rgb, 64, 48, 192, PixelLayout::Rgb))?), &never)?;
     }
     let version = stream.wait_version(args.frames as u64, &never)?;
+    // (a) Transfer: the history's snapshot through each other engine and back, byte for byte.
+    let snapshot = vlm_runtime::answer::snapshot(&version)?;
+    let mut round_trips = vec![];
+    for target in others {
+        let bytes = snapshot.bytes.clone();
+        let through = target.call(move |w| -> vlm_runtime::Result<(i32, Vec<u8>)> {
+            w.ctx.seq_restore(0, &bytes)?;
+            let pos_max = w.ctx.seq_pos_max(0);
+            let again = w.ctx.seq_snapshot(0)?;
+            w.ctx.seq_clear(0);
+            Ok((pos_max, again))
+        })??;
+        let (last_position, via) = through;
+        let original = snapshot.bytes.clone();
+        let (direct, back) = home.call(move |w| -> vlm_runtime::Result<(Vec<u8>, Vec<u8>)> {
+            // Back on the first engine in another sequence (its own holds the stream), compared
+            // with the original restored into that same sequence.
+            let mut as_seq_1 = |bytes: &[u8]| -> vlm_runtime::Result<Vec<u8>> {
+                w.ctx.seq_restore(1, bytes)?;
+                let again = w.ctx.seq_snapshot(1)?;
+                w.ctx.seq_clear(1);
+                Ok(again)
+            };
+            Ok((as_seq_1(&original)?, as_seq_1(&via)?))
+        })??;
+        let identical = back == direct;
+        println!(
+            "round trip {home} -> {target} -> {home}: {} bytes, positions 0..={last_position} (expected {}), byte-identical: {identical}",
+            back.len(),
+            version.end - 1,
+            home = home.name(),
+            target = target.name(),
+        );
+        round_trips.push(serde_json::json!({"through": target.name(), "bytes": back.len(), "identical": identical,
+            "last_position": last_position, "expected_last_position": version.end - 1}));
+    }
     let mut rows = vec![];
     println!(
         "{:<8} {:<40} {:>7} {:>9} {:>12} {:>12}",
@@ -129,7 +165,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }));
     }
     let json = serde_json::json!({"report": "fidelity-mixed-vs-reference", "engines": args.engines, "history_tokens": version.end,
-        "tokens": args.tokens, "rows": rows, "rates": rates});
+        "tokens": args.tokens, "round_trips": round_trips, "rows": rows, "rates": rates});
     println!("{json}");
     if let Some(path) = args.json {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;

@@ -388,11 +388,15 @@ impl Engine {
             model: self.model.identity(),
             backend: self.config.device.name().into(),
             kv_dtype: "f16",
-            layout: if self.config.flash_attention {
-                "V untransposed (flash attention)"
-            } else {
-                "V transposed (no flash attention)"
-            },
+            layout: format!(
+                "{}, {} sequence streams",
+                if self.config.flash_attention {
+                    "V untransposed (flash attention)"
+                } else {
+                    "V transposed (no flash attention)"
+                },
+                self.config.max_streams + self.config.max_branches
+            ),
         }
     }
 

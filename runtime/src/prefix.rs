@@ -78,8 +78,9 @@ pub struct CompatTag {
     /// backend is recorded but does not decide compatibility.
     pub backend: String,
     pub kv_dtype: &'static str,
-    /// KV layout: V transposed or not (flash attention off or on).
-    pub layout: &'static str,
+    /// KV layout: V transposed or not (flash attention off or on), and the number of per-sequence
+    /// KV streams (llama.cpp refuses a snapshot from a context with another count).
+    pub layout: String,
 }
 
 impl CompatTag {

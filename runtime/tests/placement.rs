@@ -104,6 +104,21 @@ fn a_snapshot_round_trip_preserves_bytes_positions_and_boundaries() {
         .unwrap();
     assert_eq!(round.0, version.end - 1, "positions survive the transfer");
     assert_eq!(round.1, exported.bytes, "the snapshot changed on its way through the other engine");
+    // … and back into `a`, in another sequence (its own holds the stream): compared with the
+    // original snapshot restored into that same sequence, byte for byte.
+    let (original, via_b) = (exported.bytes.clone(), round.1);
+    let (direct, back) = _a
+        .call(move |w| {
+            let mut as_seq_1 = |bytes: &[u8]| {
+                w.ctx.seq_restore(1, bytes).unwrap();
+                let again = w.ctx.seq_snapshot(1).unwrap();
+                w.ctx.seq_clear(1);
+                again
+            };
+            (as_seq_1(&original), as_seq_1(&via_b))
+        })
+        .unwrap();
+    assert_eq!(back, direct, "the round trip a -> b -> a changed the cells");
 }
 
 #[test]
