@@ -380,7 +380,7 @@ impl ObjectImpl for VlmContext {
                     .build(),
                 glib::ParamSpecString::builder("engines")
                     .nick("Engines")
-                    .blurb("Language engines, NAME[:cpu|gpu[:THREADS]] separated by commas (e.g. cpu,gpu or big:cpu:1,little:cpu:1); stream i is resident on engine i modulo their number, and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
+                    .blurb("Language engines, NAME[:cpu|gpu[:THREADS[:CORES]]] separated by commas (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3); stream i is resident on engine i modulo their number, and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
                     .default_value(Some("cpu"))
                     .mutable_ready()
                     .build(),

@@ -35,6 +35,8 @@ pub struct EngineConfig {
     /// Flash attention: faster KV export on GPUs, but V is stored untransposed, so snapshots
     /// only move between engines that agree on it.
     pub flash_attention: bool,
+    /// CPU cores the engine's threads run on (none: wherever the OS puts them).
+    pub cores: Vec<usize>,
 }
 
 impl Default for EngineConfig {
@@ -47,6 +49,7 @@ impl Default for EngineConfig {
             max_streams: 2,
             max_branches: 4,
             flash_attention: false,
+            cores: Vec::new(),
         }
     }
 }
@@ -86,14 +89,16 @@ impl StageRates {
 }
 
 impl EngineConfig {
-    /// Engines from a list such as `cpu`, `cpu,gpu` or `big:cpu:1,little:cpu:1`: each entry is
-    /// `NAME[:DEVICE[:THREADS]]`, DEVICE `cpu` or `gpu` (default: `gpu` for a name starting with
-    /// "gpu", else `cpu`), THREADS defaulting to `base.threads`. Other fields come from `base`.
+    /// Engines from a list such as `cpu`, `cpu,gpu` or `big:cpu:4:4-7,little:cpu:4:0-3`: each
+    /// entry is `NAME[:DEVICE[:THREADS[:CORES]]]`, DEVICE `cpu` or `gpu` (default: `gpu` for a name
+    /// starting with "gpu", else `cpu`), THREADS defaulting to `base.threads`, CORES a list of
+    /// cores and ranges joined by `+` (`0-3`, `4+6`). Other fields come from `base`.
     pub fn parse_list(spec: &str, base: &EngineConfig) -> Result<Vec<EngineConfig>> {
         let mut engines: Vec<EngineConfig> = vec![];
         for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let bad =
-                |why: &str| Error::Config(format!("engine \"{entry}\": {why} (expected NAME[:cpu|gpu[:THREADS]])"));
+            let bad = |why: &str| {
+                Error::Config(format!("engine \"{entry}\": {why} (expected NAME[:cpu|gpu[:THREADS[:CORES]]])"))
+            };
             let mut parts = entry.split(':');
             let name = parts.next().unwrap_or_default();
             if name.is_empty()
@@ -114,19 +119,41 @@ impl EngineConfig {
                     t.parse::<i32>().ok().filter(|t| (1..=256).contains(t)).ok_or_else(|| bad("bad thread count"))?
                 }
             };
+            let cores = match parts.next() {
+                None => Vec::new(),
+                Some(list) => parse_cores(list).ok_or_else(|| bad("bad core list"))?,
+            };
             if parts.next().is_some() {
                 return Err(bad("too many fields"));
             }
             if engines.iter().any(|e| e.name == name) {
                 return Err(bad("duplicate name"));
             }
-            engines.push(EngineConfig { name: name.into(), device, threads, ..base.clone() });
+            engines.push(EngineConfig { name: name.into(), device, threads, cores, ..base.clone() });
         }
         if engines.is_empty() {
             return Err(Error::Config("no engine configured".into()));
         }
         Ok(engines)
     }
+}
+
+/// Cores such as `0-3`, `4+6` or `0-1+4`.
+fn parse_cores(list: &str) -> Option<Vec<usize>> {
+    let mut cores = vec![];
+    for part in list.split('+') {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?);
+                if a > b {
+                    return None;
+                }
+                cores.extend(a..=b);
+            }
+            None => cores.push(part.parse().ok()?),
+        }
+    }
+    Some(cores)
 }
 
 /// What a job sees on the engine thread.
@@ -350,12 +377,18 @@ impl Engine {
         let (tx, rx) = mpsc::channel::<Job>();
         let widest = Arc::new(AtomicUsize::new(0));
         let wd = Arc::clone(&widest);
+        let cores = config.cores.clone();
         let start_backlog = Arc::new(Mutex::new(0.0));
         let sb = Arc::clone(&start_backlog);
         let thread = std::thread::Builder::new()
             .name(format!("vlm-engine-{}", config.name))
             .spawn(move || {
                 let registration = crate::llama::WorkerThread::register();
+                if !cores.is_empty()
+                    && let Err(e) = crate::llama::pin_current_thread(&cores)
+                {
+                    crate::llama::log(crate::llama::LogLevel::Warn, &format!("engine: {e}"));
+                }
                 run(worker, rx, wd, sb);
                 drop(registration);
             })
@@ -528,7 +561,9 @@ mod tests {
             e.iter().map(|e| (e.name.as_str(), e.device.name(), e.threads)).collect::<Vec<_>>(),
             [("big", "cpu", 1), ("little", "cpu", 1), ("gpu", "gpu", 2)]
         );
-        for bad in ["", "a:tpu", "a:cpu:0", "a,a", "auto", "a b", "a:cpu:1:2"] {
+        let e = EngineConfig::parse_list("big:cpu:2:2-3+6,little:cpu:1:0", &base).unwrap();
+        assert_eq!((e[0].cores.clone(), e[1].cores.clone()), (vec![2, 3, 6], vec![0]));
+        for bad in ["", "a:tpu", "a:cpu:0", "a,a", "auto", "a b", "a:cpu:1:3-2", "a:cpu:1:x", "a:cpu:1:0:9"] {
             assert!(EngineConfig::parse_list(bad, &base).is_err(), "{bad:?} must be refused");
         }
     }

@@ -91,6 +91,13 @@ extern "C" fn stop_workers_at_exit() {
     while *live > 0 && !WORKERS.1.wait_until(&mut live, deadline).timed_out() {}
 }
 
+/// Send a line of the runtime's own to the same sink as llama.cpp's log.
+pub(crate) fn log(level: LogLevel, line: &str) {
+    if let Some(sink) = LOG_SINK.read().as_ref() {
+        sink(level, line);
+    }
+}
+
 /// Initialise llama.cpp's backends once per process and install the log router.
 pub fn init_backend() {
     static INIT: OnceLock<()> = OnceLock::new();
@@ -123,6 +130,38 @@ pub fn gpu_available() -> bool {
     init_backend();
     // SAFETY: the backend registry is initialised; the call only looks a device up.
     unsafe { !sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_GPU).is_null() }
+}
+
+/// Pin the calling thread (and the OpenMP workers it starts for llama.cpp, which inherit its
+/// affinity) to `cores`, e.g. the big or the little cluster of a big.LITTLE SoC.
+pub(crate) fn pin_current_thread(cores: &[usize]) -> Result<()> {
+    // SAFETY: cpu_set_t is plain data, zeroed then filled with CPU_SET for valid indices (checked
+    // against CPU_SETSIZE); sched_setaffinity(0, ...) only affects the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &core in cores {
+            if core >= libc::CPU_SETSIZE as usize {
+                return Err(Error::Config(format!("core {core} is out of range")));
+            }
+            libc::CPU_SET(core, &mut set);
+        }
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(Error::Config(format!("cannot pin to cores {cores:?}: {}", std::io::Error::last_os_error())));
+        }
+    }
+    Ok(())
+}
+
+/// The cores the calling thread may run on.
+pub fn current_thread_cores() -> Vec<usize> {
+    // SAFETY: as above; sched_getaffinity fills the zeroed set for the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return vec![];
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect()
+    }
 }
 
 /// Where a model's weights and a context's compute live.

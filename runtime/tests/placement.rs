@@ -188,3 +188,13 @@ fn an_incompatible_snapshot_is_refused_with_its_reason() {
         answer_on(&version, &question("Describe it.", 4), &fa, PreparePath::Replay, &never(), |_| {}).unwrap();
     assert_eq!(replayed.engine, "fa");
 }
+
+#[test]
+fn an_engine_runs_on_the_cores_it_names() {
+    let _serial = serial();
+    let config = EngineConfig { name: "little".into(), threads: 1, cores: vec![0], ..EngineConfig::default() };
+    let little = Engine::start(&model_path(), config).unwrap();
+    assert_eq!(little.call(|_| vlm_runtime::llama::current_thread_cores()).unwrap(), vec![0]);
+    let anywhere = engine_named("any", false);
+    assert!(anywhere.call(|_| vlm_runtime::llama::current_thread_cores()).unwrap().len() >= 2);
+}
