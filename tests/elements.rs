@@ -104,6 +104,14 @@ fn vlmencode_bgrx_and_rgb_give_identical_embeddings() {
     assert_ne!(a, c, "different pictures must give different embeddings");
 }
 
+/// A stream of the runtime, on an engine of its own, as vlmcontext would make it.
+fn runtime_stream(name: &str) -> Arc<Stream> {
+    let config = EngineConfig { context_per_sequence: 1024, ..EngineConfig::default() };
+    let engine = Engine::start(std::path::Path::new(&model()), config).unwrap();
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    Stream::open(&engine, prompt, StreamConfig::new(name)).unwrap()
+}
+
 fn encoder() -> MtmdEncoder {
     let m = models::model(std::path::Path::new(&model()), &Device::Cpu).unwrap();
     MtmdEncoder::new(models::projector(std::path::Path::new(&mmproj()), &m, false, 2).unwrap())
@@ -150,22 +158,7 @@ fn vlmcontext_registers_frames_in_order_and_answers_the_model_query() {
 #[test]
 fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
     init();
-    let engine = Engine::start(
-        std::path::Path::new(&model()),
-        EngineConfig { context_per_sequence: 1024, ..EngineConfig::default() },
-    )
-    .unwrap();
-    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
-    let config = StreamConfig {
-        name: "test".into(),
-        retain: true,
-        max_pending: 4,
-        answer_reserve: 128,
-        history_policy: vlm_runtime::HistoryPolicy::Stop,
-        prefix_cache: None,
-        peers: vec![],
-    };
-    let stream = Stream::open(&engine, prompt, config).unwrap();
+    let stream = runtime_stream("test");
     let enc = encoder();
 
     let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
@@ -305,22 +298,7 @@ fn vlmencode_handles_a_resolution_change_mid_stream() {
 #[test]
 fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
     init();
-    let engine = Engine::start(
-        std::path::Path::new(&model()),
-        EngineConfig { context_per_sequence: 1024, ..EngineConfig::default() },
-    )
-    .unwrap();
-    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
-    let config = StreamConfig {
-        name: "flush".into(),
-        retain: true,
-        max_pending: 4,
-        answer_reserve: 128,
-        history_policy: vlm_runtime::HistoryPolicy::Stop,
-        prefix_cache: None,
-        peers: vec![],
-    };
-    let stream = Stream::open(&engine, prompt, config).unwrap();
+    let stream = runtime_stream("flush");
     let never = AtomicBool::new(false);
     let f = frame(&encoder(), 0);
     let number = stream.register(Arc::clone(&f), &never).unwrap().number;

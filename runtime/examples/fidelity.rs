@@ -16,8 +16,7 @@ use clap::Parser;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
-    Device, Engine, EngineConfig, HistoryPolicy, PreparePath, Question, Sampling, Stream, StreamConfig, answer_on,
-    models,
+    Device, Engine, EngineConfig, PreparePath, Question, Sampling, Stream, StreamConfig, answer_on, models,
 };
 
 #[derive(Parser)]
@@ -57,15 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let encoder = MtmdEncoder::new(models::projector(&args.mmproj, &model, false, 2)?);
     let prompt = Arc::new(Prompt::new(&model, DEFAULT_SYSTEM_PROMPT)?);
     let never = Arc::new(AtomicBool::new(false));
-    let config = StreamConfig {
-        name: "fidelity".into(),
-        retain: true,
-        max_pending: 4,
-        answer_reserve: 64,
-        history_policy: HistoryPolicy::Stop,
-        prefix_cache: None,
-        peers: engines.clone(),
-    };
+    let config = StreamConfig { answer_reserve: 64, peers: engines.clone(), ..StreamConfig::new("fidelity") };
     let stream = Stream::open(home, prompt, config)?;
     for v in 0..args.frames {
         let rgb: Vec<u8> = (0..64 * 48 * 3).map(|i| (i as u32 * (v + 3) % 251) as u8).collect();

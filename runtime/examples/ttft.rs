@@ -14,9 +14,7 @@ use std::time::Instant;
 use clap::Parser;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
-use vlm_runtime::{
-    Device, Engine, EngineConfig, HistoryPolicy, Question, Sampling, Stream, StreamConfig, answer, models,
-};
+use vlm_runtime::{Device, Engine, EngineConfig, Question, Sampling, Stream, StreamConfig, answer, models};
 
 #[derive(Parser)]
 struct Args {
@@ -64,15 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT)?);
     let never = Arc::new(AtomicBool::new(false));
     let open = |name: &str, retain| {
-        let config = StreamConfig {
-            name: name.into(),
-            retain,
-            max_pending: 4,
-            answer_reserve: 64,
-            history_policy: HistoryPolicy::Stop,
-            prefix_cache: None,
-            peers: vec![],
-        };
+        let config = StreamConfig { retain, answer_reserve: 64, ..StreamConfig::new(name) };
         Stream::open(&engine, Arc::clone(&prompt), config)
     };
     let (retained, baseline) = (open("retained", true)?, open("baseline", false)?);

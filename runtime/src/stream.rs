@@ -102,6 +102,22 @@ pub struct StreamConfig {
     pub peers: Vec<Arc<Engine>>,
 }
 
+impl StreamConfig {
+    /// A retained stream with a small pending budget, room for a 128-token answer, the `Stop`
+    /// policy, no prefix cache and no other engine.
+    pub fn new(name: &str) -> StreamConfig {
+        StreamConfig {
+            name: name.into(),
+            retain: true,
+            max_pending: 4,
+            answer_reserve: 128,
+            history_policy: HistoryPolicy::Stop,
+            prefix_cache: None,
+            peers: Vec::new(),
+        }
+    }
+}
+
 /// Versions kept bindable; a question bound to an older one is refused.
 const VERSIONS_KEPT: usize = 64;
 

@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use common::*;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
-use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, PreparePath, Stream, StreamConfig};
+use vlm_runtime::{Engine, EngineConfig, Error, PreparePath, Stream, StreamConfig};
 use vlm_runtime::{answer_on, answer_placed};
 
 /// The placer compares measured rates: tests running side by side would skew each other's
@@ -40,15 +40,8 @@ fn stream_on(
     retain: bool,
 ) -> Arc<Stream> {
     let prompt = Arc::new(Prompt::new(resident.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
-    let config = StreamConfig {
-        name: name.into(),
-        retain,
-        max_pending,
-        answer_reserve: 128,
-        history_policy: HistoryPolicy::Stop,
-        prefix_cache: None,
-        peers: peers.iter().map(|e| Arc::clone(e)).collect(),
-    };
+    let peers = peers.iter().map(|e| Arc::clone(e)).collect();
+    let config = StreamConfig { retain, max_pending, peers, ..StreamConfig::new(name) };
     Stream::open(resident, prompt, config).unwrap()
 }
 

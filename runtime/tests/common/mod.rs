@@ -79,15 +79,7 @@ pub fn open_cached(
     prefix_cache: Option<Arc<PrefixCache>>,
 ) -> Arc<Stream> {
     let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).expect("prompt"));
-    let config = StreamConfig {
-        name: name.into(),
-        retain,
-        max_pending: 4,
-        answer_reserve: 128,
-        history_policy,
-        prefix_cache,
-        peers: vec![],
-    };
+    let config = StreamConfig { retain, history_policy, prefix_cache, ..StreamConfig::new(name) };
     Stream::open(engine, prompt, config).expect("stream")
 }
 
