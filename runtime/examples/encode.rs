@@ -9,6 +9,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
+
+#[path = "common/mod.rs"]
+mod common;
 use vlm_runtime::encoder::{FrameEncoder, MtmdEncoder, Picture, PixelFormat, PixelLayout, YuvMatrix};
 use vlm_runtime::{Device, models};
 
@@ -17,10 +20,8 @@ struct Args {
     /// Distinct frames encoded per format and size.
     #[arg(long, default_value_t = 20)]
     frames: usize,
-    #[arg(long, env = "VLM_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
-    model: std::path::PathBuf,
-    #[arg(long, env = "VLM_MMPROJ", default_value = "models/test-mmproj-mlp.gguf")]
-    mmproj: std::path::PathBuf,
+    #[command(flatten)]
+    files: common::ModelArgs,
 }
 
 /// Planes of a synthetic picture in `format`.
@@ -64,9 +65,9 @@ fn picture((p, strides, format): &Planes, w: usize, h: usize) -> Picture<'_> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let model = models::model(&args.model, &Device::Cpu)?;
+    let model = models::model(&args.files.model, &Device::Cpu)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
-    let mtmd = Arc::new(MtmdEncoder::new(models::projector(&args.mmproj, &model, false, threads)?));
+    let mtmd = Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads)?));
     let mut rows = vec![];
     println!("{:<6} {:>10} {:>12} {:>14} {:>8}", "format", "size", "encode ms", "cache hit ms", "ratio");
     for (w, h) in [(320usize, 240usize), (640, 480), (1280, 720)] {
@@ -94,7 +95,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!(
         "{}",
-        serde_json::json!({"benchmark": "vision-encode", "mmproj": args.mmproj, "threads": threads, "rows": rows})
+        serde_json::json!({"benchmark": "vision-encode", "mmproj": args.files.mmproj, "threads": threads, "rows": rows})
     );
     Ok(())
 }

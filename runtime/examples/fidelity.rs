@@ -13,6 +13,9 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use clap::Parser;
+
+#[path = "common/mod.rs"]
+mod common;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
@@ -32,10 +35,8 @@ struct Args {
     frames: u32,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
-    #[arg(long, env = "VLM_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
-    model: std::path::PathBuf,
-    #[arg(long, env = "VLM_MMPROJ", default_value = "models/test-mmproj-mlp.gguf")]
-    mmproj: std::path::PathBuf,
+    #[command(flatten)]
+    files: common::ModelArgs,
 }
 
 const QUESTIONS: [&str; 4] =
@@ -48,12 +49,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for config in EngineConfig::parse_list(&args.engines, &base)? {
         let t = Instant::now();
         let name = config.name.clone();
-        engines.push(Engine::start(&args.model, config)?);
+        engines.push(Engine::start(&args.files.model, config)?);
         eprintln!("engine {name} ready in {:.1} s", t.elapsed().as_secs_f64());
     }
     let (home, others) = engines.split_first().ok_or("no engine")?;
-    let model = models::model(&args.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&args.mmproj, &model, false, 2)?);
+    let model = models::model(&args.files.model, &Device::Cpu)?;
+    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, 2)?);
     let prompt = Arc::new(Prompt::new(&model, DEFAULT_SYSTEM_PROMPT)?);
     let never = Arc::new(AtomicBool::new(false));
     let config = StreamConfig { answer_reserve: 64, peers: engines.clone(), ..StreamConfig::new("fidelity") };

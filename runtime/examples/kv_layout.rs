@@ -15,6 +15,9 @@
 use std::sync::Arc;
 
 use clap::Parser;
+
+#[path = "common/mod.rs"]
+mod common;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::llama::{Context, ContextParams, Device, Segment, Token};
 use vlm_runtime::models;
@@ -24,10 +27,8 @@ use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 struct Args {
     #[arg(long, default_value_t = 32)]
     tokens: usize,
-    #[arg(long, env = "VLM_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
-    model: std::path::PathBuf,
-    #[arg(long, env = "VLM_MMPROJ", default_value = "models/test-mmproj-mlp.gguf")]
-    mmproj: std::path::PathBuf,
+    #[command(flatten)]
+    files: common::ModelArgs,
 }
 
 fn argmax(l: &[f32]) -> Token {
@@ -68,8 +69,8 @@ fn continue_greedy(ctx: &mut Context, mut pos: i32, seq: i32, n: usize) -> (Vec<
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let model = models::model(&args.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&args.mmproj, &model, false, 2)?);
+    let model = models::model(&args.files.model, &Device::Cpu)?;
+    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, 2)?);
     let prompt = Prompt::new(&model, DEFAULT_SYSTEM_PROMPT)?;
     let frames: Vec<_> = (0..3u8)
         .map(|v| {

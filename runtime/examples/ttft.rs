@@ -12,6 +12,9 @@ use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use clap::Parser;
+
+#[path = "common/mod.rs"]
+mod common;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{Device, Engine, EngineConfig, Question, Sampling, Stream, StreamConfig, answer, models};
@@ -27,10 +30,8 @@ struct Args {
     /// Also write the JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
-    #[arg(long, env = "VLM_MODEL", default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
-    model: std::path::PathBuf,
-    #[arg(long, env = "VLM_MMPROJ", default_value = "models/test-mmproj-mlp.gguf")]
-    mmproj: std::path::PathBuf,
+    #[command(flatten)]
+    files: common::ModelArgs,
 }
 
 fn picture(variant: usize) -> Vec<u8> {
@@ -48,7 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let max_frames = *args.frames.iter().max().unwrap_or(&1);
     let cells = (64 + 40 * max_frames as u32 + 256).next_power_of_two();
     let engine = Engine::start(
-        &args.model,
+        &args.files.model,
         EngineConfig {
             context_per_sequence: cells,
             max_streams: 2,
@@ -57,8 +58,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..EngineConfig::default()
         },
     )?;
-    let model = models::model(&args.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&args.mmproj, &model, false, threads)?);
+    let model = models::model(&args.files.model, &Device::Cpu)?;
+    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads)?);
     let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT)?);
     let never = Arc::new(AtomicBool::new(false));
     let open = |name: &str, retain| {
@@ -105,7 +106,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let json = serde_json::json!({
         "benchmark": "ttft-retained-vs-reprefill",
-        "model": args.model, "mmproj": args.mmproj, "threads": threads, "repeats": args.repeats,
+        "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "repeats": args.repeats,
         "tokens_per_frame": 36, "rows": rows,
     });
     println!("{json}");
