@@ -190,6 +190,7 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
         id: "ref".into(),
         text: "What is shown?".into(),
         max_tokens: 8,
+        ignore_eos: false,
         sampling: Default::default(),
         arrival: std::time::Instant::now(),
     };

@@ -8,7 +8,7 @@ use gst::subclass::prelude::*;
 use parking_lot::Mutex;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::snapshot::PrefixCache;
-use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, Stream, StreamConfig, models};
+use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, Overload, Stream, StreamConfig, models};
 
 use crate::events::{ModelQuery, StreamEvent};
 use crate::meta::VlmFrameMeta;
@@ -38,6 +38,20 @@ pub enum HistoryPolicyKind {
     )]
     Stop,
 }
+/// What happens to a frame when ingestion is `max-pending` frames behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmOverload")]
+pub enum OverloadKind {
+    #[enum_value(name = "Block upstream until ingestion catches up (backpressure)", nick = "block")]
+    Block,
+    #[enum_value(
+        name = "Skip the frame: it passes without joining the history, counted in frames-skipped, with a vlm-overload message",
+        nick = "skip"
+    )]
+    Skip,
+}
+const DEFAULT_MAX_ANSWERS: u32 = 4;
+
 /// Cells kept free after the history for a question and its answer.
 const ANSWER_RESERVE: i32 = 256;
 
@@ -52,6 +66,10 @@ struct Settings {
     engines: String,
     history_policy: HistoryPolicyKind,
     history_keep: u32,
+    overload: OverloadKind,
+    step_budget_ms: f64,
+    ingest_share: f64,
+    max_answers: u32,
     prefix_cache_size: u64,
     prefix_cache_entries: u32,
     threads: u32,
@@ -69,6 +87,10 @@ impl Default for Settings {
             engines: "cpu".into(),
             history_policy: HistoryPolicyKind::Restart,
             history_keep: DEFAULT_HISTORY_KEEP,
+            overload: OverloadKind::Block,
+            step_budget_ms: vlm_runtime::engine::DEFAULT_STEP_BUDGET_MS,
+            ingest_share: vlm_runtime::engine::DEFAULT_INGEST_SHARE,
+            max_answers: DEFAULT_MAX_ANSWERS,
             prefix_cache_size: 0,
             prefix_cache_entries: DEFAULT_PREFIX_CACHE_ENTRIES,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
@@ -85,6 +107,9 @@ struct StreamPads {
     cancel: AtomicBool,
     dropped: Mutex<u64>,
     restarts: Mutex<u64>,
+    skipped: Mutex<u64>,
+    /// Largest lag seen when a frame arrived (ms).
+    max_lag_ms: Mutex<f64>,
 }
 
 #[derive(Default)]
@@ -129,6 +154,10 @@ impl VlmContext {
             name: pads.sink.name().to_string(),
             retain: settings.retain,
             max_pending: settings.max_pending as usize,
+            overload: match settings.overload {
+                OverloadKind::Block => Overload::Block,
+                OverloadKind::Skip => Overload::Skip,
+            },
             answer_reserve: ANSWER_RESERVE,
             history_policy: match settings.history_policy {
                 HistoryPolicyKind::Restart => HistoryPolicy::Restart { keep: settings.history_keep as usize },
@@ -151,7 +180,13 @@ impl VlmContext {
                 self.post_error_message(e);
                 gst::FlowError::Error
             })?;
+            let lag = stream.lag();
+            {
+                let mut max = pads.max_lag_ms.lock();
+                *max = max.max(lag.ms);
+            }
             match stream.register(frame, &pads.cancel) {
+                Ok(registration) if registration.skipped => self.frame_skipped(pads, &stream, lag),
                 Ok(registration) => {
                     let number = registration.number;
                     gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
@@ -190,6 +225,27 @@ impl VlmContext {
             }
         }
         pads.src.push(buffer)
+    }
+
+    /// The overload policy skipped a frame: count it; tell the application when a run of skips
+    /// starts and then every 10 skipped frames.
+    fn frame_skipped(&self, pads: &StreamPads, stream: &Stream, lag: vlm_runtime::Lag) {
+        let skipped = {
+            let mut n = pads.skipped.lock();
+            *n += 1;
+            *n
+        };
+        gst::debug!(CAT, obj = pads.sink, "ingestion {} frames / {:.0} ms behind: frame skipped", lag.frames, lag.ms);
+        if skipped == 1 || skipped.is_multiple_of(10) {
+            let s = gst::Structure::builder("vlm-overload")
+                .field("stream", stream.name())
+                .field("policy", "skip")
+                .field("lag-frames", lag.frames)
+                .field("lag-ms", lag.ms)
+                .field("skipped", skipped)
+                .build();
+            let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
+        }
     }
 
     /// The history policy restarted a stream's history: count it and tell the application.
@@ -250,6 +306,9 @@ impl VlmContext {
             threads: s.threads as i32,
             context_per_sequence: s.context_size,
             max_streams: s.max_streams,
+            max_branches: s.max_answers,
+            step_budget_ms: s.step_budget_ms,
+            ingest_share: s.ingest_share,
             ..EngineConfig::default()
         };
         let mut engines = vec![];
@@ -340,6 +399,45 @@ impl ObjectImpl for VlmContext {
                     .default_value(DEFAULT_MAX_PENDING)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecEnum::builder_with_default("overload", OverloadKind::Block)
+                    .nick("Overload policy")
+                    .blurb("What happens to a new frame while max-pending frames of its stream still wait for ingestion: block upstream, or skip it (for live sources: the stream's sampling rate falls to what the engine ingests)")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecDouble::builder("step-budget-ms")
+                    .nick("Step budget")
+                    .blurb("Most prefill (frame ingestion, question prefill; from measured rates) run between two decode steps of the answers being generated")
+                    .minimum(1.0)
+                    .maximum(10000.0)
+                    .default_value(vlm_runtime::engine::DEFAULT_STEP_BUDGET_MS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecDouble::builder("ingest-share")
+                    .nick("Ingest share")
+                    .blurb("Share of an engine's time that frame ingestion takes while answers are being generated (twice that, at most 0.5, while a question waits for a frame); answers keep the rest of their decode rate")
+                    .minimum(0.0)
+                    .maximum(0.9)
+                    .default_value(vlm_runtime::engine::DEFAULT_INGEST_SHARE)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("max-answers")
+                    .nick("Max answers")
+                    .blurb("Answers generated at once per engine (each has a KV sequence of context-size cells); more wait for one to end")
+                    .minimum(1)
+                    .maximum(64)
+                    .default_value(DEFAULT_MAX_ANSWERS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt64::builder("frames-skipped")
+                    .nick("Frames skipped")
+                    .blurb("Frames the overload policy kept out of the history because ingestion was max-pending frames behind")
+                    .read_only()
+                    .build(),
+                glib::ParamSpecDouble::builder("max-lag-ms")
+                    .nick("Max lag")
+                    .blurb("Largest ingestion lag seen when a frame arrived: age of the oldest frame registered but not yet published (ms)")
+                    .read_only()
+                    .build(),
                 glib::ParamSpecEnum::builder_with_default("history-policy", HistoryPolicyKind::Restart)
                     .nick("History policy")
                     .blurb("What happens when a stream's history would overflow context-size")
@@ -418,6 +516,10 @@ impl ObjectImpl for VlmContext {
             "max-pending" => s.max_pending = value.get().unwrap(),
             "history-policy" => s.history_policy = value.get().unwrap(),
             "history-keep" => s.history_keep = value.get().unwrap(),
+            "overload" => s.overload = value.get().unwrap(),
+            "step-budget-ms" => s.step_budget_ms = value.get().unwrap(),
+            "ingest-share" => s.ingest_share = value.get().unwrap(),
+            "max-answers" => s.max_answers = value.get().unwrap(),
             "prefix-cache-size" => s.prefix_cache_size = value.get().unwrap(),
             "prefix-cache-entries" => s.prefix_cache_entries = value.get().unwrap(),
             "engines" => s.engines = value.get::<Option<String>>().unwrap().unwrap_or_default(),
@@ -437,6 +539,12 @@ impl ObjectImpl for VlmContext {
             "max-pending" => s.max_pending.to_value(),
             "history-policy" => s.history_policy.to_value(),
             "history-keep" => s.history_keep.to_value(),
+            "overload" => s.overload.to_value(),
+            "step-budget-ms" => s.step_budget_ms.to_value(),
+            "ingest-share" => s.ingest_share.to_value(),
+            "max-answers" => s.max_answers.to_value(),
+            "frames-skipped" => self.pads.lock().iter().map(|p| *p.skipped.lock()).sum::<u64>().to_value(),
+            "max-lag-ms" => self.pads.lock().iter().map(|p| *p.max_lag_ms.lock()).fold(0.0, f64::max).to_value(),
             "prefix-cache-size" => s.prefix_cache_size.to_value(),
             "prefix-cache-entries" => s.prefix_cache_entries.to_value(),
             "prefix-cache-hits" => self.prefix_cache.lock().as_ref().map_or(0, |c| c.stats().hits).to_value(),
@@ -547,6 +655,8 @@ impl ElementImpl for VlmContext {
             cancel: AtomicBool::new(false),
             dropped: Mutex::new(0),
             restarts: Mutex::new(0),
+            skipped: Mutex::new(0),
+            max_lag_ms: Mutex::new(0.0),
         });
         pads.push(entry);
         drop(pads);

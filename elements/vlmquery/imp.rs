@@ -7,7 +7,7 @@ use gst::glib;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 use parking_lot::{Condvar, Mutex};
-use vlm_runtime::{AnswerReport, Question, Sampling, Stream};
+use vlm_runtime::{AnswerReport, Lag, Question, Sampling, Stream};
 
 use crate::events::{QuestionEvent, StreamEvent};
 use crate::meta::VlmFrameMeta;
@@ -38,6 +38,7 @@ const FRAME_HISTORY: usize = 4096;
 struct Settings {
     placement: String,
     max_tokens: u32,
+    exact_tokens: bool,
     max_questions: u32,
     commit_answers: CommitAnswers,
     sampling: Sampling,
@@ -48,6 +49,7 @@ impl Default for Settings {
         Settings {
             placement: "auto".into(),
             max_tokens: DEFAULT_MAX_TOKENS,
+            exact_tokens: false,
             max_questions: DEFAULT_MAX_QUESTIONS,
             commit_answers: CommitAnswers::None,
             sampling: Sampling::default(),
@@ -63,9 +65,23 @@ struct Job {
     pts: Option<gst::ClockTime>,
 }
 
-enum Item {
-    Answer(Job),
-    Eos,
+/// How an accepted question ended.
+enum Outcome {
+    Answered(AnswerReport),
+    Cancelled(String),
+    Failed(String),
+}
+
+/// One accepted question: answered on its own thread, pushed in question order by the source
+/// pad's task.
+struct Pending {
+    job: Job,
+    cancel: Arc<AtomicBool>,
+    /// Filled by the answering thread.
+    outcome: Mutex<Option<Outcome>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The lag of the question's stream when it was accepted.
+    lag: Lag,
 }
 
 /// What the video sink pad has seen.
@@ -101,12 +117,14 @@ struct Shared {
     query_segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     query_markup: bool,
     query_eos: bool,
-    queue: VecDeque<Item>,
-    eos_queued: bool,
+    /// Accepted questions, in question order.
+    pending: VecDeque<Arc<Pending>>,
+    /// Every input has ended: later questions are refused, EOS follows the last answer.
+    eos: bool,
     flushing: bool,
     src_started: bool,
-    /// Cancels the answer being generated.
-    current: Option<Arc<AtomicBool>>,
+    /// The last flow return of the source pad: errors travel upstream from the sink pads.
+    srcresult: Option<gst::FlowError>,
     next_id: u64,
 }
 
@@ -135,6 +153,13 @@ fn strip_markup(s: &str) -> String {
     out.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&apos;", "'").replace("&amp;", "&")
 }
 
+/// Why a question cannot be accepted now.
+enum Refusal {
+    Flushing,
+    Ended,
+    Full(usize),
+}
+
 impl VlmQuery {
     fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>, shared: &mut Shared) -> Question {
         let settings = self.settings.lock();
@@ -143,20 +168,41 @@ impl VlmQuery {
             id: id.unwrap_or_else(|| format!("q{}", shared.next_id)),
             text: text.trim().to_owned(),
             max_tokens: max_tokens.unwrap_or(settings.max_tokens),
+            ignore_eos: settings.exact_tokens,
             sampling: settings.sampling.clone(),
             arrival: Instant::now(),
         }
     }
 
-    /// Queue a bound question; blocks while `max-questions` are already waiting (backpressure).
-    fn enqueue(&self, shared: &mut parking_lot::MutexGuard<'_, Shared>, job: Job) -> Result<(), gst::FlowError> {
-        let max = self.settings.lock().max_questions as usize;
-        while shared.queue.len() >= max && !shared.flushing {
+    /// Accept a bound question and start answering it at once, on its own thread. With `block`,
+    /// waits while `max-questions` are pending (backpressure on a streaming thread); without,
+    /// refuses.
+    fn accept(
+        &self,
+        shared: &mut parking_lot::MutexGuard<'_, Shared>,
+        job: Job,
+        block: bool,
+    ) -> Result<String, Refusal> {
+        let (max, ordered) = {
+            let s = self.settings.lock();
+            (s.max_questions as usize, s.commit_answers == CommitAnswers::Ordered)
+        };
+        loop {
+            if shared.flushing {
+                return Err(Refusal::Flushing);
+            }
+            if shared.eos {
+                return Err(Refusal::Ended);
+            }
+            if shared.pending.len() < max {
+                break;
+            }
+            if !block {
+                return Err(Refusal::Full(max));
+            }
             self.changed.wait(shared);
         }
-        if shared.flushing {
-            return Err(gst::FlowError::Flushing);
-        }
+        let stream = job.stream.clone().or_else(|| shared.video.stream.clone());
         gst::debug!(
             CAT,
             imp = self,
@@ -165,17 +211,88 @@ impl VlmQuery {
             job.frames,
             job.question.text
         );
-        shared.queue.push_back(Item::Answer(job));
+        let id = job.question.id.clone();
+        let pending = Arc::new(Pending {
+            lag: stream.as_ref().map(|s| s.lag()).unwrap_or_default(),
+            job: Job { stream, ..job },
+            cancel: Arc::new(AtomicBool::new(false)),
+            outcome: Mutex::new(None),
+            thread: Mutex::new(None),
+        });
+        // With ordered commits a question sees the answers before it: it waits for them.
+        let previous = ordered.then(|| shared.pending.back().cloned()).flatten();
+        let placement = self.settings.lock().placement.clone();
+        let this = self.ref_counted();
+        let p = Arc::clone(&pending);
+        let thread = std::thread::Builder::new().name(format!("vlmquery-{id}")).spawn(move || {
+            let outcome = this.generate(&p, previous.as_deref(), &placement, ordered);
+            *p.outcome.lock() = Some(outcome);
+            let _guard = this.shared.lock();
+            this.changed.notify_all();
+        });
+        match thread {
+            Ok(t) => *pending.thread.lock() = Some(t),
+            Err(e) => *pending.outcome.lock() = Some(Outcome::Failed(format!("cannot start a thread: {e}"))),
+        }
+        shared.pending.push_back(pending);
         self.changed.notify_all();
-        Ok(())
+        Ok(id)
+    }
+
+    /// Answer one question (on its own thread): wait for its version, then generate.
+    fn generate(&self, p: &Pending, previous: Option<&Pending>, placement: &str, commit: bool) -> Outcome {
+        let q = &p.job.question;
+        if let Some(previous) = previous {
+            let mut shared = self.shared.lock();
+            while previous.outcome.lock().is_none() && !p.cancel.load(Ordering::Acquire) {
+                self.changed.wait(&mut shared);
+            }
+        }
+        let Some(stream) = p.job.stream.clone() else {
+            return Outcome::Failed("no video stream has reached vlmquery yet".into());
+        };
+        let result = stream
+            .wait_version(p.job.frames, &p.cancel)
+            .and_then(|version| vlm_runtime::answer_placed(&version, q, placement, &p.cancel, |_| {}));
+        match result {
+            Ok(report) if !report.cancelled => {
+                if commit && let Err(e) = stream.commit(&q.text, &report.token_ids, &p.cancel) {
+                    gst::element_imp_warning!(self, gst::StreamError::Failed, ["answer {} not committed: {}", q.id, e]);
+                }
+                Outcome::Answered(report)
+            }
+            Ok(_) | Err(vlm_runtime::Error::Cancelled) => Outcome::Cancelled("cancelled".into()),
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+
+    /// Warn about a question that was not accepted.
+    fn refused(&self, text: &str, why: Refusal) {
+        let why = match why {
+            Refusal::Flushing => "the element is flushing".to_string(),
+            Refusal::Ended => "the streams have ended (after EOS)".to_string(),
+            Refusal::Full(n) => format!("{n} questions are already pending (max-questions)"),
+        };
+        gst::element_imp_warning!(self, gst::StreamError::Failed, ["question {:?} refused: {}", text, why]);
     }
 
     fn maybe_finish(&self, shared: &mut Shared) {
         let query_done = shared.query_eos || !self.querypad.is_linked();
-        if shared.video.eos && query_done && !shared.eos_queued {
-            shared.eos_queued = true;
-            shared.queue.push_back(Item::Eos);
+        if shared.video.eos && query_done && !shared.eos {
+            shared.eos = true;
             self.changed.notify_all();
+        }
+    }
+
+    /// The flow return the sink pads give upstream.
+    fn flow(&self) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let shared = self.shared.lock();
+        if shared.flushing {
+            return Err(gst::FlowError::Flushing);
+        }
+        match shared.srcresult {
+            Some(e) => Err(e),
+            None => Ok(gst::FlowSuccess::Ok),
         }
     }
 
@@ -195,7 +312,8 @@ impl VlmQuery {
             shared.video.running_time = rt;
         }
         self.changed.notify_all();
-        Ok(gst::FlowSuccess::Ok)
+        drop(shared);
+        self.flow()
     }
 
     fn sink_event(&self, event: gst::Event) -> bool {
@@ -207,7 +325,17 @@ impl VlmQuery {
                     let question = self.question(&q.text, q.id, q.max_tokens, &mut shared);
                     let (frames, pts) = shared.video.newest();
                     let stream = shared.video.stream.clone();
-                    return self.enqueue(&mut shared, Job { question, stream, frames, pts }).is_ok();
+                    let text = question.text.clone();
+                    let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, true);
+                    drop(shared);
+                    return match accepted {
+                        Ok(_) => true,
+                        Err(Refusal::Flushing) => false,
+                        Err(why) => {
+                            self.refused(&text, why);
+                            true
+                        }
+                    };
                 }
                 Err(reason) => {
                     gst::element_imp_warning!(self, gst::StreamError::Format, ["malformed question: {}", reason]);
@@ -232,7 +360,7 @@ impl VlmQuery {
                 true
             }
             EventView::FlushStart(_) => {
-                self.flush_start();
+                self.flush_start("flush");
                 self.srcpad.push_event(event)
             }
             EventView::FlushStop(_) => {
@@ -248,14 +376,15 @@ impl VlmQuery {
         let map = buffer.map_readable().map_err(|_| gst::FlowError::Error)?;
         let Ok(raw) = std::str::from_utf8(&map) else {
             gst::element_imp_warning!(self, gst::StreamError::Format, ["question buffer is not UTF-8; ignored"]);
-            return Ok(gst::FlowSuccess::Ok);
+            return self.flow();
         };
         let mut shared = self.shared.lock();
         let text = if shared.query_markup { strip_markup(raw) } else { raw.to_owned() };
         let text = text.trim().to_owned();
         drop(map);
         if text.is_empty() {
-            return Ok(gst::FlowSuccess::Ok);
+            drop(shared);
+            return self.flow();
         }
         let question = self.question(&text, None, None, &mut shared);
         let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
@@ -273,34 +402,51 @@ impl VlmQuery {
             None => shared.video.newest(),
         };
         let stream = shared.video.stream.clone();
-        self.enqueue(&mut shared, Job { question, stream, frames, pts })?;
-        Ok(gst::FlowSuccess::Ok)
+        match self.accept(&mut shared, Job { question, stream, frames, pts }, true) {
+            Ok(_) => (),
+            Err(Refusal::Flushing) => return Err(gst::FlowError::Flushing),
+            Err(why) => {
+                drop(shared);
+                self.refused(&text, why);
+            }
+        }
+        self.flow()
     }
 
     fn query_event(&self, event: gst::Event) -> bool {
         use gst::EventView;
-        let mut shared = self.shared.lock();
         match event.view() {
             EventView::Caps(c) => {
-                shared.query_markup =
+                self.shared.lock().query_markup =
                     c.caps().structure(0).and_then(|s| s.get::<&str>("format").ok()) == Some("pango-markup");
             }
-            EventView::Segment(s) => shared.query_segment = s.segment().downcast_ref::<gst::ClockTime>().cloned(),
+            EventView::Segment(s) => {
+                self.shared.lock().query_segment = s.segment().downcast_ref::<gst::ClockTime>().cloned()
+            }
             EventView::Eos(_) => {
+                let mut shared = self.shared.lock();
                 shared.query_eos = true;
                 self.maybe_finish(&mut shared);
             }
+            // A flush of the questions alone: unblock a waiting question, then resume.
             EventView::FlushStart(_) => {
+                let mut shared = self.shared.lock();
                 shared.flushing = true;
                 self.changed.notify_all();
             }
-            EventView::FlushStop(_) => shared.flushing = false,
+            EventView::FlushStop(_) => {
+                let mut shared = self.shared.lock();
+                shared.flushing = false;
+                shared.query_eos = false;
+                shared.query_segment = None;
+            }
             _ => (),
         }
         true
     }
 
-    /// The `ask` action signal: bind to the newest registered frame.
+    /// The `ask` action signal: bind to the newest registered frame. Refused (no id, a warning)
+    /// after EOS, while flushing, or when `max-questions` are pending.
     fn ask(&self, text: &str) -> Option<String> {
         if text.trim().is_empty() {
             gst::element_imp_warning!(self, gst::LibraryError::Settings, ["ask: empty question ignored"]);
@@ -308,22 +454,29 @@ impl VlmQuery {
         }
         let mut shared = self.shared.lock();
         let question = self.question(text, None, None, &mut shared);
-        let id = question.id.clone();
         let stream = shared.video.stream.clone();
         let frames = stream.as_ref().map_or(0, |s| s.registered());
         let pts = shared.video.frames.iter().rev().find(|f| f.2 <= frames).and_then(|f| f.1);
-        self.enqueue(&mut shared, Job { question, stream, frames, pts }).ok()?;
-        Some(id)
+        let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, false);
+        drop(shared);
+        accepted.map_err(|why| self.refused(text, why)).ok()
     }
 
-    fn flush_start(&self) {
-        let mut shared = self.shared.lock();
-        shared.flushing = true;
-        shared.queue.clear();
-        if let Some(c) = &shared.current {
-            c.store(true, Ordering::Release);
+    /// Cancel every pending question (each still gets its `vlm-answer`, `cancelled`) and stop
+    /// the source task's output until `flush_stop`.
+    fn flush_start(&self, reason: &str) {
+        let pending = {
+            let mut shared = self.shared.lock();
+            shared.flushing = true;
+            self.changed.notify_all();
+            std::mem::take(&mut shared.pending)
+        };
+        for p in &pending {
+            p.cancel.store(true, Ordering::Release);
         }
-        self.changed.notify_all();
+        for p in pending {
+            self.post_answer(&p, Outcome::Cancelled(reason.into()));
+        }
     }
 
     fn flush_stop(&self) {
@@ -339,9 +492,10 @@ impl VlmQuery {
         let _ = self.srcpad.start_task(move || this.task_iteration());
     }
 
-    /// One iteration of the source pad's task: take the next item and produce it.
+    /// One iteration of the source pad's task: push the oldest question's answer once it has
+    /// one (answers go out in question order), or EOS after the last one.
     fn task_iteration(&self) {
-        let item = {
+        let pending = {
             let mut shared = self.shared.lock();
             loop {
                 if shared.flushing {
@@ -349,24 +503,56 @@ impl VlmQuery {
                     let _ = self.srcpad.pause_task();
                     return;
                 }
-                if let Some(item) = shared.queue.pop_front() {
-                    self.changed.notify_all();
-                    break item;
+                match shared.pending.front() {
+                    Some(p) if p.outcome.lock().is_some() => break shared.pending.pop_front(),
+                    None if shared.eos => break None,
+                    _ => (),
                 }
-                gst::trace!(CAT, imp = self, "task waiting for a question");
                 self.changed.wait(&mut shared);
             }
         };
-        gst::trace!(CAT, imp = self, "task took an item");
+        self.changed.notify_all();
         self.ensure_src_started();
-        match item {
-            Item::Eos => {
-                gst::debug!(CAT, imp = self, "all questions answered, EOS");
-                self.srcpad.push_event(gst::event::Eos::new());
-                let _ = self.srcpad.pause_task();
-            }
-            Item::Answer(job) => self.answer(job),
+        let Some(p) = pending else {
+            gst::debug!(CAT, imp = self, "all questions answered, EOS");
+            self.srcpad.push_event(gst::event::Eos::new());
+            let _ = self.srcpad.pause_task();
+            return;
+        };
+        if let Some(t) = p.thread.lock().take() {
+            let _ = t.join();
         }
+        let outcome = p.outcome.lock().take().expect("checked above");
+        let text = match &outcome {
+            Outcome::Answered(r) => Some(r.text.clone()),
+            _ => None,
+        };
+        self.post_answer(&p, outcome);
+        let Some(text) = text else { return };
+        let mut buffer = gst::Buffer::from_mut_slice(text.into_bytes());
+        buffer.get_mut().unwrap().set_pts(p.job.pts);
+        let result = self.srcpad.push(buffer);
+        *self.answered.lock() += 1;
+        if let Err(e) = result {
+            self.flow_error(e);
+        }
+    }
+
+    /// The source pad's push failed: remember it for upstream, post an error for a real failure
+    /// (as gst-plugins-rs elements do), and pause.
+    fn flow_error(&self, e: gst::FlowError) {
+        gst::debug!(CAT, imp = self, "answer push: {e:?}");
+        self.shared.lock().srcresult = Some(e);
+        if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
+            gst::element_imp_error!(
+                self,
+                gst::StreamError::Failed,
+                ("Internal data stream error."),
+                ["streaming stopped, reason {:?}", e],
+                details: gst::Structure::builder("details").field("flow-return", gst::FlowReturn::from(e)).build()
+            );
+        }
+        let _ = self.srcpad.pause_task();
     }
 
     fn ensure_src_started(&self) {
@@ -385,87 +571,75 @@ impl VlmQuery {
         self.srcpad.push_event(gst::event::Segment::new(&segment));
     }
 
-    fn answer(&self, job: Job) {
-        let cancel = Arc::new(AtomicBool::new(false));
-        self.shared.lock().current = Some(Arc::clone(&cancel));
-        let q = &job.question;
-        let Some(stream) = job.stream.clone().or_else(|| self.shared.lock().video.stream.clone()) else {
-            gst::element_imp_warning!(
-                self,
-                gst::StreamError::Failed,
-                ["question {} arrived before any stream: not answered", q.id]
-            );
-            return;
-        };
-        let placement = self.settings.lock().placement.clone();
-        let result = stream
-            .wait_version(job.frames, &cancel)
-            .and_then(|version| vlm_runtime::answer_placed(&version, q, &placement, &cancel, |_| {}));
-        self.shared.lock().current = None;
-        match result {
-            Ok(report) if !report.cancelled => {
-                // Answers are produced one at a time, in question order: commit in that order.
-                if self.settings.lock().commit_answers == CommitAnswers::Ordered
-                    && let Err(e) = stream.commit(&q.text, &report.token_ids, &cancel)
-                {
-                    gst::element_imp_warning!(self, gst::StreamError::Failed, ["answer {} not committed: {}", q.id, e]);
-                }
-                self.push_answer(&job, &stream, report)
-            }
-            Ok(_) | Err(vlm_runtime::Error::Cancelled) => {
-                gst::debug!(CAT, imp = self, "question {} cancelled", q.id)
-            }
-            Err(e) => {
-                gst::warning!(CAT, imp = self, "question {} not answered: {e}", q.id);
-                gst::element_imp_warning!(self, gst::StreamError::Failed, ["question {} not answered: {}", q.id, e])
-            }
-        }
-    }
-
-    fn push_answer(&self, job: &Job, stream: &Stream, r: AnswerReport) {
-        let q = &job.question;
-        gst::info!(
-            CAT,
-            imp = self,
-            "answer {} ({} frames, {} on {}): ttft {:.0} ms, {} tokens, {:.0} ms: {:?}",
-            q.id,
-            r.frames,
-            r.path.name(),
-            r.engine,
-            r.ttft_ms,
-            r.tokens,
-            r.total_ms,
-            r.text
-        );
-        let msg = gst::Structure::builder("vlm-answer")
+    /// Post the question's one `vlm-answer` message.
+    fn post_answer(&self, p: &Pending, outcome: Outcome) {
+        let q = &p.job.question;
+        let stream = p.job.stream.as_ref().map_or("", |s| s.name());
+        let mut msg = gst::Structure::builder("vlm-answer")
             .field("id", &q.id)
             .field("question", &q.text)
-            .field("text", &r.text)
-            .field("stream", stream.name())
-            .field("frames", r.frames)
-            .field("frame", r.frame)
-            .field("engine", &r.engine)
-            .field("path", r.path.name())
-            .field("ttft-ms", r.ttft_ms)
-            .field("wait-ms", r.wait_ms)
-            .field("queue-ms", r.queue_ms)
-            .field("prepare-ms", r.prepare_ms)
-            .field("tokens", r.tokens)
-            .field("total-ms", r.total_ms)
-            .field("estimate-ms", r.estimate_ms.unwrap_or(-1.0))
-            .field("pts", job.pts)
-            .build();
-        let _ = self.obj().post_message(gst::message::Element::builder(msg).src(&*self.obj()).build());
-        *self.answered.lock() += 1;
-        let mut buffer = gst::Buffer::from_mut_slice(r.text.into_bytes());
-        buffer.get_mut().unwrap().set_pts(job.pts);
-        if let Err(e) = self.srcpad.push(buffer) {
-            gst::debug!(CAT, imp = self, "answer push: {e:?}");
-        }
+            .field("stream", stream)
+            .field("lag-frames", p.lag.frames)
+            .field("lag-ms", p.lag.ms)
+            .field("pts", p.job.pts);
+        msg = match &outcome {
+            Outcome::Answered(r) => {
+                gst::info!(
+                    CAT,
+                    imp = self,
+                    "answer {} ({} frames, {} on {}): ttft {:.0} ms, {} tokens, {:.0} ms: {:?}",
+                    q.id,
+                    r.frames,
+                    r.path.name(),
+                    r.engine,
+                    r.ttft_ms,
+                    r.tokens,
+                    r.total_ms,
+                    r.text
+                );
+                msg.field("status", "answered")
+                    .field("text", &r.text)
+                    .field("frames", r.frames)
+                    .field("frame", r.frame)
+                    .field("engine", &r.engine)
+                    .field("path", r.path.name())
+                    .field("ttft-ms", r.ttft_ms)
+                    .field("wait-ms", r.wait_ms)
+                    .field("queue-ms", r.queue_ms)
+                    .field("prepare-ms", r.prepare_ms)
+                    .field("tokens", r.tokens)
+                    .field("total-ms", r.total_ms)
+                    .field("estimate-ms", r.estimate_ms.unwrap_or(-1.0))
+            }
+            Outcome::Cancelled(reason) | Outcome::Failed(reason) => {
+                let status = if matches!(outcome, Outcome::Failed(_)) { "failed" } else { "cancelled" };
+                gst::debug!(CAT, imp = self, "question {} {status}: {reason}", q.id);
+                if status == "failed" {
+                    gst::element_imp_warning!(
+                        self,
+                        gst::StreamError::Failed,
+                        ["question {} not answered: {}", q.id, reason]
+                    );
+                }
+                let total = q.arrival.elapsed().as_secs_f64() * 1e3;
+                msg.field("status", status)
+                    .field("reason", reason)
+                    .field("text", "")
+                    .field("frames", p.job.frames)
+                    .field("frame", p.job.frames)
+                    .field("engine", "")
+                    .field("path", "")
+                    .field("ttft-ms", total)
+                    .field("wait-ms", total)
+                    .field("tokens", 0u32)
+                    .field("total-ms", total)
+            }
+        };
+        let _ = self.obj().post_message(gst::message::Element::builder(msg.build()).src(&*self.obj()).build());
     }
 
     fn stop(&self) {
-        self.flush_start();
+        self.flush_start("the element stopped");
         let _ = self.srcpad.stop_task();
         *self.shared.lock() = Shared::default();
     }
@@ -534,9 +708,15 @@ impl ObjectImpl for VlmQuery {
                     .default_value(DEFAULT_MAX_TOKENS)
                     .mutable_playing()
                     .build(),
+                glib::ParamSpecBoolean::builder("exact-tokens")
+                    .nick("Exact tokens")
+                    .blurb("Generate exactly max-tokens tokens, going on past end-of-generation (equal work for measurements)")
+                    .default_value(false)
+                    .mutable_playing()
+                    .build(),
                 glib::ParamSpecUInt::builder("max-questions")
                     .nick("Max questions")
-                    .blurb("Questions waiting to be answered before their sender is blocked")
+                    .blurb("Questions pending (being answered or waiting to be pushed) before the query pad and question events block and ask is refused")
                     .minimum(1)
                     .maximum(1024)
                     .default_value(DEFAULT_MAX_QUESTIONS)
@@ -617,6 +797,7 @@ impl ObjectImpl for VlmQuery {
                 s.placement = p;
             }
             "max-tokens" => s.max_tokens = value.get().unwrap(),
+            "exact-tokens" => s.exact_tokens = value.get().unwrap(),
             "max-questions" => s.max_questions = value.get().unwrap(),
             "commit-answers" => s.commit_answers = value.get().unwrap(),
             "temp" => s.sampling.temperature = value.get().unwrap(),
@@ -633,6 +814,7 @@ impl ObjectImpl for VlmQuery {
         match pspec.name() {
             "placement" => s.placement.to_value(),
             "max-tokens" => s.max_tokens.to_value(),
+            "exact-tokens" => s.exact_tokens.to_value(),
             "max-questions" => s.max_questions.to_value(),
             "commit-answers" => s.commit_answers.to_value(),
             "temp" => s.sampling.temperature.to_value(),

@@ -111,6 +111,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 id: id.into(),
                 text: q.into(),
                 max_tokens: args.tokens,
+                ignore_eos: false,
                 sampling: Sampling::default(),
                 arrival: Instant::now(),
             };

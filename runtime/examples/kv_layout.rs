@@ -56,10 +56,10 @@ fn history(ctx: &mut Context, prompt: &Prompt, frames: &[Vec<Segment>], question
 
 /// Greedy continuation from the current logits of `seq`; returns tokens and step-0 logits.
 fn continue_greedy(ctx: &mut Context, mut pos: i32, seq: i32, n: usize) -> (Vec<Token>, Vec<f32>) {
-    let first = ctx.last_logits().to_vec();
+    let first = ctx.last_logits().unwrap().to_vec();
     let mut out = vec![];
     for _ in 0..n {
-        let t = argmax(ctx.last_logits());
+        let t = argmax(ctx.last_logits().unwrap());
         out.push(t);
         ctx.decode_tokens(&[t], pos, seq, true).unwrap();
         pos += 1;

@@ -88,6 +88,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     id: format!("{n}-{i}"),
                     text: "What is happening in the video right now?".into(),
                     max_tokens: 1,
+                    ignore_eos: false,
                     sampling: Sampling::default(),
                     arrival: Instant::now(),
                 };

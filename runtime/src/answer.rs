@@ -16,8 +16,9 @@ use crate::engine::{Engine, Generation, Progress, Stage, Worker};
 use crate::error::{Error, Result};
 use crate::llama::Token;
 use crate::placer;
+use crate::prefill::Prefill;
 use crate::snapshot::Snapshot;
-use crate::stream::{Version, prefill_history};
+use crate::stream::{Entry, Version};
 use crate::text::Utf8Stream;
 
 /// Token sampling; greedy (temperature 0) by default so answers reproduce.
@@ -87,6 +88,9 @@ pub struct Question {
     pub id: String,
     pub text: String,
     pub max_tokens: u32,
+    /// Generate exactly `max_tokens` tokens, going on past end-of-generation tokens (equal work
+    /// for measurements).
+    pub ignore_eos: bool,
     pub sampling: Sampling,
     /// When the question arrived: every latency is measured from here.
     pub arrival: Instant,
@@ -235,7 +239,8 @@ pub fn answer_on(
             report: None,
             utf8: Utf8Stream::default(),
             limit: engine.n_ctx_per_seq() as i32,
-            pos: 0,
+            next_pos: 0,
+            started: None,
         }),
         start_ms,
     )?;
@@ -272,8 +277,10 @@ struct Answer {
     report: Option<AnswerReport>,
     utf8: Utf8Stream,
     limit: i32,
-    /// Position of the token decoded in the current step.
-    pos: i32,
+    /// Position of the next token to decode.
+    next_pos: i32,
+    /// When `start` ran (preparation is measured from here to the first token).
+    started: Option<Instant>,
 }
 
 impl Answer {
@@ -301,31 +308,13 @@ impl Answer {
         }
     }
 
-    /// Make the bound version's history ready in `branch` and prefill the question.
-    fn prepare(&mut self, w: &mut Worker, branch: i32) -> Result<i32> {
+    /// Make the bound version's history ready in `branch` as far as that needs no prefill, and
+    /// return the prefill left: the replayed history (when not resident or imported) and the
+    /// question suffix.
+    fn prepare(&mut self, w: &mut Worker, branch: i32) -> Result<Prefill> {
         let (version, stream) = (&self.version, &self.version.stream);
         let prep = Instant::now();
-        let path = match &self.preparation {
-            Preparation::Branch if stream.resident_epoch() == version.epoch => {
-                w.ctx.seq_copy_prefix(stream.seq(), branch, version.end);
-                PreparePath::Resident
-            }
-            Preparation::Import(snapshot) => {
-                w.ctx.seq_restore(branch, &snapshot.bytes)?;
-                w.ctx.seq_truncate(branch, version.end);
-                w.record(Stage::Import, version.end as usize, ms(prep.elapsed()));
-                PreparePath::Import
-            }
-            // The baseline, a replay on another engine, or a version of an older epoch:
-            // rebuild the history from its frames.
-            Preparation::Branch | Preparation::Replay => {
-                let end = prefill_history(w, stream.prompt(), &version.history, branch, &self.cancel)?;
-                debug_assert_eq!(end, version.end);
-                w.record(Stage::Prefill, end as usize, ms(prep.elapsed()));
-                PreparePath::Replay
-            }
-        };
-        let prepare_ms = ms(prep.elapsed());
+        self.started = Some(prep);
         let suffix = stream.prompt().question_tokens(&self.model, &self.question.text)?;
         if version.end + suffix.len() as i32 + 1 > self.limit {
             return Err(Error::BadInput(format!(
@@ -334,10 +323,40 @@ impl Answer {
                 version.end
             )));
         }
-        let started = Instant::now();
-        w.ctx.decode_tokens(&suffix, version.end, branch, true)?;
-        w.record(Stage::Prefill, suffix.len(), ms(started.elapsed()));
-        self.report = Some(AnswerReport {
+        if suffix.is_empty() {
+            return Err(Error::BadInput("the question has no tokens".into()));
+        }
+        self.next_pos = version.end + suffix.len() as i32;
+        let suffix = Entry::Text(suffix.into());
+        let (path, entries) = match &self.preparation {
+            Preparation::Branch if stream.resident_epoch() == version.epoch => {
+                w.ctx.seq_copy_prefix(stream.seq(), branch, version.end);
+                (PreparePath::Resident, vec![suffix])
+            }
+            Preparation::Import(snapshot) => {
+                w.ctx.seq_restore(branch, &snapshot.bytes)?;
+                w.ctx.seq_truncate(branch, version.end);
+                w.record(Stage::Import, version.end as usize, ms(prep.elapsed()));
+                (PreparePath::Import, vec![suffix])
+            }
+            // The baseline, a replay on another engine, or a version of an older epoch:
+            // rebuild the history from its frames.
+            Preparation::Branch | Preparation::Replay => {
+                w.ctx.seq_clear(branch);
+                let mut entries = stream.replay_entries(&version.history);
+                entries.push(suffix);
+                let prefill = Prefill::new(branch, 0, entries, true);
+                self.report = Some(self.new_report(PreparePath::Replay));
+                return Ok(prefill);
+            }
+        };
+        self.report = Some(self.new_report(path));
+        Ok(Prefill::new(branch, version.end, entries, true))
+    }
+
+    fn new_report(&self, path: PreparePath) -> AnswerReport {
+        let version = &self.version;
+        AnswerReport {
             text: String::new(),
             tokens: 0,
             token_ids: Vec::new(),
@@ -346,18 +365,18 @@ impl Answer {
             frames: version.frames(),
             frame: version.number,
             wait_ms: self.wait_ms,
-            queue_ms: ms(self.submitted.elapsed()) - prepare_ms,
-            prepare_ms,
+            queue_ms: ms(self.submitted.elapsed()),
+            prepare_ms: 0.0,
             ttft_ms: 0.0,
             total_ms: 0.0,
             cancelled: false,
             estimate_ms: None,
-        });
-        Ok(version.end + suffix.len() as i32)
+        }
     }
 
-    /// Sample a token from `logits` for position `pos`, emit its text, and say what comes next.
-    fn sample(&mut self, logits: &[f32], pos: i32) -> Progress {
+    /// Sample the next token from `logits`, emit its text, and say what comes next.
+    fn sample(&mut self, logits: &[f32]) -> Progress {
+        let pos = self.next_pos;
         let report = self.report.as_mut().expect("prepared");
         if self.cancel.load(Ordering::Acquire) {
             report.cancelled = true;
@@ -378,8 +397,9 @@ impl Answer {
         };
         if report.tokens == 0 {
             report.ttft_ms = ms(self.question.arrival.elapsed());
+            report.prepare_ms = self.started.map_or(0.0, |s| ms(s.elapsed()));
         }
-        if self.model.is_eog(token) {
+        if self.model.is_eog(token) && !self.question.ignore_eos {
             return self.finish(Ok(()));
         }
         report.tokens += 1;
@@ -390,24 +410,22 @@ impl Answer {
         if done {
             return self.finish(Ok(()));
         }
-        self.pos = pos;
+        self.next_pos = pos + 1;
         Progress::Next { token, pos }
     }
 }
 
 impl Generation for Answer {
-    fn start(&mut self, w: &mut Worker, branch: i32) -> Progress {
-        match self.prepare(w, branch) {
-            Ok(pos) => {
-                let logits = w.ctx.last_logits().to_vec();
-                self.sample(&logits, pos)
-            }
-            Err(e) => self.finish(Err(e)),
-        }
+    fn start(&mut self, w: &mut Worker, branch: i32) -> Result<Prefill> {
+        self.prepare(w, branch)
     }
 
     fn advance(&mut self, logits: &[f32]) -> Progress {
-        self.sample(logits, self.pos + 1)
+        self.sample(logits)
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Acquire)
     }
 
     fn fail(&mut self, error: Error) {

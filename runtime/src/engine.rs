@@ -1,23 +1,34 @@
 //! A language engine: one loaded model on one device plus one llama.cpp context with several
-//! sequences, owned by one thread (llama.cpp's server model: tasks in on one queue, results out
-//! on channels, one batch per decode step for every active sequence).
+//! sequences, owned by one thread that runs a step scheduler (llama.cpp's server model: tasks in
+//! on one queue, results out on channels, one batch per decode step for every active sequence).
 //!
-//! Sequences `0..max_streams` hold streams' histories; the others are answer branches. The thread
-//! loops: run the jobs that arrived (frame prefills, in order), start waiting generations while
-//! branches are free, then decode one token for every active generation in a single batch. So
-//! ingestion interleaves with answers step by step, and several answers share each step.
+//! Sequences `0..max_streams` hold streams' histories; the others are answer branches. Each step
+//! of the thread's loop:
+//! 1. decodes the next token of every active answer in one batch;
+//! 2. prefills at most `step_budget_ms` of input: the next chunk of an answer that is starting
+//!    (its replayed history and question suffix) or else the next chunk of frame ingestion (the
+//!    front frames of several streams in one batch), so a decode step never waits longer than
+//!    the budget behind prefill (chunked prefill, as in vLLM and Sarathi-Serve);
+//! 3. while answers are decoding, ingestion earns credit at `ingest_share` of the engine's time
+//!    and runs a chunk when it has a budget's worth, so answers keep `1 - ingest_share` of their
+//!    idle decode rate; a stream with a question waiting for its frames earns at twice that
+//!    share; with no answer active, ingestion runs back to back.
+//!
+//! Ingestion that cannot keep up shows as lag on its stream, where the overload policy applies.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::llama::{Context, ContextParams, Device, Model, Token};
+use crate::llama::{Batch, Context, ContextParams, Device, Model, Token};
 use crate::models;
+use crate::prefill::{Next, Prefill, chunk_len};
 use crate::prefix::CompatTag;
 
 /// How an engine is built.
@@ -37,7 +48,18 @@ pub struct EngineConfig {
     pub flash_attention: bool,
     /// CPU cores the engine's threads run on (none: wherever the OS puts them).
     pub cores: Vec<usize>,
+    /// Most prefill (ms, from measured rates) run between two decode steps.
+    pub step_budget_ms: f64,
+    /// Share of the engine's time frame ingestion gets while answers are decoding.
+    pub ingest_share: f64,
 }
+
+/// Default most prefill between two decode steps (ms): on the 2-core CI machine a 12-token chunk
+/// (~38 ms) costs 7% more per token than a whole 36-token frame, a 6-token one 21% more
+/// (`cargo run -p vlm-runtime --example chunks`).
+pub const DEFAULT_STEP_BUDGET_MS: f64 = 40.0;
+/// Default share of the engine's time that ingestion gets while answers decode.
+pub const DEFAULT_INGEST_SHARE: f64 = 0.25;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -50,6 +72,8 @@ impl Default for EngineConfig {
             max_branches: 4,
             flash_attention: false,
             cores: Vec::new(),
+            step_budget_ms: DEFAULT_STEP_BUDGET_MS,
+            ingest_share: DEFAULT_INGEST_SHARE,
         }
     }
 }
@@ -159,6 +183,9 @@ fn parse_cores(list: &str) -> Option<Vec<usize>> {
 /// What a job sees on the engine thread.
 pub struct Worker {
     pub ctx: Context,
+    /// Free answer sequences, highest first: the lowest is taken, so active branches stay
+    /// adjacent (llama.cpp batches only consecutive sequence ids into one micro-batch when each
+    /// sequence has its own KV).
     free_branches: Vec<i32>,
     rates: Arc<Mutex<StageRates>>,
 }
@@ -174,10 +201,19 @@ impl Worker {
         }
     }
 
-    /// Clear a sequence's cells.
+    fn prefill_ms_per_token(&self) -> f64 {
+        self.rates.lock().prefill_ms_per_token.max(0.01)
+    }
+
+    fn take_branch(&mut self) -> Option<i32> {
+        self.free_branches.pop()
+    }
+
+    /// Clear a branch's cells and make it free again.
     fn release(&mut self, seq: i32) {
         self.ctx.seq_clear(seq);
-        self.free_branches.push(seq);
+        let at = self.free_branches.partition_point(|&s| s > seq);
+        self.free_branches.insert(at, seq);
     }
 }
 
@@ -194,12 +230,62 @@ pub(crate) enum Progress {
 
 /// A generation (an answer) driven by the engine thread step by step.
 pub(crate) trait Generation: Send {
-    /// Make the history ready in `branch`, prefill the suffix and pick the first token.
-    fn start(&mut self, w: &mut Worker, branch: i32) -> Progress;
-    /// Pick the next token from this generation's logits of the last step.
+    /// Make the history ready in `branch` as far as that needs no prefill (a branch copy, a
+    /// snapshot import) and return the prefill still needed (a replayed history, the question
+    /// suffix); the logits of its last input give the first token.
+    fn start(&mut self, w: &mut Worker, branch: i32) -> Result<Prefill>;
+    /// Pick the next token from this generation's logits (the first one after its prefill).
     fn advance(&mut self, logits: &[f32]) -> Progress;
-    /// The step failed: report `error` and stop.
+    /// Whether it was cancelled (checked between prefill chunks).
+    fn cancelled(&self) -> bool;
+    /// Report `error` and stop.
     fn fail(&mut self, error: Error);
+}
+
+type Work = Box<dyn FnOnce(&mut Worker) + Send>;
+pub(crate) type Begin = Box<dyn FnOnce(&mut Worker) -> Option<Result<i32>> + Send>;
+pub(crate) type Done = Box<dyn FnOnce(&mut Worker, Result<i32>) + Send>;
+
+/// Frame ingestion (or committed text) for a stream's sequence, prefilled chunk by chunk in the
+/// order it was submitted.
+pub(crate) struct Ingestion {
+    pub prefill: Prefill,
+    /// Runs before the first chunk (e.g. clearing the sequence for a new epoch); returning a
+    /// result ends the ingestion without prefill (a prefix-cache hit).
+    pub begin: Option<Begin>,
+    /// Runs with the end position once everything is prefilled, or with the error.
+    pub done: Done,
+    /// Set when the stream closes: the rest is dropped.
+    pub cancel: Arc<AtomicBool>,
+    /// Questions waiting for this stream's frames: ingestion earns more time while there are.
+    pub demand: Arc<AtomicUsize>,
+    /// Estimated cost, counted in the engine's ingestion backlog until done.
+    pub cost_ms: f64,
+}
+
+enum Job {
+    /// Work in order with ingestion.
+    Run(Work),
+    /// Ingestion, chunk by chunk, in order.
+    Ingest(Ingestion),
+    /// Work an answer waits for (a snapshot export): at once, before any prefill.
+    Urgent(Work),
+    /// An answer, with the estimated cost of its start (history preparation + suffix).
+    Generate(Box<dyn Generation>, f64),
+}
+
+/// Ordered work: ingestion and plain jobs, first come first served (ingestion of different
+/// streams at the front shares batches).
+enum Ordered {
+    Run(Work),
+    Ingest(Ingestion),
+}
+
+/// An answer prefilling its history or question.
+struct Starting {
+    generation: Box<dyn Generation>,
+    branch: i32,
+    prefill: Prefill,
 }
 
 struct Active {
@@ -208,93 +294,88 @@ struct Active {
     next: (Token, i32),
 }
 
-type Work = Box<dyn FnOnce(&mut Worker) + Send>;
-
-enum Job {
-    /// Ingestion and other work, in order, after the answers that are starting.
-    Run(Work),
-    /// Work an answer waits for (a snapshot export): before ingestion.
-    Urgent(Work),
-    /// An answer, with the estimated cost of its start (history preparation + suffix).
-    Generate(Box<dyn Generation>, f64),
-}
-
-pub struct Engine {
-    config: EngineConfig,
-    model: Arc<Model>,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
-    widest: Arc<AtomicUsize>,
+/// What the engine thread and the engine's handles share.
+struct Shared {
+    widest: AtomicUsize,
     rates: Arc<Mutex<StageRates>>,
     /// Estimated milliseconds of queued ingestion (and other ordered work).
-    ingest_backlog: Arc<Mutex<f64>>,
+    ingest_backlog: Mutex<f64>,
     /// Estimated milliseconds of answer starts queued or running, which go before ingestion.
-    start_backlog: Arc<Mutex<f64>>,
-    free_streams: Mutex<VecDeque<i32>>,
-    n_ctx_per_seq: u32,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    start_backlog: Mutex<f64>,
+    /// Decode steps run while ingestion was waiting, and their total time (ms).
+    busy_steps: Mutex<(u64, f64)>,
+    /// Decode steps run with no ingestion waiting, and their total time (ms).
+    idle_steps: Mutex<(u64, f64)>,
 }
 
-/// The engine thread's loop.
-fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, widest: Arc<AtomicUsize>, start_backlog: Arc<Mutex<f64>>) {
-    calibrate(&mut w);
-    crate::llama::stop_workers_before_exit();
-    let mut waiting: VecDeque<(Box<dyn Generation>, f64)> = VecDeque::new();
-    let mut active: Vec<Active> = Vec::new();
-    let mut runs: VecDeque<Work> = VecDeque::new();
-    loop {
-        if crate::llama::exiting() {
-            return; // the process is exiting: drop the work, free the context
+/// The engine thread's state: the step scheduler.
+struct Scheduler {
+    budget_ms: f64,
+    share: f64,
+    waiting: VecDeque<(Box<dyn Generation>, f64)>,
+    starting: VecDeque<Starting>,
+    active: Vec<Active>,
+    ordered: VecDeque<Ordered>,
+    /// Milliseconds of prefill that ingestion has earned while answers decode.
+    credit_ms: f64,
+}
+
+impl Scheduler {
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.starting.is_empty() && self.active.is_empty() && self.ordered.is_empty()
+    }
+
+    fn take(&mut self, job: Job, w: &mut Worker) {
+        match job {
+            Job::Run(f) => self.ordered.push_back(Ordered::Run(f)),
+            Job::Ingest(i) => self.ordered.push_back(Ordered::Ingest(i)),
+            Job::Urgent(f) => f(w),
+            Job::Generate(g, cost) => self.waiting.push_back((g, cost)),
         }
-        let idle = active.is_empty() && waiting.is_empty() && runs.is_empty();
-        let first = if idle {
-            match jobs.recv_timeout(std::time::Duration::from_millis(200)) {
-                Ok(job) => Some(job),
-                Err(mpsc::RecvTimeoutError::Timeout) => continue,
-                Err(mpsc::RecvTimeoutError::Disconnected) => return, // stopped, every job done
-            }
-        } else {
-            jobs.try_recv().ok()
-        };
-        for job in first.into_iter().chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
-            match job {
-                Job::Run(f) => runs.push_back(f),
-                Job::Urgent(f) => f(&mut w),
-                Job::Generate(g, cost) => waiting.push_back((g, cost)),
-            }
-        }
-        // Answers start first: their versions are already published, so the frames queued
-        // behind them must not delay their first token. Then one ingestion job, then one decode
-        // step of every active answer: ingestion and answers alternate, and urgent work (a
-        // snapshot export) waits for one job at most.
-        while let Some(branch) = w.free_branches.pop() {
-            let Some((mut g, cost)) = waiting.pop_front() else {
-                w.free_branches.push(branch);
-                break;
-            };
-            let progress = g.start(&mut w, branch);
-            *start_backlog.lock() -= cost;
-            match progress {
-                Progress::Next { token, pos } => active.push(Active { generation: g, branch, next: (token, pos) }),
-                Progress::Done => w.release(branch),
-            }
-        }
-        if let Some(run) = runs.pop_front() {
-            run(&mut w);
-        }
-        if active.is_empty() {
-            continue;
-        }
-        let entries: Vec<_> = active.iter().map(|a| (a.next.0, a.next.1, a.branch)).collect();
-        widest.fetch_max(entries.len(), Ordering::Relaxed);
-        let started = std::time::Instant::now();
-        let step = w.ctx.decode_step(&entries);
-        w.record(Stage::DecodeStep, 1, started.elapsed().as_secs_f64() * 1e3);
-        let mut i = 0;
-        active.retain_mut(|a| {
-            let progress = match &step {
-                Ok(()) => a.generation.advance(w.ctx.logits(i)),
+    }
+
+    /// Start waiting answers while branches are free.
+    fn start_answers(&mut self, w: &mut Worker, shared: &Shared) {
+        while !self.waiting.is_empty() {
+            let Some(branch) = w.take_branch() else { return };
+            let (mut generation, cost) = self.waiting.pop_front().expect("not empty");
+            *shared.start_backlog.lock() -= cost;
+            match generation.start(w, branch) {
+                Ok(prefill) => self.starting.push_back(Starting { generation, branch, prefill }),
                 Err(e) => {
-                    a.generation.fail(e.clone());
+                    generation.fail(e);
+                    w.release(branch);
+                }
+            }
+        }
+    }
+
+    /// One decode step of every active answer; returns its duration in ms.
+    fn decode_step(&mut self, w: &mut Worker, shared: &Shared) -> f64 {
+        if self.active.is_empty() {
+            return 0.0;
+        }
+        self.active.sort_by_key(|a| a.branch);
+        let mut batch = Batch::tokens(self.active.len());
+        for a in &self.active {
+            batch.push_token(a.next.0, a.next.1, a.branch, true);
+        }
+        shared.widest.fetch_max(self.active.len(), Ordering::Relaxed);
+        let started = Instant::now();
+        let step = w.ctx.decode(&batch);
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        w.record(Stage::DecodeStep, 1, ms);
+        let steps = if self.ordered.is_empty() { &shared.idle_steps } else { &shared.busy_steps };
+        let mut steps = steps.lock();
+        steps.0 += 1;
+        steps.1 += ms;
+        drop(steps);
+        let mut i = 0;
+        self.active.retain_mut(|a| {
+            let progress = match step.as_ref().map_err(Clone::clone).and_then(|()| w.ctx.logits(i)) {
+                Ok(logits) => a.generation.advance(logits),
+                Err(e) => {
+                    a.generation.fail(e);
                     Progress::Done
                 }
             };
@@ -310,6 +391,240 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, widest: Arc<AtomicUsize>, start
                 }
             }
         });
+        ms
+    }
+
+    /// Prefill up to `budget_ms` of the front starting answer; returns whether one was there.
+    fn prefill_start(&mut self, w: &mut Worker) -> bool {
+        let Some(s) = self.starting.front_mut() else { return false };
+        let mut spent = 0.0;
+        let result = loop {
+            if s.generation.cancelled() {
+                break Err(Error::Cancelled);
+            }
+            let Some(next) = s.prefill.next() else { break Ok(()) };
+            if spent >= self.budget_ms {
+                return true;
+            }
+            let tokens = ((self.budget_ms - spent) / w.prefill_ms_per_token()) as usize;
+            let started = Instant::now();
+            let n = chunk_len(next.available(), tokens);
+            if let Err(e) = prefill_chunk(w, &mut [&mut s.prefill], next, n) {
+                break Err(e);
+            }
+            spent += started.elapsed().as_secs_f64() * 1e3;
+        };
+        let mut s = self.starting.pop_front().expect("front");
+        let progress = match result.and_then(|()| w.ctx.last_logits()) {
+            Ok(logits) => s.generation.advance(logits),
+            Err(e) => {
+                s.generation.fail(e);
+                Progress::Done
+            }
+        };
+        match progress {
+            Progress::Next { token, pos } => {
+                self.active.push(Active { generation: s.generation, branch: s.branch, next: (token, pos) })
+            }
+            Progress::Done => w.release(s.branch),
+        }
+        true
+    }
+
+    /// Run ordered work: a plain job, or up to `allowed_ms` of ingestion, the front ingestion of
+    /// every stream that can share the batch going together. Returns the time spent (ms).
+    fn ingest(&mut self, w: &mut Worker, shared: &Shared, allowed_ms: f64) -> f64 {
+        let started = Instant::now();
+        let elapsed = || started.elapsed().as_secs_f64() * 1e3;
+        if let Some(Ordered::Run(_)) = self.ordered.front() {
+            if let Some(Ordered::Run(f)) = self.ordered.pop_front() {
+                f(w);
+            }
+            return elapsed();
+        }
+        // The front ingestion of each stream, up to the first plain job, begun (a cache hit, a
+        // cancellation or nothing left to prefill ends one at once).
+        let mut candidates: Vec<(usize, Option<Result<i32>>)> = vec![];
+        let mut seen: Vec<i32> = vec![];
+        for (i, item) in self.ordered.iter_mut().enumerate() {
+            let Ordered::Ingest(ing) = item else { break };
+            if seen.contains(&ing.prefill.seq) {
+                continue;
+            }
+            seen.push(ing.prefill.seq);
+            let ended = ing
+                .begin
+                .take()
+                .and_then(|begin| begin(w))
+                .or_else(|| ing.cancel.load(Ordering::Acquire).then_some(Err(Error::Cancelled)))
+                .or_else(|| ing.prefill.is_done().then_some(Ok(ing.prefill.pos)));
+            candidates.push((i, ended));
+        }
+        let ended: Vec<(usize, Result<i32>)> =
+            candidates.iter_mut().filter_map(|(i, e)| Some((*i, e.take()?))).collect();
+        if !ended.is_empty() {
+            for (i, result) in ended.into_iter().rev() {
+                self.finish(w, shared, i, result);
+            }
+            return elapsed();
+        }
+        // Those whose next chunk is of the first one's kind share one batch; different
+        // sequences in ascending order go in one llama.cpp micro-batch.
+        let next_of = |i: usize| match &self.ordered[i] {
+            Ordered::Ingest(ing) => ing.prefill.next(),
+            Ordered::Run(_) => None,
+        };
+        let Some(kind) = candidates.first().and_then(|&(i, _)| next_of(i)) else { return elapsed() };
+        let mut group: Vec<usize> = candidates
+            .iter()
+            .map(|&(i, _)| i)
+            .filter(|&i| next_of(i).is_some_and(|n| i == candidates[0].0 || kind.batches_with(n)))
+            .collect();
+        // Equal chunks (llama.cpp puts sequences with equal counts in one micro-batch), each a
+        // valid cut of every piece (`chunk_len`); when no size suits them all, the front goes
+        // alone.
+        let tokens = (allowed_ms / w.prefill_ms_per_token()).max(1.0) as usize;
+        let available =
+            |group: &[usize]| -> Vec<usize> { group.iter().filter_map(|&i| next_of(i)).map(Next::available).collect() };
+        let fits = |n: usize, a: &[usize]| a.iter().all(|&a| chunk_len(a, n) == n);
+        let mut n = {
+            let a = available(&group);
+            let mut n = chunk_len(a.iter().copied().min().unwrap_or(1), tokens / group.len());
+            while n > 2 && !fits(n, &a) {
+                n -= 1;
+            }
+            n
+        };
+        if !fits(n, &available(&group)) {
+            group.truncate(1);
+            n = chunk_len(available(&group)[0], tokens);
+        }
+        let mut prefills: Vec<&mut Prefill> = self
+            .ordered
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| group.contains(i))
+            .filter_map(|(_, o)| match o {
+                Ordered::Ingest(ing) => Some(&mut ing.prefill),
+                Ordered::Run(_) => None,
+            })
+            .collect();
+        prefills.sort_by_key(|p| p.seq);
+        let result = prefill_chunk(w, &mut prefills, kind, n);
+        // Finish what is complete (or failed), back to front so the indices stay valid.
+        for &i in group.iter().rev() {
+            let Some(Ordered::Ingest(ing)) = self.ordered.get(i) else { continue };
+            if result.is_err() || ing.prefill.is_done() {
+                let end = ing.prefill.pos;
+                self.finish(w, shared, i, result.clone().map(|()| end));
+            }
+        }
+        elapsed()
+    }
+
+    fn finish(&mut self, w: &mut Worker, shared: &Shared, index: usize, result: Result<i32>) {
+        if let Some(Ordered::Ingest(ing)) = self.ordered.remove(index) {
+            *shared.ingest_backlog.lock() -= ing.cost_ms;
+            (ing.done)(w, result);
+        }
+    }
+
+    /// Whether a question waits for frames still being ingested.
+    fn demanded(&self) -> bool {
+        self.ordered.iter().any(|o| matches!(o, Ordered::Ingest(i) if i.demand.load(Ordering::Acquire) > 0))
+    }
+
+    /// One step: decode, then prefill within the budget.
+    fn step(&mut self, w: &mut Worker, shared: &Shared) {
+        self.start_answers(w, shared);
+        let decode_ms = self.decode_step(w, shared);
+        if self.prefill_start(w) || self.ordered.is_empty() {
+            return;
+        }
+        if self.active.is_empty() {
+            self.credit_ms = 0.0;
+            self.ingest(w, shared, self.budget_ms);
+            return;
+        }
+        let share = if self.demanded() { (2.0 * self.share).min(0.5) } else { self.share };
+        self.credit_ms = (self.credit_ms + decode_ms * share / (1.0 - share)).min(self.budget_ms);
+        if self.credit_ms >= self.budget_ms {
+            let spent = self.ingest(w, shared, self.budget_ms);
+            self.credit_ms -= spent;
+        }
+    }
+}
+
+/// Decode the next `n` inputs of each prefill (all of kind `next`) in one batch.
+fn prefill_chunk(w: &mut Worker, prefills: &mut [&mut Prefill], next: Next, n: usize) -> Result<()> {
+    let started = Instant::now();
+    let tokens = match next {
+        Next::Whole => {
+            let p = &mut prefills[0];
+            let before = p.remaining();
+            p.decode_whole(&mut w.ctx)?;
+            before - p.remaining()
+        }
+        Next::Tokens(_) | Next::Rows(_) => {
+            let total = n * prefills.len();
+            let mut batch = match next {
+                Next::Tokens(_) => Batch::tokens(total),
+                _ => Batch::embeddings(total, w.ctx.model().n_embd()),
+            };
+            for p in prefills.iter() {
+                p.push(&mut batch, n);
+            }
+            w.ctx.decode(&batch)?;
+            for p in prefills.iter_mut() {
+                p.advance(n);
+            }
+            total
+        }
+    };
+    w.record(Stage::Prefill, tokens, started.elapsed().as_secs_f64() * 1e3);
+    Ok(())
+}
+
+pub struct Engine {
+    config: EngineConfig,
+    model: Arc<Model>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    shared: Arc<Shared>,
+    free_streams: Mutex<VecDeque<i32>>,
+    n_ctx_per_seq: u32,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The engine thread's loop.
+fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &EngineConfig) {
+    calibrate(&mut w);
+    crate::llama::stop_workers_before_exit();
+    let mut s = Scheduler {
+        budget_ms: config.step_budget_ms,
+        share: config.ingest_share,
+        waiting: VecDeque::new(),
+        starting: VecDeque::new(),
+        active: Vec::new(),
+        ordered: VecDeque::new(),
+        credit_ms: 0.0,
+    };
+    loop {
+        if crate::llama::exiting() {
+            return; // the process is exiting: drop the work, free the context
+        }
+        let first = if s.idle() {
+            match jobs.recv_timeout(std::time::Duration::from_millis(200)) {
+                Ok(job) => Some(job),
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return, // stopped, every job done
+            }
+        } else {
+            jobs.try_recv().ok()
+        };
+        for job in first.into_iter().chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
+            s.take(job, &mut w);
+        }
+        s.step(&mut w, &shared);
     }
 }
 
@@ -318,27 +633,38 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, widest: Arc<AtomicUsize>, start
 fn calibrate(w: &mut Worker) {
     let Some(seq) = w.free_branches.last().copied() else { return };
     let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     if w.ctx.decode_tokens(&tokens, 0, seq, true).is_err() {
         return;
     }
     w.record(Stage::Prefill, tokens.len(), t.elapsed().as_secs_f64() * 1e3);
     for pos in 32..36 {
-        let t = std::time::Instant::now();
-        if w.ctx.decode_step(&[(100, pos, seq)]).is_err() {
+        let t = Instant::now();
+        if w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
             break;
         }
         w.record(Stage::DecodeStep, 1, t.elapsed().as_secs_f64() * 1e3);
     }
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     if let Ok(snapshot) = w.ctx.seq_snapshot(seq) {
         w.record(Stage::Export, 36, t.elapsed().as_secs_f64() * 1e3);
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         if w.ctx.seq_restore(seq, &snapshot).is_ok() {
             w.record(Stage::Import, 36, t.elapsed().as_secs_f64() * 1e3);
         }
     }
     w.ctx.seq_clear(seq);
+}
+
+/// Decode rates an engine observed (see [`Engine::decode_rates`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DecodeRates {
+    /// Decode steps run while ingestion was waiting, and their mean duration (ms).
+    pub busy_steps: u64,
+    pub busy_ms_per_step: f64,
+    /// Decode steps run with no ingestion waiting, and their mean duration (ms).
+    pub idle_steps: u64,
+    pub idle_ms_per_step: f64,
 }
 
 impl Engine {
@@ -348,6 +674,13 @@ impl Engine {
             return Err(Error::Config(
                 "an engine needs at least one stream, one branch and 64 cells per sequence".into(),
             ));
+        }
+        if config.step_budget_ms.is_nan() || config.step_budget_ms <= 0.0 || !(0.0..1.0).contains(&config.ingest_share)
+        {
+            return Err(Error::Config(format!(
+                "step budget {} ms / ingest share {}: the budget must be positive and the share in [0, 1)",
+                config.step_budget_ms, config.ingest_share
+            )));
         }
         let model = models::model(model_path, &config.device)?;
         let ctx = Context::new(
@@ -375,21 +708,26 @@ impl Engine {
             rates: Arc::clone(&rates),
         };
         let (tx, rx) = mpsc::channel::<Job>();
-        let widest = Arc::new(AtomicUsize::new(0));
-        let wd = Arc::clone(&widest);
-        let cores = config.cores.clone();
-        let start_backlog = Arc::new(Mutex::new(0.0));
-        let sb = Arc::clone(&start_backlog);
+        let shared = Arc::new(Shared {
+            widest: AtomicUsize::new(0),
+            rates,
+            ingest_backlog: Mutex::new(0.0),
+            start_backlog: Mutex::new(0.0),
+            busy_steps: Mutex::new((0, 0.0)),
+            idle_steps: Mutex::new((0, 0.0)),
+        });
+        let thread_shared = Arc::clone(&shared);
+        let thread_config = config.clone();
         let thread = std::thread::Builder::new()
             .name(format!("vlm-engine-{}", config.name))
             .spawn(move || {
                 let registration = crate::llama::WorkerThread::register();
-                if !cores.is_empty()
-                    && let Err(e) = crate::llama::pin_current_thread(&cores)
+                if !thread_config.cores.is_empty()
+                    && let Err(e) = crate::llama::pin_current_thread(&thread_config.cores)
                 {
                     crate::llama::log(crate::llama::LogLevel::Warn, &format!("engine: {e}"));
                 }
-                run(worker, rx, wd, sb);
+                run(worker, rx, thread_shared, &thread_config);
                 drop(registration);
             })
             .map_err(|e| Error::Engine(format!("cannot start engine thread: {e}")))?;
@@ -398,10 +736,7 @@ impl Engine {
             config,
             model,
             jobs: Mutex::new(Some(tx)),
-            widest,
-            rates,
-            ingest_backlog: Arc::new(Mutex::new(0.0)),
-            start_backlog,
+            shared,
             n_ctx_per_seq,
             thread: Mutex::new(Some(thread)),
         }))
@@ -409,6 +744,10 @@ impl Engine {
 
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -439,33 +778,41 @@ impl Engine {
 
     /// The stage costs measured on this engine so far.
     pub fn rates(&self) -> StageRates {
-        *self.rates.lock()
+        *self.shared.rates.lock()
+    }
+
+    /// Decode steps observed with and without ingestion waiting.
+    pub fn decode_rates(&self) -> DecodeRates {
+        let (busy_steps, busy_ms) = *self.shared.busy_steps.lock();
+        let (idle_steps, idle_ms) = *self.shared.idle_steps.lock();
+        let mean = |n: u64, ms: f64| if n == 0 { 0.0 } else { ms / n as f64 };
+        DecodeRates {
+            busy_steps,
+            busy_ms_per_step: mean(busy_steps, busy_ms),
+            idle_steps,
+            idle_ms_per_step: mean(idle_steps, idle_ms),
+        }
     }
 
     /// Estimated milliseconds of queued ingestion on this engine (measured costs).
     pub fn ingest_backlog_ms(&self) -> f64 {
-        self.ingest_backlog.lock().max(0.0)
+        self.shared.ingest_backlog.lock().max(0.0)
     }
 
     /// Estimated milliseconds before a new answer starts here: the starts of the answers ahead
     /// of it (answers go before queued ingestion).
     pub fn start_backlog_ms(&self) -> f64 {
-        self.start_backlog.lock().max(0.0)
+        self.shared.start_backlog.lock().max(0.0)
     }
 
-    /// Run `job` (estimated to cost `cost_ms`) on the engine thread, in order with other ingestion;
-    /// its cost counts in the ingestion backlog until it has run.
-    pub fn submit_costed(&self, cost_ms: f64, job: impl FnOnce(&mut Worker) + Send + 'static) -> Result<()> {
-        *self.ingest_backlog.lock() += cost_ms;
-        let backlog = Arc::clone(&self.ingest_backlog);
-        self.submit(move |w| {
-            job(w);
-            *backlog.lock() -= cost_ms;
-        })
-        .inspect_err(|_| *self.ingest_backlog.lock() -= cost_ms)
+    /// Queue ingestion; its cost counts in the ingestion backlog until it is done.
+    pub(crate) fn ingest(&self, ingestion: Ingestion) -> Result<()> {
+        let cost = ingestion.cost_ms;
+        *self.shared.ingest_backlog.lock() += cost;
+        self.send(Job::Ingest(ingestion)).inspect_err(|_| *self.shared.ingest_backlog.lock() -= cost)
     }
 
-    /// Run `job` on the engine thread ahead of queued ingestion and wait for its result.
+    /// Run `job` on the engine thread ahead of queued prefill and wait for its result.
     pub fn call<R: Send + 'static>(&self, job: impl FnOnce(&mut Worker) -> R + Send + 'static) -> Result<R> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.send(Job::Urgent(Box::new(move |w| {
@@ -476,7 +823,7 @@ impl Engine {
 
     /// Most answers decoded together in one step so far.
     pub fn widest_step(&self) -> usize {
-        self.widest.load(Ordering::Relaxed)
+        self.shared.widest.load(Ordering::Relaxed)
     }
 
     fn send(&self, job: Job) -> Result<()> {
@@ -485,8 +832,8 @@ impl Engine {
         tx.send(job).map_err(|_| Error::Engine(format!("engine {} thread has exited", self.config.name)))
     }
 
-    /// Run `job` on the engine thread after the jobs already queued (and between two decode steps
-    /// of the answers being generated).
+    /// Run `job` on the engine thread after the ingestion and jobs already queued (and between
+    /// two decode steps of the answers being generated).
     pub fn submit(&self, job: impl FnOnce(&mut Worker) + Send + 'static) -> Result<()> {
         self.send(Job::Run(Box::new(job)))
     }
@@ -494,8 +841,8 @@ impl Engine {
     /// Queue a generation whose start costs about `start_ms`; it starts when a branch is free,
     /// before queued ingestion, and then shares every decode step.
     pub(crate) fn generate(&self, generation: Box<dyn Generation>, start_ms: f64) -> Result<()> {
-        *self.start_backlog.lock() += start_ms;
-        self.send(Job::Generate(generation, start_ms)).inspect_err(|_| *self.start_backlog.lock() -= start_ms)
+        *self.shared.start_backlog.lock() += start_ms;
+        self.send(Job::Generate(generation, start_ms)).inspect_err(|_| *self.shared.start_backlog.lock() -= start_ms)
     }
 
     /// Reserve a stream sequence.

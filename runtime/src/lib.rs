@@ -3,7 +3,8 @@
 //!
 //! - [`llama`]: the safe layer over llama.cpp / libmtmd (all `unsafe` lives there);
 //! - [`models`]: one shared copy of each model's weights per device per process;
-//! - [`engine`]: a language engine (one context, one thread, several sequences);
+//! - [`engine`]: a language engine (one context, one thread, several sequences) and its step
+//!   scheduler; `prefill`: chunked prefill of frames, replays and questions;
 //! - [`stream`]: a stream's versioned, append-only history;
 //! - [`answer`]: answering a question from a pinned version (branch, import or replay);
 //! - [`placer`]: choosing the engine and path of each answer from measured stage costs;
@@ -21,6 +22,7 @@ mod gguf;
 pub mod llama;
 pub mod models;
 pub mod placer;
+mod prefill;
 pub mod prefix;
 pub mod prompt;
 #[cfg(feature = "rknn")]
@@ -30,7 +32,7 @@ pub mod stream;
 pub mod text;
 
 pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer, answer_on, answer_placed};
-pub use engine::{Engine, EngineConfig};
+pub use engine::{DecodeRates, Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use llama::Device;
-pub use stream::{Frame, HistoryPolicy, Registration, Stream, StreamConfig, Version};
+pub use stream::{Frame, HistoryPolicy, Lag, Overload, Registration, Stream, StreamConfig, Version};

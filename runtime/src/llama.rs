@@ -7,6 +7,7 @@
 //! of the project lives in this file, each with the invariant it relies on.
 
 use std::ffi::{CStr, CString, c_char, c_void};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::ptr::{NonNull, null_mut};
 use std::sync::{Arc, OnceLock};
@@ -402,6 +403,90 @@ impl Drop for Model {
     }
 }
 
+/// A llama.cpp batch this side owns: either tokens or embedding rows, each entry with its
+/// position, one sequence and whether its logits are kept. Invariant: the first `n` entries of
+/// every array are filled, `n <= capacity`, and rows are `width` floats.
+pub struct Batch {
+    raw: sys::llama_batch,
+    capacity: usize,
+    /// Floats per row (0: a token batch).
+    width: usize,
+    n: usize,
+}
+
+impl Batch {
+    /// A batch of at most `capacity` tokens.
+    pub fn tokens(capacity: usize) -> Batch {
+        Batch::init(capacity, 0)
+    }
+
+    /// A batch of at most `capacity` embedding rows of `width` floats.
+    pub fn embeddings(capacity: usize, width: usize) -> Batch {
+        Batch::init(capacity, width)
+    }
+
+    fn init(capacity: usize, width: usize) -> Batch {
+        let capacity = capacity.max(1);
+        // SAFETY: llama_batch_init allocates arrays for `capacity` entries with one sequence id
+        // each (and `width` floats per entry when width > 0); freed in Drop.
+        let raw = unsafe { sys::llama_batch_init(capacity as i32, width as i32, 1) };
+        Batch { raw, capacity, width, n: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// (position, sequence) of the first entry.
+    fn first(&self) -> (i32, i32) {
+        if self.n == 0 {
+            return (0, 0);
+        }
+        // SAFETY: entry 0 is filled (n > 0).
+        unsafe { (*self.raw.pos, **self.raw.seq_id) }
+    }
+
+    fn push_meta(&mut self, pos: i32, seq: i32, logits: bool) {
+        let j = self.n;
+        // SAFETY: j < capacity (checked by the callers' asserts); the arrays have `capacity`
+        // entries and seq_id[j] points at room for one id.
+        unsafe {
+            *self.raw.pos.add(j) = pos;
+            *self.raw.n_seq_id.add(j) = 1;
+            **self.raw.seq_id.add(j) = seq;
+            *self.raw.logits.add(j) = logits as i8;
+        }
+        self.n += 1;
+        self.raw.n_tokens = self.n as i32;
+    }
+
+    pub fn push_token(&mut self, token: Token, pos: i32, seq: i32, logits: bool) {
+        assert!(self.width == 0 && self.n < self.capacity, "token batch full or not a token batch");
+        // SAFETY: token batch with n < capacity entries.
+        unsafe { *self.raw.token.add(self.n) = token };
+        self.push_meta(pos, seq, logits);
+    }
+
+    pub fn push_row(&mut self, row: &[f32], pos: i32, seq: i32, logits: bool) {
+        assert!(self.width > 0 && row.len() == self.width && self.n < self.capacity, "bad embedding row");
+        // SAFETY: the embd array holds capacity*width floats; row n starts at n*width and the
+        // source has exactly width floats.
+        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), self.raw.embd.add(self.n * self.width), self.width) };
+        self.push_meta(pos, seq, logits);
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        // SAFETY: allocated by llama_batch_init, freed once.
+        unsafe { sys::llama_batch_free(self.raw) }
+    }
+}
+
 /// Settings of one language context (one engine).
 #[derive(Debug, Clone)]
 pub struct ContextParams {
@@ -487,33 +572,45 @@ impl Context {
         unsafe { sys::llama_get_memory(self.ptr.as_ptr()) }
     }
 
+    /// Decode one batch (several sequences may share it); the logits of the entries that asked
+    /// for them are read with [`Context::logits`] until the next decode.
+    pub fn decode(&mut self, batch: &Batch) -> Result<()> {
+        if batch.len() > self.n_batch as usize {
+            return Err(Error::Engine(format!("a batch of {} exceeds n_batch {}", batch.len(), self.n_batch)));
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the batch's arrays are filled for its first n_tokens entries (Batch's
+        // invariant); llama_decode only reads them. GPU backends compute asynchronously:
+        // synchronise, so that stage timings are real.
+        let rc = unsafe {
+            let rc = sys::llama_decode(self.ptr.as_ptr(), batch.raw);
+            sys::llama_synchronize(self.ptr.as_ptr());
+            rc
+        };
+        if rc != 0 {
+            let (first, seq) = batch.first();
+            return Err(Error::Engine(format!(
+                "llama_decode of {} inputs failed ({rc}) at position {first} of sequence {seq}",
+                batch.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Decode `tokens` into `seq` at positions `pos..`, in batches of n_batch. The logits of the
     /// last token are kept when `logits_last`.
     pub fn decode_tokens(&mut self, tokens: &[Token], pos: i32, seq: i32, logits_last: bool) -> Result<()> {
-        for (i, part) in tokens.chunks(self.n_batch as usize).enumerate() {
-            let start = pos + (i * self.n_batch as usize) as i32;
-            let last_part = (i + 1) * self.n_batch as usize >= tokens.len();
-            // SAFETY: the batch is allocated for part.len() tokens with one sequence each; every
-            // written index is < part.len(); it is freed after the call.
-            let rc = unsafe {
-                let mut b = sys::llama_batch_init(part.len() as i32, 0, 1);
-                for (j, &t) in part.iter().enumerate() {
-                    *b.token.add(j) = t;
-                    *b.pos.add(j) = start + j as i32;
-                    *b.n_seq_id.add(j) = 1;
-                    **b.seq_id.add(j) = seq;
-                    *b.logits.add(j) = (logits_last && last_part && j + 1 == part.len()) as i8;
-                }
-                b.n_tokens = part.len() as i32;
-                let rc = sys::llama_decode(self.ptr.as_ptr(), b);
-                sys::llama_batch_free(b);
-                // GPU backends compute asynchronously: wait, so that stage timings are real.
-                sys::llama_synchronize(self.ptr.as_ptr());
-                rc
-            };
-            if rc != 0 {
-                return Err(Error::Engine(format!("llama_decode failed ({rc}) at position {start} of sequence {seq}")));
+        let n_batch = self.n_batch as usize;
+        for (i, part) in tokens.chunks(n_batch).enumerate() {
+            let mut batch = Batch::tokens(part.len());
+            let start = pos + (i * n_batch) as i32;
+            let last_part = (i + 1) * n_batch >= tokens.len();
+            for (j, &t) in part.iter().enumerate() {
+                batch.push_token(t, start + j as i32, seq, logits_last && last_part && j + 1 == part.len());
             }
+            self.decode(&batch)?;
         }
         Ok(())
     }
@@ -529,7 +626,7 @@ impl Context {
             )));
         }
         let ImageSource::Mtmd { chunk, projector } = &image.source else {
-            return self.decode_plain_embeddings(image, pos, seq);
+            return self.decode_rows(image, 0..image.rows, pos, seq).map(|()| pos + image.rows as i32);
         };
         let ctx = projector.ctx.lock();
         let mut next = 0;
@@ -567,80 +664,48 @@ impl Context {
         Ok(next)
     }
 
-    /// Decode plain embedding rows into `seq` at `pos..`, causally, in batches of n_batch.
-    fn decode_plain_embeddings(&mut self, image: &ImageEmbeddings, pos: i32, seq: i32) -> Result<i32> {
-        for (i, rows) in image.data.chunks(self.n_batch as usize * image.width).enumerate() {
-            let n = rows.len() / image.width;
-            let start = pos + (i * self.n_batch as usize) as i32;
-            // SAFETY: the batch is allocated for n rows of `width` floats (width = the model's
-            // input width, checked by the caller) with one sequence each; it is freed after use.
-            let rc = unsafe {
-                let mut b = sys::llama_batch_init(n as i32, image.width as i32, 1);
-                std::ptr::copy_nonoverlapping(rows.as_ptr(), b.embd, rows.len());
-                for j in 0..n {
-                    *b.pos.add(j) = start + j as i32;
-                    *b.n_seq_id.add(j) = 1;
-                    **b.seq_id.add(j) = seq;
-                    *b.logits.add(j) = 0;
-                }
-                b.n_tokens = n as i32;
-                let rc = sys::llama_decode(self.ptr.as_ptr(), b);
-                sys::llama_batch_free(b);
-                sys::llama_synchronize(self.ptr.as_ptr());
-                rc
-            };
-            if rc != 0 {
-                return Err(Error::Engine(format!(
-                    "decoding embeddings failed ({rc}) at position {start} of sequence {seq}"
-                )));
-            }
+    /// Decode rows `rows` of a causal, 1-D image ([`ImageEmbeddings::causal_rows`]) into `seq`,
+    /// the first at `pos`, in batches of n_batch.
+    pub fn decode_rows(&mut self, image: &ImageEmbeddings, rows: Range<usize>, pos: i32, seq: i32) -> Result<()> {
+        if !image.causal_rows || rows.end > image.rows || image.width != self.model.n_embd() {
+            return Err(Error::BadInput(format!(
+                "rows {rows:?} of a {}-row image cannot be decoded apart",
+                image.rows
+            )));
         }
-        Ok(pos + image.rows as i32)
-    }
-
-    /// Decode one token for each of several sequences in one batch (one decode step of several
-    /// answers), keeping the logits of every entry (read them with [`Context::logits`]).
-    pub fn decode_step(&mut self, entries: &[(Token, i32, i32)]) -> Result<()> {
-        if entries.len() > self.n_batch as usize {
-            return Err(Error::Engine(format!("{} sequences exceed the batch of {}", entries.len(), self.n_batch)));
-        }
-        // SAFETY: the batch is allocated for entries.len() tokens with one sequence each; every
-        // written index is < entries.len(); it is freed after the call.
-        let rc = unsafe {
-            let mut b = sys::llama_batch_init(entries.len() as i32, 0, 1);
-            for (j, &(token, pos, seq)) in entries.iter().enumerate() {
-                *b.token.add(j) = token;
-                *b.pos.add(j) = pos;
-                *b.n_seq_id.add(j) = 1;
-                **b.seq_id.add(j) = seq;
-                *b.logits.add(j) = 1;
+        let n_batch = self.n_batch as usize;
+        let mut row = rows.start;
+        while row < rows.end {
+            let n = (rows.end - row).min(n_batch);
+            let mut batch = Batch::embeddings(n, image.width);
+            for r in row..row + n {
+                batch.push_row(image.row(r), pos + (r - rows.start) as i32, seq, false);
             }
-            b.n_tokens = entries.len() as i32;
-            let rc = sys::llama_decode(self.ptr.as_ptr(), b);
-            sys::llama_batch_free(b);
-            sys::llama_synchronize(self.ptr.as_ptr());
-            rc
-        };
-        if rc != 0 {
-            return Err(Error::Engine(format!("llama_decode of a {}-sequence step failed ({rc})", entries.len())));
+            self.decode(&batch)?;
+            row += n;
         }
         Ok(())
     }
 
-    /// Logits of entry `i` of the last [`Context::decode_step`].
-    pub fn logits(&self, i: usize) -> &[f32] {
-        // SAFETY: every entry of the last step asked for logits, so row i exists with n_vocab
-        // floats; it stays valid until the next decode, which needs &mut self.
-        unsafe {
-            std::slice::from_raw_parts(sys::llama_get_logits_ith(self.ptr.as_ptr(), i as i32), self.model.n_vocab())
-        }
+    /// Logits of entry `i` of the last decoded batch (an entry that asked for them).
+    pub fn logits(&self, i: usize) -> Result<&[f32]> {
+        self.logits_ith(i as i32)
     }
 
-    /// Logits of the last decoded token that asked for them.
-    pub fn last_logits(&self) -> &[f32] {
-        // SAFETY: -1 selects the last output row; it has n_vocab floats and stays valid until the
-        // next decode, which needs &mut self.
-        unsafe { std::slice::from_raw_parts(sys::llama_get_logits_ith(self.ptr.as_ptr(), -1), self.model.n_vocab()) }
+    /// Logits of the last decoded entry that asked for them.
+    pub fn last_logits(&self) -> Result<&[f32]> {
+        self.logits_ith(-1)
+    }
+
+    fn logits_ith(&self, i: i32) -> Result<&[f32]> {
+        // SAFETY: valid context; llama.cpp returns null (and logs) for an entry without logits.
+        let ptr = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), i) };
+        if ptr.is_null() {
+            return Err(Error::Engine(format!("no logits for batch entry {i}")));
+        }
+        // SAFETY: a non-null row has n_vocab floats and stays valid until the next decode, which
+        // needs &mut self.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, self.model.n_vocab()) })
     }
 
     /// Make `dst` hold the first `end` positions of `src` (a branch of a pinned version).
@@ -733,6 +798,10 @@ pub struct ImageEmbeddings {
     pub width: usize,
     /// Positions the image occupies in the language sequence (≠ rows for M-RoPE models).
     pub n_pos: i32,
+    /// Row `i` sits at position start + i and attends causally (LLaVA-style projectors, the
+    /// NPU's rows): the rows may be decoded in any chunks, as plain embeddings. False for M-RoPE
+    /// (2-D positions) and non-causal (Gemma 3) images, which are decoded whole by libmtmd.
+    pub causal_rows: bool,
     source: ImageSource,
 }
 
@@ -762,7 +831,12 @@ impl ImageEmbeddings {
         if rows == 0 || data.len() != rows * width {
             return Err(Error::BadInput(format!("{} floats are not {rows} rows of {width}", data.len())));
         }
-        Ok(ImageEmbeddings { data, rows, width, n_pos: rows as i32, source: ImageSource::Plain })
+        Ok(ImageEmbeddings { data, rows, width, n_pos: rows as i32, causal_rows: true, source: ImageSource::Plain })
+    }
+
+    /// Row `i` (width floats).
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.width..(i + 1) * self.width]
     }
 }
 
@@ -877,8 +951,18 @@ impl Projector {
                             return Err(Error::Engine("mtmd_input_chunk_save failed".into()));
                         }
                         let n_pos = sys::mtmd_input_chunk_get_n_pos(c);
+                        let causal_rows = n_pos == rows as i32
+                            && !sys::mtmd_decode_use_mrope(ctx.0.as_ptr())
+                            && !sys::mtmd_decode_use_non_causal(ctx.0.as_ptr(), c);
                         let source = ImageSource::Mtmd { chunk, projector: Arc::clone(self) };
-                        segments.push(Segment::Image(ImageEmbeddings { data, rows, width: n_embd, n_pos, source }));
+                        segments.push(Segment::Image(ImageEmbeddings {
+                            data,
+                            rows,
+                            width: n_embd,
+                            n_pos,
+                            causal_rows,
+                            source,
+                        }));
                     }
                     Ok(())
                 })()

@@ -5,7 +5,8 @@
 //! before queued frame ingestion) + preparation of the history (nothing for a resident branch;
 //! export and import for a snapshot; prefill of the whole history for a replay) + the question
 //! suffix's prefill + the expected decode + the delay it imposes on frame ingestion (an answer
-//! run on an engine with frames waiting delays them, and so the versions later questions need),
+//! run on an engine with frames waiting delays them, and so the versions later questions need:
+//! its start goes before them, and while it decodes ingestion keeps only its share of the engine),
 //! all from stage rates measured online on each engine (so co-running slowdowns are in them),
 //! not from a fixed CPU < GPU order.
 
@@ -59,7 +60,13 @@ pub fn estimate(
         let run = |path, queue_ms: f64, prepare_ms: f64| {
             let suffix_ms = suffix_tokens as f64 * rates.prefill_ms_per_token;
             let decode_ms = expected_tokens as f64 * rates.decode_ms_per_step;
-            let ingesting = engine.ingest_backlog_ms() > 0.0;
+            // Frames waiting there are held back by the whole preparation and suffix (they go
+            // first) and, while the answer decodes, ingestion keeps only its share of the engine.
+            let ingest_delay_ms = if engine.ingest_backlog_ms() > 0.0 {
+                prepare_ms + suffix_ms + decode_ms * (1.0 - engine.config().ingest_share)
+            } else {
+                0.0
+            };
             PathEstimate {
                 engine: Arc::clone(&engine),
                 path,
@@ -67,7 +74,7 @@ pub fn estimate(
                 prepare_ms,
                 suffix_ms,
                 decode_ms,
-                ingest_delay_ms: if ingesting { prepare_ms + suffix_ms + decode_ms } else { 0.0 },
+                ingest_delay_ms,
             }
         };
         let here = Arc::ptr_eq(&engine, resident);

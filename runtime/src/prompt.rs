@@ -10,6 +10,8 @@
 //! Frames only ever append, so every version is a prefix of the next one. The layout is derived
 //! from the model's own template by rendering sentinels and splitting on them.
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 use crate::llama::{Model, Token};
 
@@ -24,7 +26,7 @@ pub const DEFAULT_SYSTEM_PROMPT: &str =
 #[derive(Debug, Clone)]
 pub struct Prompt {
     /// Tokens before the first frame (version 0 of every stream).
-    pub prefix: Vec<Token>,
+    pub prefix: Arc<[Token]>,
     between: Vec<Token>,
     after: Vec<Token>,
     /// After a committed answer: the end of the assistant's turn and the start of the next
@@ -51,7 +53,7 @@ impl Prompt {
             _ => return Err(Error::Config("the model's chat template does not keep a conversation in order".into())),
         };
         Ok(Prompt {
-            prefix: model.tokenize(&rendered[..f], true, true)?,
+            prefix: model.tokenize(&rendered[..f], true, true)?.into(),
             between: model.tokenize(&rendered[f + FRAMES.len()..q], false, true)?,
             after: model.tokenize(&rendered[q + QUESTION.len()..], false, true)?,
             reopen: model.tokenize(reopen, false, true)?,

@@ -13,15 +13,16 @@
 //! own frames (every version keeps handles to them), so history never changes under it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::engine::{Engine, Stage, Worker};
+use crate::engine::{Engine, Ingestion, Worker};
 use crate::error::{Error, Result};
 use crate::llama::{Segment, Token};
+use crate::prefill::Prefill;
 use crate::prefix::PrefixKey;
 use crate::prompt::Prompt;
 use crate::snapshot::{PrefixCache, Snapshot};
@@ -83,14 +84,37 @@ pub enum HistoryPolicy {
     Restart { keep: usize },
 }
 
+/// What happens to a new frame when `max_pending` frames already wait for their prefill
+/// (ingestion cannot keep up with the frame rate).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overload {
+    /// Block the caller until one is published (backpressure: right for files and non-live
+    /// sources).
+    Block,
+    /// Skip the new frame: it does not join the history, and is counted (right for live
+    /// sources: the stream's sampling rate falls to what the engine can ingest, so a question
+    /// never waits behind a long queue of frames).
+    Skip,
+}
+
+/// How far ingestion is behind registration.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Lag {
+    /// Frames registered but not yet published.
+    pub frames: u64,
+    /// Age of the oldest of them (ms; 0 when none).
+    pub ms: f64,
+}
+
 /// Settings of one stream.
 #[derive(Debug, Clone)]
 pub struct StreamConfig {
     pub name: String,
     /// Keep the history's KV (true) or re-prefill it for every question (the baseline).
     pub retain: bool,
-    /// Registered but unpublished frames allowed before `register` blocks (backpressure).
+    /// Registered but unpublished entries allowed (the lag bound); past it `overload` applies.
     pub max_pending: usize,
+    pub overload: Overload,
     /// Cells kept free at the end of the sequence for a question and its answer.
     pub answer_reserve: i32,
     pub history_policy: HistoryPolicy,
@@ -103,13 +127,14 @@ pub struct StreamConfig {
 }
 
 impl StreamConfig {
-    /// A retained stream with a small pending budget, room for a 128-token answer, the `Stop`
-    /// policy, no prefix cache and no other engine.
+    /// A retained stream with a small pending budget (blocking past it), room for a 128-token
+    /// answer, the `Stop` policy, no prefix cache and no other engine.
     pub fn new(name: &str) -> StreamConfig {
         StreamConfig {
             name: name.into(),
             retain: true,
             max_pending: 4,
+            overload: Overload::Block,
             answer_reserve: 128,
             history_policy: HistoryPolicy::Stop,
             prefix_cache: None,
@@ -140,6 +165,9 @@ struct Timeline {
     published_serial: u64,
     /// (frame number, serial) of the recently registered frames.
     frame_serials: VecDeque<(u64, u64)>,
+    /// (frame number, registration time) of the frames not yet published.
+    unpublished: VecDeque<(u64, Instant)>,
+    skipped: u64,
     /// Published versions, oldest first (at most VERSIONS_KEPT).
     versions: VecDeque<Record>,
     /// The newest registered version (planned, maybe not yet published).
@@ -177,6 +205,9 @@ pub struct Registration {
     pub number: u64,
     /// Set when the frame started a new epoch: (frames kept, frames dropped from the history).
     pub restart: Option<(usize, usize)>,
+    /// Set when the overload policy skipped the frame: it did not join the history, `number`
+    /// is the newest frame that did.
+    pub skipped: bool,
 }
 
 pub struct Stream {
@@ -187,6 +218,11 @@ pub struct Stream {
     prompt: Arc<Prompt>,
     /// Epoch whose KV the stream's sequence holds now (changed only on the engine thread).
     resident_epoch: AtomicU32,
+    /// Set when the stream closes: queued ingestion is dropped.
+    closing: Arc<AtomicBool>,
+    /// Questions waiting for frames not yet published (the engine gives their ingestion more
+    /// time).
+    demand: Arc<AtomicUsize>,
     timeline: Mutex<Timeline>,
     changed: Condvar,
 }
@@ -197,47 +233,6 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// Find a live stream by its id (as carried by the `vlm-stream` event).
 pub fn lookup(id: u64) -> Option<Arc<Stream>> {
     STREAMS.lock().get(&id).and_then(Weak::upgrade)
-}
-
-/// Prefill the prompt and `entries` into `seq` from position 0; returns the end position.
-pub(crate) fn prefill_history(
-    w: &mut Worker,
-    prompt: &Prompt,
-    entries: &[Entry],
-    seq: i32,
-    cancel: &AtomicBool,
-) -> Result<i32> {
-    w.ctx.decode_tokens(&prompt.prefix, 0, seq, false)?;
-    let mut pos = prompt.prefix.len() as i32;
-    for entry in entries {
-        if cancel.load(Ordering::Acquire) {
-            return Err(Error::Cancelled);
-        }
-        pos = prefill_entry(w, entry, pos, seq)?;
-    }
-    Ok(pos)
-}
-
-/// Prefill one entry into `seq` at `start`; returns the next free position.
-pub(crate) fn prefill_entry(w: &mut Worker, entry: &Entry, start: i32, seq: i32) -> Result<i32> {
-    let segments = match entry {
-        Entry::Text(tokens) => {
-            w.ctx.decode_tokens(tokens, start, seq, false)?;
-            return Ok(start + tokens.len() as i32);
-        }
-        Entry::Frame(frame) => &frame.segments,
-    };
-    let mut pos = start;
-    for segment in segments {
-        pos = match segment {
-            Segment::Text(tokens) => {
-                w.ctx.decode_tokens(tokens, pos, seq, false)?;
-                pos + tokens.len() as i32
-            }
-            Segment::Image(image) => w.ctx.decode_image(image, pos, seq)?,
-        };
-    }
-    Ok(pos)
 }
 
 impl Stream {
@@ -260,11 +255,15 @@ impl Stream {
             seq,
             prompt,
             resident_epoch: AtomicU32::new(0),
+            closing: Arc::new(AtomicBool::new(false)),
+            demand: Arc::new(AtomicUsize::new(0)),
             timeline: Mutex::new(Timeline {
                 registered: 0,
                 published: 0,
                 published_serial: 0,
                 frame_serials: VecDeque::new(),
+                unpublished: VecDeque::new(),
+                skipped: 0,
                 versions: VecDeque::new(),
                 tail: root.clone(),
                 restarts: 0,
@@ -333,6 +332,20 @@ impl Stream {
         self.timeline.lock().published
     }
 
+    /// How far ingestion is behind registration now.
+    pub fn lag(&self) -> Lag {
+        let t = self.timeline.lock();
+        Lag {
+            frames: t.registered - t.published,
+            ms: t.unpublished.front().map_or(0.0, |(_, at)| at.elapsed().as_secs_f64() * 1e3),
+        }
+    }
+
+    /// Frames the overload policy skipped.
+    pub fn skipped(&self) -> u64 {
+        self.timeline.lock().skipped
+    }
+
     /// Times the history policy restarted the history.
     pub fn restarts(&self) -> u64 {
         self.timeline.lock().restarts
@@ -399,6 +412,12 @@ impl Stream {
 
     fn append(self: &Arc<Self>, entry: Entry, new_frame: bool, cancel: &AtomicBool) -> Result<Registration> {
         let mut t = self.timeline.lock();
+        // Entries registered but not yet published (the prompt's own prefill not counted).
+        let full = |t: &Timeline| (t.tail.serial - t.published_serial.max(1)) as usize >= self.config.max_pending;
+        if new_frame && self.config.overload == Overload::Skip && full(&t) && t.failed.is_none() && !t.closed {
+            t.skipped += 1;
+            return Ok(Registration { number: t.registered, restart: None, skipped: true });
+        }
         while (t.tail.serial - t.published_serial) as usize >= self.config.max_pending
             && t.failed.is_none()
             && !t.closed
@@ -417,6 +436,7 @@ impl Stream {
         let (record, restart) = self.plan(&t.tail, entry, new_frame)?;
         t.registered = record.number;
         if new_frame {
+            t.unpublished.push_back((record.number, Instant::now()));
             if t.frame_serials.len() == VERSIONS_KEPT {
                 t.frame_serials.pop_front();
             }
@@ -428,54 +448,75 @@ impl Stream {
         }
         drop(t);
         self.ingest(record.clone(), restart.is_some())?;
-        Ok(Registration { number: record.number, restart })
+        Ok(Registration { number: record.number, restart, skipped: false })
     }
 
-    /// Make `record` usable on the engine (prefill its last frame, or its whole history when it
-    /// starts an epoch), then publish it. Without retention there is nothing to prefill.
+    /// The inputs that rebuild `history` after the prompt from position 0.
+    pub(crate) fn replay_entries(&self, history: &[Entry]) -> Vec<Entry> {
+        std::iter::once(Entry::Text(Arc::clone(&self.prompt.prefix))).chain(history.iter().cloned()).collect()
+    }
+
+    /// Make `record` usable on the engine (prefill its last entry, or its whole history when it
+    /// starts an epoch), chunk by chunk between decode steps, then publish it. Without
+    /// retention there is nothing to prefill.
     fn ingest(self: &Arc<Self>, record: Record, whole: bool) -> Result<()> {
         if !self.config.retain {
             self.publish(Ok(record));
             return Ok(());
         }
-        let s = Arc::clone(self);
         let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
         let tag = self.engine.compat_tag();
-        let tokens = if whole { record.end as usize } else { record.history.last().map_or(0, |e| e.n_pos() as usize) };
-        let cost = tokens as f64 * self.engine.rates().prefill_ms_per_token;
-        self.engine.submit_costed(cost, move |w| {
-            let never = AtomicBool::new(false);
-            s.resident_epoch.store(record.epoch, Ordering::Release);
-            let cache_key = (record.key, tag.clone());
-            let cached = cache.as_ref().and_then(|c| c.get(&cache_key));
-            let result = match cached {
-                Some(snapshot) => w.ctx.seq_restore(s.seq, &snapshot.bytes).map(|()| snapshot.end),
-                None => {
-                    let started = Instant::now();
-                    let end = if whole {
-                        w.ctx.seq_clear(s.seq);
-                        prefill_history(w, &s.prompt, &record.history, s.seq, &never)
-                    } else {
-                        let entry = record.history.last().expect("an appended version has an entry");
-                        prefill_entry(w, entry, record.end - entry.n_pos(), s.seq)
-                    };
-                    w.record(Stage::Prefill, tokens, started.elapsed().as_secs_f64() * 1e3);
-                    if let (Ok(end), Some(cache)) = (&end, &cache) {
-                        // A failed export only means nothing is cached.
-                        if let Ok(bytes) = w.ctx.seq_snapshot(s.seq) {
-                            cache.insert(cache_key, Arc::new(Snapshot { key: record.key, tag, bytes, end: *end }));
-                        }
-                    }
-                    end
-                }
+        let (start, entries) = if whole {
+            (0, self.replay_entries(&record.history))
+        } else {
+            let entry = record.history.last().expect("an appended version has an entry").clone();
+            (record.end - entry.n_pos(), vec![entry])
+        };
+        let prefill = Prefill::new(self.seq, start, entries, false);
+        let cost_ms = prefill.remaining() as f64 * self.engine.rates().prefill_ms_per_token;
+        let cache_key = (record.key, tag.clone());
+        let (s, key) = (Arc::clone(self), cache_key.clone());
+        let epoch = record.epoch;
+        // A prefix-cache hit imports the history instead of prefilling; a miss stores it after.
+        let missed = Arc::new(AtomicBool::new(false));
+        let missed_too = Arc::clone(&missed);
+        let begin = move |w: &mut Worker| -> Option<Result<i32>> {
+            s.resident_epoch.store(epoch, Ordering::Release);
+            if whole {
+                w.ctx.seq_clear(s.seq);
+            }
+            let cache = cache.as_ref()?;
+            let Some(snapshot) = cache.get(&key) else {
+                missed_too.store(true, Ordering::Release);
+                return None;
             };
-            s.publish(result.and_then(|end| {
+            Some(w.ctx.seq_restore(s.seq, &snapshot.bytes).map(|()| snapshot.end))
+        };
+        let s = Arc::clone(self);
+        let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
+        let done = move |w: &mut Worker, end: Result<i32>| {
+            if let (Ok(end), Some(cache)) = (&end, &cache)
+                && missed.load(Ordering::Acquire)
+                && let Ok(bytes) = w.ctx.seq_snapshot(s.seq)
+            {
+                // A failed export only means nothing is cached.
+                cache.insert(cache_key, Arc::new(Snapshot { key: record.key, tag, bytes, end: *end }));
+            }
+            s.publish(end.and_then(|end| {
                 if end == record.end {
                     Ok(record)
                 } else {
                     Err(Error::Engine(format!("prefill ended at position {end}, planned {}", record.end)))
                 }
             }));
+        };
+        self.engine.ingest(Ingestion {
+            prefill,
+            begin: Some(Box::new(begin)),
+            done: Box::new(done),
+            cancel: Arc::clone(&self.closing),
+            demand: Arc::clone(&self.demand),
+            cost_ms,
         })
     }
 
@@ -486,6 +527,9 @@ impl Stream {
             Ok(r) => {
                 t.published = r.number;
                 t.published_serial = r.serial;
+                while t.unpublished.front().is_some_and(|(n, _)| *n <= r.number) {
+                    t.unpublished.pop_front();
+                }
                 if t.versions.len() == VERSIONS_KEPT {
                     t.versions.pop_front();
                 }
@@ -500,6 +544,15 @@ impl Stream {
     /// Wait until the version of frame `number` is published and pin it. Never returns another
     /// version: a question that needs a registered frame waits for that frame.
     pub fn wait_version(self: &Arc<Self>, number: u64, cancel: &AtomicBool) -> Result<Version> {
+        /// Counts a waiting question in the stream's demand while it lives.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        self.demand.fetch_add(1, Ordering::AcqRel);
+        let _waiting = Waiting(&self.demand);
         let mut t = self.timeline.lock();
         loop {
             if let Some(e) = &t.failed {
@@ -534,6 +587,7 @@ impl Stream {
 
     /// Stop accepting frames and wake every waiter.
     pub fn close(&self) {
+        self.closing.store(true, Ordering::Release);
         self.timeline.lock().closed = true;
         self.changed.notify_all();
     }

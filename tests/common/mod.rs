@@ -44,6 +44,8 @@ pub fn description(text: &str) -> String {
 #[derive(Debug, Default)]
 pub struct Run {
     pub answers: Vec<gst::Structure>,
+    /// Every element message (answers included), in order.
+    pub messages: Vec<gst::Structure>,
     pub errors: Vec<String>,
     pub warnings: Vec<String>,
 }
@@ -65,8 +67,11 @@ pub fn run(pipeline: &gst::Element) -> Run {
             }
             MessageView::Warning(w) => run.warnings.push(format!("{} ({:?})", w.error(), w.debug())),
             MessageView::Element(e) => {
-                if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer") {
-                    run.answers.push(s.to_owned());
+                if let Some(s) = e.structure() {
+                    if s.name() == "vlm-answer" {
+                        run.answers.push(s.to_owned());
+                    }
+                    run.messages.push(s.to_owned());
                 }
             }
             _ => (),

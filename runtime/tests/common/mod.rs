@@ -88,6 +88,7 @@ pub fn question(text: &str, max_tokens: u32) -> Question {
         id: "t".into(),
         text: text.into(),
         max_tokens,
+        ignore_eos: false,
         sampling: Sampling::default(),
         arrival: std::time::Instant::now(),
     }

@@ -1,0 +1,217 @@
+//! The engine's step scheduler against real llama.cpp: answers keep their decode rate while
+//! streams ingest, a question does not wait behind another answer's whole generation, chunked
+//! ingestion changes no answer, and a stream that cannot keep up skips frames under its policy.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use common::*;
+use vlm_runtime::{AnswerReport, Engine, EngineConfig, Overload, Stream, StreamConfig, answer};
+
+/// These tests compare timings within a run: one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ALONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn exact(text: &str, tokens: u32) -> vlm_runtime::Question {
+    vlm_runtime::Question { ignore_eos: true, ..question(text, tokens) }
+}
+
+fn ask_exact(stream: &Arc<Stream>, frames: u64, tokens: u32) -> AnswerReport {
+    let never = Arc::new(AtomicBool::new(false));
+    let version = stream.wait_version(frames, &never).expect("version");
+    answer(&version, &exact("Describe the picture.", tokens), &never, |_| {}).expect("answer")
+}
+
+/// Milliseconds per generated token after the first.
+fn ms_per_token(r: &AnswerReport) -> f64 {
+    (r.total_ms - r.ttft_ms) / (r.tokens - 1) as f64
+}
+
+fn open_skipping(engine: &Arc<Engine>, name: &str, max_pending: usize) -> Arc<Stream> {
+    let prompt =
+        Arc::new(vlm_runtime::prompt::Prompt::new(engine.model(), vlm_runtime::prompt::DEFAULT_SYSTEM_PROMPT).unwrap());
+    let config = StreamConfig { max_pending, overload: Overload::Skip, ..StreamConfig::new(name) };
+    Stream::open(engine, prompt, config).unwrap()
+}
+
+#[test]
+fn exact_length_answers_generate_exactly_max_tokens() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    stream.register(frame(&enc, 0), &AtomicBool::new(false)).unwrap();
+    // 40 tokens is more than the test model says about the picture before its end token.
+    let free = {
+        let never = Arc::new(AtomicBool::new(false));
+        let v = stream.wait_version(1, &never).unwrap();
+        answer(&v, &question("Say yes.", 40), &never, |_| {}).unwrap()
+    };
+    let r = ask_exact(&stream, 1, 40);
+    assert_eq!(r.tokens, 40);
+    assert!(free.tokens < 40, "the free answer should end on its own (got {} tokens)", free.tokens);
+}
+
+/// Two streams ingest pre-encoded frames at 2 frames/s each while an answer decodes: the answer
+/// keeps at least 70% of the decode rate it has on an idle engine. Idle and busy answers
+/// alternate over three rounds and their medians are compared, so load on the machine hits
+/// both alike.
+#[test]
+fn answers_keep_their_decode_rate_while_two_streams_ingest() {
+    let _alone = serial();
+    let config = EngineConfig {
+        name: "cpu".into(),
+        context_per_sequence: 8192,
+        max_streams: 3,
+        max_branches: 2,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&model_path(), config).unwrap();
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let asked = open(&engine, "asked", true);
+    asked.register(frame(&enc, 0), &never).unwrap();
+    let frames: Vec<_> = (0..8).map(|v| frame(&enc, v + 1)).collect();
+    let (a, b) = (open_skipping(&engine, "a", 2), open_skipping(&engine, "b", 2));
+    a.wait_version(0, &never).unwrap();
+    b.wait_version(0, &never).unwrap();
+    ask_exact(&asked, 1, 8); // warm up
+    let (mut idle, mut busy, mut ingested) = (vec![], vec![], 0);
+    for _ in 0..3 {
+        idle.push(ms_per_token(&ask_exact(&asked, 1, 96)));
+        let before = a.published() + b.published();
+        let stop = AtomicBool::new(false);
+        let r = std::thread::scope(|scope| {
+            for s in [&a, &b] {
+                let (frames, stop) = (&frames, &stop);
+                scope.spawn(move || {
+                    let never = AtomicBool::new(false);
+                    for f in frames.iter().cycle() {
+                        if stop.load(std::sync::atomic::Ordering::Acquire) {
+                            break;
+                        }
+                        s.register(Arc::clone(f), &never).unwrap();
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            let r = ask_exact(&asked, 1, 96);
+            ingested += a.published() + b.published() - before;
+            stop.store(true, std::sync::atomic::Ordering::Release);
+            r
+        });
+        busy.push(ms_per_token(&r));
+        // Let the streams catch up, so the next idle answer has the engine alone.
+        a.wait_version(a.registered(), &never).unwrap();
+        b.wait_version(b.registered(), &never).unwrap();
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (idle, busy) = (median(&mut idle), median(&mut busy));
+    let ratio = idle / busy;
+    eprintln!(
+        "idle {idle:.1} ms/token, while ingesting {busy:.1} ms/token: {:.0}% of the idle rate; {ingested} frames \
+         ingested meanwhile, {} skipped; {:?}",
+        ratio * 100.0,
+        a.skipped() + b.skipped(),
+        engine.decode_rates()
+    );
+    assert!(ingested >= 2, "the streams hardly ingested while the answers decoded");
+    assert!(ratio >= 0.7, "decode rate while ingesting fell to {:.0}% of idle", ratio * 100.0);
+}
+
+/// A second answer on the same stream starts while the first is still generating: its first
+/// token comes long before the first answer's last.
+#[test]
+fn a_question_does_not_wait_for_the_previous_answer() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    stream.register(frame(&enc, 0), &AtomicBool::new(false)).unwrap();
+    ask_exact(&stream, 1, 4); // warm up
+    let (first, second) = std::thread::scope(|scope| {
+        let long = scope.spawn(|| ask_exact(&stream, 1, 96));
+        // Ask once the long answer is generating.
+        std::thread::sleep(Duration::from_millis(400));
+        let short = ask_exact(&stream, 1, 4);
+        (long.join().unwrap(), short)
+    });
+    eprintln!("first: {:.0} ms total; second: ttft {:.0} ms", first.total_ms, second.ttft_ms);
+    assert!(engine.widest_step() >= 2, "the answers were never decoded together");
+    assert!(
+        second.total_ms + 400.0 < first.total_ms,
+        "the second answer ({:.0} ms) waited for the first ({:.0} ms)",
+        second.total_ms,
+        first.total_ms
+    );
+}
+
+/// Chunked, batched ingestion of two streams at once gives each stream exactly the history a
+/// whole-frame replay gives: the retained answers equal the re-prefill baseline's.
+#[test]
+fn chunked_ingestion_of_several_streams_equals_a_replay() {
+    let _alone = serial();
+    let config = EngineConfig {
+        name: "cpu".into(),
+        context_per_sequence: 1024,
+        max_streams: 4,
+        max_branches: 2,
+        step_budget_ms: 10.0,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&model_path(), config).unwrap();
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let (a, b, baseline) = (open(&engine, "a", true), open(&engine, "b", true), open(&engine, "base", false));
+    // Keep an answer decoding so ingestion runs in budget-sized chunks, both streams together.
+    let background = open(&engine, "bg", false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| ask_exact(&background, 0, 64));
+        std::thread::sleep(Duration::from_millis(100));
+        for v in 0..3 {
+            a.register(frame(&enc, v), &never).unwrap();
+            b.register(frame(&enc, v), &never).unwrap();
+            baseline.register(frame(&enc, v), &never).unwrap();
+        }
+        a.wait_version(3, &AtomicBool::new(false)).unwrap();
+        b.wait_version(3, &AtomicBool::new(false)).unwrap();
+    });
+    let reference = ask_exact(&baseline, 3, 16).text;
+    assert_eq!(ask_exact(&a, 3, 16).text, reference, "stream a's chunked history differs from a replay");
+    assert_eq!(ask_exact(&b, 3, 16).text, reference, "stream b's chunked history differs from a replay");
+}
+
+/// Frames arriving faster than the engine ingests them: past `max_pending` the skip policy
+/// keeps them out of the history, counted, so the lag stays bounded and a question on the
+/// newest registered frame never waits for more than `max_pending` frames.
+#[test]
+fn a_stream_that_cannot_keep_up_skips_frames_and_stays_bounded() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let stream = open_skipping(&engine, "fast", 2);
+    let frames: Vec<_> = (0..30).map(|v| frame(&enc, v % 5)).collect();
+    let mut max_lag = 0;
+    for f in &frames {
+        let r = stream.register(Arc::clone(f), &never).unwrap();
+        max_lag = max_lag.max(stream.lag().frames);
+        assert!(r.number <= stream.registered());
+    }
+    let skipped = stream.skipped();
+    eprintln!("registered {}, skipped {skipped}, max lag {max_lag} frames", stream.registered());
+    assert!(skipped > 0, "30 frames registered back to back were all ingested in time?");
+    assert_eq!(stream.registered() + skipped, 30);
+    assert!(max_lag <= 2, "lag {max_lag} frames exceeds max_pending");
+    let newest = stream.registered();
+    assert_eq!(stream.wait_version(newest, &never).unwrap().frames(), newest);
+}

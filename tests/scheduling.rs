@@ -1,0 +1,103 @@
+//! vlmquery and vlmcontext under a stream: questions answered together, every accepted question
+//! answered before EOS (and refused after it), exact-length answers, and the overload policy.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use gst::prelude::*;
+use gst_vlm_elements::meta::VlmFrameMeta;
+
+/// 2 seconds of a 30 frames/s ball, a frame encoded every 250 ms (8 frames).
+const SOURCE: &str = "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+    ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Run `pipeline`, calling `ask` on vlmquery `q` with each frame number that leaves vlmcontext;
+/// returns the run and the ids `ask` returned (None: refused).
+fn run_asking(
+    pipeline: &gst::Element,
+    ask: impl Fn(u64) -> Vec<&'static str> + Send + Sync + 'static,
+) -> (Run, Arc<Mutex<Vec<Option<String>>>>) {
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let q = bin.by_name("q").unwrap();
+    let ids = Arc::new(Mutex::new(vec![]));
+    let ids2 = Arc::clone(&ids);
+    bin.by_name("ctx").unwrap().static_pad("src_0").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        let number = info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).map(|p| p.1);
+        for text in number.map(&ask).unwrap_or_default() {
+            let id = q.emit_by_name::<Option<String>>("ask", &[&text]);
+            ids2.lock().unwrap().push(id);
+        }
+        gst::PadProbeReturn::Ok
+    });
+    (run(pipeline), ids)
+}
+
+fn answer_of<'a>(run: &'a Run, id: &str) -> &'a gst::Structure {
+    run.answers.iter().find(|a| a.get::<String>("id").unwrap() == id).unwrap_or_else(|| panic!("no answer for {id}"))
+}
+
+#[test]
+fn two_questions_of_one_stream_are_answered_together_in_question_order() {
+    let pipeline = launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=48 exact-tokens=true ! fakesink sync=false"));
+    let (run, ids) = run_asking(&pipeline, |n| if n == 2 { vec!["Describe the picture.", "Is it moving?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let ids: Vec<String> = ids.lock().unwrap().iter().map(|i| i.clone().expect("accepted")).collect();
+    let (first, second) = (answer_of(&run, &ids[0]), answer_of(&run, &ids[1]));
+    for a in [first, second] {
+        assert_eq!(a.get::<String>("status").unwrap(), "answered");
+        assert_eq!(a.get::<u32>("tokens").unwrap(), 48, "exact-tokens generates max-tokens: {a}");
+    }
+    // Both were asked at the same moment: the second's first token came before the first's last.
+    let (ttft2, total1) = (second.get::<f64>("ttft-ms").unwrap(), first.get::<f64>("total-ms").unwrap());
+    assert!(ttft2 < total1, "the second question waited for the first answer ({ttft2:.0} ms >= {total1:.0} ms)");
+    let order: Vec<String> = run.answers.iter().map(|a| a.get::<String>("id").unwrap()).collect();
+    let (i1, i2) = (order.iter().position(|i| *i == ids[0]), order.iter().position(|i| *i == ids[1]));
+    assert!(i1 < i2, "answers go out in question order: {order:?}");
+}
+
+#[test]
+fn a_question_asked_at_the_last_frame_is_answered_before_eos_and_one_after_eos_is_refused() {
+    let pipeline = launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=24 ! fakesink name=out sync=false"));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    // After EOS has gone downstream, ask again: it must be refused (no id).
+    let after_eos = Arc::new(Mutex::new(None));
+    let (after2, q) = (Arc::clone(&after_eos), bin.by_name("q").unwrap());
+    bin.by_name("out").unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::EVENT_DOWNSTREAM, move |_, info| {
+        if let Some(gst::PadProbeData::Event(e)) = &info.data
+            && e.type_() == gst::EventType::Eos
+        {
+            *after2.lock().unwrap() = Some(q.emit_by_name::<Option<String>>("ask", &[&"Too late?"]));
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let (run, ids) = run_asking(&pipeline, |n| if n == 8 { vec!["What is at the end?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let id = ids.lock().unwrap()[0].clone().expect("the last frame's question is accepted");
+    let a = answer_of(&run, &id);
+    assert_eq!(a.get::<String>("status").unwrap(), "answered", "{a}");
+    assert_eq!(a.get::<u64>("frames").unwrap(), 8);
+    assert_eq!(*after_eos.lock().unwrap(), Some(None), "a question after EOS must be refused");
+    assert!(run.warnings.iter().any(|w| w.contains("refused")), "a warning names the refusal: {:?}", run.warnings);
+    assert_eq!(run.answers.len(), 1, "exactly one vlm-answer per accepted question");
+}
+
+#[test]
+fn a_stream_faster_than_its_ingestion_skips_frames_under_the_overload_policy() {
+    // Every frame encoded, as fast as the source goes: far more than the engine ingests.
+    let pipeline = launch(
+        "videotestsrc pattern=ball num-buffers=100 ! video/x-raw,width=64,height=48 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf overload=skip max-pending=1 \
+         ! vlmquery name=q max-tokens=4 ! fakesink sync=false",
+    );
+    let (run, _) = run_asking(&pipeline, |n| if n == 1 { vec!["What is it?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let skipped = ctx.property::<u64>("frames-skipped");
+    assert!(skipped > 0, "no frame skipped out of 100 encoded back to back");
+    assert_eq!(run.answers.len(), 1, "{:?} {:?}", run.warnings, run.messages);
+    let overload = run.messages.iter().find(|m| m.name() == "vlm-overload").expect("a vlm-overload message");
+    assert!(overload.get::<u64>("skipped").unwrap() >= 1, "{overload}");
+}
