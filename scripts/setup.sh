@@ -81,4 +81,14 @@ wrong="models/test-mmproj-mlp-w512.gguf"
 if [ ! -s "$wrong" ] || [ scripts/make_test_mmproj.py -nt "$wrong" ]; then
   "$venv/bin/python" scripts/make_test_mmproj.py "$wrong" --proj mlp --text-embd 512 >/dev/null
 fi
-say "ready: $model, $mmproj"
+# Test-only pairs of three VLM families (tiny random weights, each family's real architecture,
+# tokenizer specials, chat template and projector type): models/test-<family>-{lm,mmproj}.gguf.
+for family in idefics3 qwen2vl gemma3; do
+  lm="models/test-$family-lm.gguf" proj="models/test-$family-mmproj.gguf"
+  if [ ! -s "$lm" ] || [ ! -s "$proj" ] || [ scripts/make_test_family.py -nt "$lm" ] \
+     || [ scripts/make_test_mmproj.py -nt "$proj" ] || [ "$model" -nt "$lm" ]; then
+    say "generating $lm, $proj"
+    "$venv/bin/python" scripts/make_test_family.py "$family" --lm "$lm" --mmproj "$proj" --smollm2 "$model" >/dev/null
+  fi
+done
+say "ready: $model, $mmproj, models/test-{idefics3,qwen2vl,gemma3}-{lm,mmproj}.gguf"
