@@ -42,6 +42,8 @@ pub enum HistoryPolicyKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
 #[enum_type(name = "GstVlmOverload")]
 pub enum OverloadKind {
+    #[enum_value(name = "Auto: skip for a live source, block otherwise", nick = "auto")]
+    Auto,
     #[enum_value(name = "Block upstream until ingestion catches up (backpressure)", nick = "block")]
     Block,
     #[enum_value(
@@ -87,7 +89,7 @@ impl Default for Settings {
             engines: "cpu".into(),
             history_policy: HistoryPolicyKind::Restart,
             history_keep: DEFAULT_HISTORY_KEEP,
-            overload: OverloadKind::Block,
+            overload: OverloadKind::Auto,
             step_budget_ms: vlm_runtime::engine::DEFAULT_STEP_BUDGET_MS,
             ingest_share: vlm_runtime::engine::DEFAULT_INGEST_SHARE,
             max_answers: DEFAULT_MAX_ANSWERS,
@@ -157,6 +159,8 @@ impl VlmContext {
             overload: match settings.overload {
                 OverloadKind::Block => Overload::Block,
                 OverloadKind::Skip => Overload::Skip,
+                OverloadKind::Auto if self.upstream_is_live(&pads.sink) => Overload::Skip,
+                OverloadKind::Auto => Overload::Block,
             },
             answer_reserve: ANSWER_RESERVE,
             history_policy: match settings.history_policy {
@@ -171,6 +175,12 @@ impl VlmContext {
         gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
         *slot = Some(Arc::clone(&stream));
         Ok(stream)
+    }
+
+    /// Whether the stream comes from a live source (its frames cannot wait).
+    fn upstream_is_live(&self, sink: &gst::Pad) -> bool {
+        let mut q = gst::query::Latency::new();
+        sink.peer_query(&mut q) && q.result().0
     }
 
     fn sink_chain(&self, pads: &StreamPads, mut buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
@@ -393,15 +403,15 @@ impl ObjectImpl for VlmContext {
                     .build(),
                 glib::ParamSpecUInt::builder("max-pending")
                     .nick("Max pending frames")
-                    .blurb("Frames per stream registered but not yet prefilled before upstream is blocked (backpressure)")
+                    .blurb("Frames per stream registered but not yet prefilled (the lag bound); past it the overload policy applies")
                     .minimum(1)
                     .maximum(1024)
                     .default_value(DEFAULT_MAX_PENDING)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecEnum::builder_with_default("overload", OverloadKind::Block)
+                glib::ParamSpecEnum::builder_with_default("overload", OverloadKind::Auto)
                     .nick("Overload policy")
-                    .blurb("What happens to a new frame while max-pending frames of its stream still wait for ingestion: block upstream, or skip it (for live sources: the stream's sampling rate falls to what the engine ingests)")
+                    .blurb("What happens to a new frame while max-pending frames of its stream still wait for ingestion: block upstream, or skip it (the stream's sampling rate falls to what the engine ingests, so questions never wait behind a queue of frames); auto skips for live sources and blocks otherwise")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecDouble::builder("step-budget-ms")

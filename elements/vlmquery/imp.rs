@@ -77,8 +77,10 @@ enum Outcome {
 struct Pending {
     job: Job,
     cancel: Arc<AtomicBool>,
-    /// Filled by the answering thread.
+    /// Filled by the answering thread (and taken by the source pad's task).
     outcome: Mutex<Option<Outcome>>,
+    /// Set once the answering thread has its outcome (and, with ordered commits, committed).
+    finished: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The lag of the question's stream when it was accepted.
     lag: Lag,
@@ -217,6 +219,7 @@ impl VlmQuery {
             job: Job { stream, ..job },
             cancel: Arc::new(AtomicBool::new(false)),
             outcome: Mutex::new(None),
+            finished: AtomicBool::new(false),
             thread: Mutex::new(None),
         });
         // With ordered commits a question sees the answers before it: it waits for them.
@@ -227,12 +230,16 @@ impl VlmQuery {
         let thread = std::thread::Builder::new().name(format!("vlmquery-{id}")).spawn(move || {
             let outcome = this.generate(&p, previous.as_deref(), &placement, ordered);
             *p.outcome.lock() = Some(outcome);
+            p.finished.store(true, Ordering::Release);
             let _guard = this.shared.lock();
             this.changed.notify_all();
         });
         match thread {
             Ok(t) => *pending.thread.lock() = Some(t),
-            Err(e) => *pending.outcome.lock() = Some(Outcome::Failed(format!("cannot start a thread: {e}"))),
+            Err(e) => {
+                *pending.outcome.lock() = Some(Outcome::Failed(format!("cannot start a thread: {e}")));
+                pending.finished.store(true, Ordering::Release);
+            }
         }
         shared.pending.push_back(pending);
         self.changed.notify_all();
@@ -244,7 +251,7 @@ impl VlmQuery {
         let q = &p.job.question;
         if let Some(previous) = previous {
             let mut shared = self.shared.lock();
-            while previous.outcome.lock().is_none() && !p.cancel.load(Ordering::Acquire) {
+            while !previous.finished.load(Ordering::Acquire) && !p.cancel.load(Ordering::Acquire) {
                 self.changed.wait(&mut shared);
             }
         }
@@ -402,13 +409,12 @@ impl VlmQuery {
             None => shared.video.newest(),
         };
         let stream = shared.video.stream.clone();
-        match self.accept(&mut shared, Job { question, stream, frames, pts }, true) {
+        let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, true);
+        drop(shared);
+        match accepted {
             Ok(_) => (),
             Err(Refusal::Flushing) => return Err(gst::FlowError::Flushing),
-            Err(why) => {
-                drop(shared);
-                self.refused(&text, why);
-            }
+            Err(why) => self.refused(&text, why),
         }
         self.flow()
     }
@@ -468,12 +474,12 @@ impl VlmQuery {
         let pending = {
             let mut shared = self.shared.lock();
             shared.flushing = true;
+            for p in &shared.pending {
+                p.cancel.store(true, Ordering::Release);
+            }
             self.changed.notify_all();
             std::mem::take(&mut shared.pending)
         };
-        for p in &pending {
-            p.cancel.store(true, Ordering::Release);
-        }
         for p in pending {
             self.post_answer(&p, Outcome::Cancelled(reason.into()));
         }
