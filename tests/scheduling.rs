@@ -1,5 +1,6 @@
 //! vlmquery and vlmcontext under a stream: questions answered together, every accepted question
-//! answered before EOS (and refused after it), exact-length answers, and the overload policy.
+//! answered before EOS (and refused after it), exact-length answers, the overload policy, and
+//! the text and JSON outputs.
 
 mod common;
 
@@ -41,7 +42,8 @@ fn answer_of<'a>(run: &'a Run, id: &str) -> &'a gst::Structure {
 #[test]
 fn two_questions_of_one_stream_are_answered_together_in_question_order() {
     let pipeline = launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=48 exact-tokens=true ! fakesink sync=false"));
-    let (run, ids) = run_asking(&pipeline, |n| if n == 2 { vec!["Describe the picture.", "Is it moving?"] } else { vec![] });
+    let (run, ids) =
+        run_asking(&pipeline, |n| if n == 2 { vec!["Describe the picture.", "Is it moving?"] } else { vec![] });
     assert!(run.errors.is_empty(), "{:?}", run.errors);
     let ids: Vec<String> = ids.lock().unwrap().iter().map(|i| i.clone().expect("accepted")).collect();
     let (first, second) = (answer_of(&run, &ids[0]), answer_of(&run, &ids[1]));
@@ -64,14 +66,17 @@ fn a_question_asked_at_the_last_frame_is_answered_before_eos_and_one_after_eos_i
     // After EOS has gone downstream, ask again: it must be refused (no id).
     let after_eos = Arc::new(Mutex::new(None));
     let (after2, q) = (Arc::clone(&after_eos), bin.by_name("q").unwrap());
-    bin.by_name("out").unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::EVENT_DOWNSTREAM, move |_, info| {
-        if let Some(gst::PadProbeData::Event(e)) = &info.data
-            && e.type_() == gst::EventType::Eos
-        {
-            *after2.lock().unwrap() = Some(q.emit_by_name::<Option<String>>("ask", &[&"Too late?"]));
-        }
-        gst::PadProbeReturn::Ok
-    });
+    bin.by_name("out").unwrap().static_pad("sink").unwrap().add_probe(
+        gst::PadProbeType::EVENT_DOWNSTREAM,
+        move |_, info| {
+            if let Some(gst::PadProbeData::Event(e)) = &info.data
+                && e.type_() == gst::EventType::Eos
+            {
+                *after2.lock().unwrap() = Some(q.emit_by_name::<Option<String>>("ask", &[&"Too late?"]));
+            }
+            gst::PadProbeReturn::Ok
+        },
+    );
     let (run, ids) = run_asking(&pipeline, |n| if n == 8 { vec!["What is at the end?"] } else { vec![] });
     assert!(run.errors.is_empty(), "{:?}", run.errors);
     let id = ids.lock().unwrap()[0].clone().expect("the last frame's question is accepted");
@@ -100,4 +105,35 @@ fn a_stream_faster_than_its_ingestion_skips_frames_under_the_overload_policy() {
     assert_eq!(run.answers.len(), 1, "{:?} {:?}", run.warnings, run.messages);
     let overload = run.messages.iter().find(|m| m.name() == "vlm-overload").expect("a vlm-overload message");
     assert!(overload.get::<u64>("skipped").unwrap() >= 1, "{overload}");
+}
+
+#[test]
+fn answers_come_out_as_text_lines_or_json_objects() {
+    let out = |format: &str| {
+        let path = std::env::temp_dir().join(format!("vlm-answers-{}-{format}.txt", std::process::id()));
+        let pipeline = launch(&format!(
+            "{SOURCE} ! vlmquery name=q max-tokens=6 output-format={format} ! filesink location={}",
+            path.display()
+        ));
+        let (run, ids) = run_asking(&pipeline, |n| if n == 2 || n == 4 { vec!["What is it?"] } else { vec![] });
+        assert!(run.errors.is_empty(), "{:?}", run.errors);
+        let ids: Vec<String> = ids.lock().unwrap().iter().map(|i| i.clone().expect("accepted")).collect();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        (run, ids, text)
+    };
+    let (run, _, text) = out("text");
+    let answers: Vec<String> = run.answers.iter().map(|a| a.get::<String>("text").unwrap() + "\n").collect();
+    assert_eq!(answers.len(), 2);
+    assert_eq!(text, answers.concat(), "each answer and a newline, in order");
+    let (run, ids, text) = out("json");
+    let objects: Vec<serde_json::Value> =
+        text.lines().map(|l| serde_json::from_str(l).expect("a JSON object")).collect();
+    assert_eq!(objects.len(), run.answers.len());
+    for (o, id) in objects.iter().zip(&ids) {
+        assert_eq!(o["id"], id.as_str());
+        assert_eq!(o["status"], "answered");
+        assert!(o["ttft-ms"].as_f64().unwrap() > 0.0 && o["frames"].as_u64().unwrap() > 0, "{o}");
+        assert!(o["text"].is_string() && o["engine"] == "cpu" && o["path"] == "resident", "{o}");
+    }
 }

@@ -31,6 +31,17 @@ pub enum CommitAnswers {
     Ordered,
 }
 const DEFAULT_MAX_QUESTIONS: u32 = 16;
+const DEFAULT_ANSWER_DURATION: u64 = 5_000_000_000;
+
+/// What the text pad carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmOutputFormat")]
+pub enum OutputFormat {
+    #[enum_value(name = "Text: each answer's text, ending with a newline", nick = "text")]
+    Text,
+    #[enum_value(name = "JSON: one object a line with the vlm-answer message's fields", nick = "json")]
+    Json,
+}
 /// Frames remembered for binding timed questions to running times.
 const FRAME_HISTORY: usize = 4096;
 
@@ -39,6 +50,8 @@ struct Settings {
     placement: String,
     max_tokens: u32,
     exact_tokens: bool,
+    output_format: OutputFormat,
+    answer_duration: u64,
     max_questions: u32,
     commit_answers: CommitAnswers,
     sampling: Sampling,
@@ -50,6 +63,8 @@ impl Default for Settings {
             placement: "auto".into(),
             max_tokens: DEFAULT_MAX_TOKENS,
             exact_tokens: false,
+            output_format: OutputFormat::Text,
+            answer_duration: DEFAULT_ANSWER_DURATION,
             max_questions: DEFAULT_MAX_QUESTIONS,
             commit_answers: CommitAnswers::None,
             sampling: Sampling::default(),
@@ -153,6 +168,28 @@ fn strip_markup(s: &str) -> String {
         }
     }
     out.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&apos;", "'").replace("&amp;", "&")
+}
+
+/// One line of JSON with a message's fields (strings, numbers, the pts in nanoseconds or null).
+fn json_line(s: &gst::StructureRef) -> String {
+    let mut object = serde_json::Map::new();
+    for (name, value) in s.iter() {
+        let v = if let Ok(v) = value.get::<String>() {
+            serde_json::Value::from(v)
+        } else if let Ok(v) = value.get::<f64>() {
+            serde_json::Value::from(v)
+        } else if let Ok(v) = value.get::<u64>() {
+            serde_json::Value::from(v)
+        } else if let Ok(v) = value.get::<u32>() {
+            serde_json::Value::from(v)
+        } else if let Ok(v) = value.get::<Option<gst::ClockTime>>() {
+            v.map_or(serde_json::Value::Null, |t| t.nseconds().into())
+        } else {
+            serde_json::Value::from(value.serialize().map(|s| s.to_string()).unwrap_or_default())
+        };
+        object.insert(name.to_string(), v);
+    }
+    serde_json::Value::Object(object).to_string() + "\n"
 }
 
 /// Why a question cannot be accepted now.
@@ -529,14 +566,23 @@ impl VlmQuery {
             let _ = t.join();
         }
         let outcome = p.outcome.lock().take().expect("checked above");
-        let text = match &outcome {
-            Outcome::Answered(r) => Some(r.text.clone()),
-            _ => None,
+        let answered = matches!(outcome, Outcome::Answered(_));
+        let message = self.post_answer(&p, outcome);
+        let (format, duration) = {
+            let s = self.settings.lock();
+            (s.output_format, s.answer_duration)
         };
-        self.post_answer(&p, outcome);
-        let Some(text) = text else { return };
-        let mut buffer = gst::Buffer::from_mut_slice(text.into_bytes());
-        buffer.get_mut().unwrap().set_pts(p.job.pts);
+        let line = match format {
+            OutputFormat::Text if answered => message.get::<String>("text").unwrap_or_default() + "\n",
+            OutputFormat::Text => return,
+            OutputFormat::Json => json_line(&message),
+        };
+        let mut buffer = gst::Buffer::from_mut_slice(line.into_bytes());
+        {
+            let buffer = buffer.get_mut().unwrap();
+            buffer.set_pts(p.job.pts);
+            buffer.set_duration(gst::ClockTime::from_nseconds(duration));
+        }
         let result = self.srcpad.push(buffer);
         *self.answered.lock() += 1;
         if let Err(e) = result {
@@ -577,8 +623,8 @@ impl VlmQuery {
         self.srcpad.push_event(gst::event::Segment::new(&segment));
     }
 
-    /// Post the question's one `vlm-answer` message.
-    fn post_answer(&self, p: &Pending, outcome: Outcome) {
+    /// Post the question's one `vlm-answer` message (and return it).
+    fn post_answer(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
         let q = &p.job.question;
         let stream = p.job.stream.as_ref().map_or("", |s| s.name());
         let mut msg = gst::Structure::builder("vlm-answer")
@@ -641,7 +687,9 @@ impl VlmQuery {
                     .field("total-ms", total)
             }
         };
-        let _ = self.obj().post_message(gst::message::Element::builder(msg.build()).src(&*self.obj()).build());
+        let msg = msg.build();
+        let _ = self.obj().post_message(gst::message::Element::builder(msg.clone()).src(&*self.obj()).build());
+        msg
     }
 
     fn stop(&self) {
@@ -718,6 +766,17 @@ impl ObjectImpl for VlmQuery {
                     .nick("Exact tokens")
                     .blurb("Generate exactly max-tokens tokens, going on past end-of-generation (equal work for measurements)")
                     .default_value(false)
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecEnum::builder_with_default("output-format", OutputFormat::Text)
+                    .nick("Output format")
+                    .blurb("What the src pad carries: text (each answer's text and a newline) or json (one object a line with the vlm-answer fields, every outcome included)")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt64::builder("answer-duration")
+                    .nick("Answer duration")
+                    .blurb("Display duration (ns) set on each answer buffer, e.g. for textoverlay")
+                    .default_value(DEFAULT_ANSWER_DURATION)
                     .mutable_playing()
                     .build(),
                 glib::ParamSpecUInt::builder("max-questions")
@@ -804,6 +863,8 @@ impl ObjectImpl for VlmQuery {
             }
             "max-tokens" => s.max_tokens = value.get().unwrap(),
             "exact-tokens" => s.exact_tokens = value.get().unwrap(),
+            "output-format" => s.output_format = value.get().unwrap(),
+            "answer-duration" => s.answer_duration = value.get().unwrap(),
             "max-questions" => s.max_questions = value.get().unwrap(),
             "commit-answers" => s.commit_answers = value.get().unwrap(),
             "temp" => s.sampling.temperature = value.get().unwrap(),
@@ -821,6 +882,8 @@ impl ObjectImpl for VlmQuery {
             "placement" => s.placement.to_value(),
             "max-tokens" => s.max_tokens.to_value(),
             "exact-tokens" => s.exact_tokens.to_value(),
+            "output-format" => s.output_format.to_value(),
+            "answer-duration" => s.answer_duration.to_value(),
             "max-questions" => s.max_questions.to_value(),
             "commit-answers" => s.commit_answers.to_value(),
             "temp" => s.sampling.temperature.to_value(),
