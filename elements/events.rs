@@ -1,5 +1,7 @@
 //! Typed wrappers for gst-vlm's custom events and queries.
 
+use gst::glib;
+
 /// Name of the question event's structure.
 pub const QUESTION: &str = "vlm-question";
 /// Name of the sticky event that tells downstream which stream a pad carries.
@@ -35,12 +37,26 @@ impl QuestionEvent {
                 return Err("vlm-question has an empty 'text'".to_string());
             }
             let id = s.get_optional::<String>("id").map_err(|e| format!("vlm-question field 'id': {e}"))?;
-            let max_tokens = s
-                .get_optional::<u32>("max-tokens")
-                .map_err(|e| format!("vlm-question field 'max-tokens' must be a uint: {e}"))?;
+            let max_tokens = match s.value("max-tokens") {
+                Err(_) => None,
+                Ok(v) => {
+                    Some(integer(v).and_then(|n| u32::try_from(n).ok()).filter(|&n| n > 0).ok_or_else(|| {
+                        format!("vlm-question field 'max-tokens' must be a positive integer, not {v:?}")
+                    })?)
+                }
+            };
             Ok(QuestionEvent { text, id, max_tokens })
         })())
     }
+}
+
+/// An integer of any of GLib's integer types (what gst-launch or an application wrote).
+fn integer(v: &glib::SendValue) -> Option<i128> {
+    (v.get::<i32>().map(i128::from))
+        .or_else(|_| v.get::<u32>().map(i128::from))
+        .or_else(|_| v.get::<i64>().map(i128::from))
+        .or_else(|_| v.get::<u64>().map(i128::from))
+        .ok()
 }
 
 /// The sticky `vlm-stream` event: which runtime stream the buffers of this pad belong to.

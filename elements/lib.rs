@@ -13,15 +13,17 @@ static LLAMA_CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new("vlm-llama", gst::DebugColorFlags::empty(), Some("llama.cpp and libmtmd log"))
 });
 
-/// Route llama.cpp's own log into the `vlm-llama` debug category.
+/// Route llama.cpp's own log into the `vlm-llama` debug category, its info and debug lines two
+/// levels lower (LOG, TRACE) so that its model loader does not drown the elements' own INFO.
 fn route_llama_log() {
     use vlm_runtime::llama::LogLevel;
+    LazyLock::force(&LLAMA_CAT);
     vlm_runtime::llama::set_log_sink(|level, line| {
         let level = match level {
             LogLevel::Error => gst::DebugLevel::Error,
             LogLevel::Warn => gst::DebugLevel::Warning,
-            LogLevel::Info => gst::DebugLevel::Info,
-            LogLevel::Debug => gst::DebugLevel::Debug,
+            LogLevel::Info => gst::DebugLevel::Log,
+            LogLevel::Debug => gst::DebugLevel::Trace,
         };
         gst::log_with_level!(*LLAMA_CAT, level, "{}", line);
     });

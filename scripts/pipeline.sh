@@ -1,6 +1,23 @@
 #!/usr/bin/env bash
-# Print a pipelines/*.pipeline description with the model paths taken from VLM_MODEL / VLM_MMPROJ
-# when they are set (the files name the defaults in models/).
+# Print a pipelines/*.pipeline description ready for gst-launch-1.0 from any folder: comments
+# dropped, `model=` / `mmproj=` values replaced whole by VLM_MODEL / VLM_MMPROJ when they are set,
+# and every relative file (`model=`, `mmproj=`, `rknn-model=`, `location=`) made absolute against
+# the repository root (VLM_MODEL / VLM_MMPROJ against the current folder).
+#   gst-launch-1.0 -m $(scripts/pipeline.sh pipelines/two-streams.pipeline)
 set -euo pipefail
-sed -e "s#models/SmolLM2-135M-Instruct.Q4_1.gguf#${VLM_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}#g" \
-    -e "s#models/test-mmproj-mlp.gguf#${VLM_MMPROJ:-models/test-mmproj-mlp.gguf}#g" "$1" | grep -v '^#'
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+absolute() { [ -z "$1" ] || realpath -m -- "$1"; }
+grep -v '^[[:space:]]*#' "$1" | tr '\n' ' ' | awk -v root="$root" \
+  -v model="$(absolute "${VLM_MODEL:-}")" -v mmproj="$(absolute "${VLM_MMPROJ:-}")" '
+{
+  for (i = 1; i <= NF; i++) {
+    if (match($i, /^(model|mmproj|rknn-model|location)=/)) {
+      key = substr($i, 1, RLENGTH - 1); value = substr($i, RLENGTH + 1)
+      if (key == "model" && model != "") value = model
+      else if (key == "mmproj" && mmproj != "") value = mmproj
+      else if (value !~ /^\//) value = root "/" value
+      $i = key "=" value
+    }
+  }
+  print
+}'

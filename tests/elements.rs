@@ -211,10 +211,38 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
 fn vlmquery_reports_a_malformed_question_without_failing() {
     init();
     let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    let bus = gst::Bus::new();
+    h.element().unwrap().set_bus(Some(&bus));
     h.play();
-    let bad = gst::event::CustomDownstream::new(gst::Structure::builder("vlm-question").field("text", 3i32).build());
-    assert!(h.push_event(bad), "a malformed question must not fail the pad");
-    assert!(h.push_event(QuestionEvent::event("   ", None, None)));
+    let question = |fields: &[(&str, gst::glib::SendValue)]| {
+        let mut s = gst::Structure::new_empty("vlm-question");
+        for (name, value) in fields {
+            s.set_value(*name, value.clone());
+        }
+        gst::event::CustomDownstream::new(s)
+    };
+    let warnings = || -> Vec<String> {
+        std::iter::from_fn(|| bus.pop_filtered(&[gst::MessageType::Warning]))
+            .map(|m| match m.view() {
+                gst::MessageView::Warning(w) => format!("{} {:?}", w.error(), w.debug()),
+                _ => unreachable!(),
+            })
+            .collect()
+    };
+    let cases = [
+        (question(&[("text", 3i32.to_send_value())]), "'text'"),
+        (question(&[("text", "Hi?".to_send_value()), ("max-tokens", "ten".to_send_value())]), "'max-tokens'"),
+        (question(&[("text", "Hi?".to_send_value()), ("max-tokens", (-4i64).to_send_value())]), "'max-tokens'"),
+        (QuestionEvent::event("   ", None, None), "empty"),
+    ];
+    for (event, field) in cases {
+        assert!(h.push_event(event), "a malformed question must not fail the pad");
+        let w = warnings();
+        assert!(w.iter().any(|w| w.contains(field)), "no warning naming {field}: {w:?}");
+    }
+    // Any integer type is an integer: an int max-tokens is taken.
+    assert!(h.push_event(question(&[("text", "Hi?".to_send_value()), ("max-tokens", 4i32.to_send_value())])));
+    assert!(warnings().iter().all(|w| !w.contains("malformed")), "an int max-tokens was refused");
 }
 
 /// Embeddings of the first output of `h` for one pushed buffer.

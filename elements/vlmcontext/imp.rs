@@ -13,7 +13,7 @@ use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, Overload, Stream, 
 use crate::events::{ModelQuery, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
-static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
+pub(crate) static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new("vlmcontext", gst::DebugColorFlags::empty(), Some("gst-vlm versioned stream history"))
 });
 

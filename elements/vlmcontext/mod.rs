@@ -23,5 +23,7 @@ glib::wrapper! {
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
+    // The debug category exists from plugin load on (`gst-launch-1.0 --gst-debug-help` lists it).
+    std::sync::LazyLock::force(&imp::CAT);
     gst::Element::register(Some(plugin), "vlmcontext", gst::Rank::NONE, VlmContext::static_type())
 }

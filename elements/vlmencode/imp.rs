@@ -14,7 +14,7 @@ use vlm_runtime::{Device, models};
 use crate::events::ModelQuery;
 use crate::meta::VlmFrameMeta;
 
-static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
+pub(crate) static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new("vlmencode", gst::DebugColorFlags::empty(), Some("gst-vlm vision encoder"))
 });
 

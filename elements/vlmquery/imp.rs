@@ -12,7 +12,7 @@ use vlm_runtime::{AnswerReport, Lag, Question, Sampling, Stream};
 use crate::events::{QuestionEvent, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
-static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
+pub(crate) static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new("vlmquery", gst::DebugColorFlags::empty(), Some("gst-vlm question answering"))
 });
 
@@ -143,6 +143,8 @@ struct Shared {
     /// The last flow return of the source pad: errors travel upstream from the sink pads.
     srcresult: Option<gst::FlowError>,
     next_id: u64,
+    /// Ids of the most recent accepted questions: an id is answered once.
+    recent_ids: VecDeque<String>,
 }
 
 pub struct VlmQuery {
@@ -197,7 +199,11 @@ enum Refusal {
     Flushing,
     Ended,
     Full(usize),
+    Duplicate(String),
 }
+
+/// Accepted question ids remembered to refuse a repeated one.
+const RECENT_IDS: usize = 4096;
 
 impl VlmQuery {
     fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>, shared: &mut Shared) -> Question {
@@ -241,6 +247,13 @@ impl VlmQuery {
             }
             self.changed.wait(shared);
         }
+        if shared.recent_ids.contains(&job.question.id) {
+            return Err(Refusal::Duplicate(job.question.id));
+        }
+        if shared.recent_ids.len() == RECENT_IDS {
+            shared.recent_ids.pop_front();
+        }
+        shared.recent_ids.push_back(job.question.id.clone());
         let stream = job.stream.clone().or_else(|| shared.video.stream.clone());
         gst::debug!(
             CAT,
@@ -316,6 +329,7 @@ impl VlmQuery {
             Refusal::Flushing => "the element is flushing".to_string(),
             Refusal::Ended => "the streams have ended (after EOS)".to_string(),
             Refusal::Full(n) => format!("{n} questions are already pending (max-questions)"),
+            Refusal::Duplicate(id) => format!("id {id:?} was already taken by an earlier question"),
         };
         gst::element_imp_warning!(self, gst::StreamError::Failed, ["question {:?} refused: {}", text, why]);
     }
@@ -525,7 +539,12 @@ impl VlmQuery {
     fn flush_stop(&self) {
         let mut shared = self.shared.lock();
         let stream = shared.video.stream.take();
-        *shared = Shared { video: Video { stream, ..Video::default() }, next_id: shared.next_id, ..Shared::default() };
+        *shared = Shared {
+            video: Video { stream, ..Video::default() },
+            next_id: shared.next_id,
+            recent_ids: std::mem::take(&mut shared.recent_ids),
+            ..Shared::default()
+        };
         drop(shared);
         self.start_task();
     }

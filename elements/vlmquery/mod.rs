@@ -28,5 +28,7 @@ glib::wrapper! {
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
+    // The debug category exists from plugin load on (`gst-launch-1.0 --gst-debug-help` lists it).
+    std::sync::LazyLock::force(&imp::CAT);
     gst::Element::register(Some(plugin), "vlmquery", gst::Rank::NONE, VlmQuery::static_type())
 }
