@@ -244,7 +244,8 @@ pub(crate) trait Generation: Send {
 
 type Work = Box<dyn FnOnce(&mut Worker) + Send>;
 pub(crate) type Begin = Box<dyn FnOnce(&mut Worker) -> Option<Result<i32>> + Send>;
-pub(crate) type Done = Box<dyn FnOnce(&mut Worker, Result<i32>) + Send>;
+/// Gets the worker unless the engine is gone (then the result is an error).
+pub(crate) type Done = Box<dyn FnOnce(Option<&mut Worker>, Result<i32>) + Send>;
 
 /// Frame ingestion (or committed text) for a stream's sequence, prefilled chunk by chunk in the
 /// order it was submitted.
@@ -253,14 +254,31 @@ pub(crate) struct Ingestion {
     /// Runs before the first chunk (e.g. clearing the sequence for a new epoch); returning a
     /// result ends the ingestion without prefill (a prefix-cache hit).
     pub begin: Option<Begin>,
-    /// Runs with the end position once everything is prefilled, or with the error.
-    pub done: Done,
+    /// Runs with the end position once everything is prefilled, or with the error; also when
+    /// the ingestion is dropped unfinished (the engine stopped or failed), so nobody waits on it.
+    pub done: Option<Done>,
     /// Set when the stream closes: the rest is dropped.
     pub cancel: Arc<AtomicBool>,
     /// Questions waiting for this stream's frames: ingestion earns more time while there are.
     pub demand: Arc<AtomicUsize>,
     /// Estimated cost, counted in the engine's ingestion backlog until done.
     pub cost_ms: f64,
+}
+
+impl Ingestion {
+    fn finish(mut self, w: &mut Worker, result: Result<i32>) {
+        if let Some(done) = self.done.take() {
+            done(Some(w), result);
+        }
+    }
+}
+
+impl Drop for Ingestion {
+    fn drop(&mut self) {
+        if let Some(done) = self.done.take() {
+            done(None, Err(Error::Engine("the engine stopped before this frame was ingested".into())));
+        }
+    }
 }
 
 enum Job {
@@ -525,7 +543,7 @@ impl Scheduler {
     fn finish(&mut self, w: &mut Worker, shared: &Shared, index: usize, result: Result<i32>) {
         if let Some(Ordered::Ingest(ing)) = self.ordered.remove(index) {
             *shared.ingest_backlog.lock() -= ing.cost_ms;
-            (ing.done)(w, result);
+            ing.finish(w, result);
         }
     }
 
@@ -621,10 +639,24 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
         } else {
             jobs.try_recv().ok()
         };
-        for job in first.into_iter().chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
-            s.take(job, &mut w);
+        // A panic in a job or a step ends this engine only: dropping the scheduler fails every
+        // answer and ingestion it holds (their callers get an error, nobody is left waiting),
+        // later jobs are refused, and the other engines and streams go on.
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for job in first.into_iter().chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
+                s.take(job, &mut w);
+            }
+            s.step(&mut w, &shared);
+        }));
+        if let Err(panic) = stepped {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            crate::llama::log(crate::llama::LogLevel::Error, &format!("engine {}: panic: {what}", config.name));
+            return;
         }
-        s.step(&mut w, &shared);
     }
 }
 

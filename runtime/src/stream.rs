@@ -52,6 +52,15 @@ impl Entry {
         }
     }
 
+    /// KV cells the entry fills: one per text token and one per embedding row (more than its
+    /// positions for an M-RoPE image).
+    pub fn cells(&self) -> i32 {
+        match self {
+            Entry::Frame(f) => f.cells(),
+            Entry::Text(t) => t.len() as i32,
+        }
+    }
+
     /// The prefix key of a history with this entry appended to `base`.
     fn extend(&self, base: PrefixKey) -> PrefixKey {
         match self {
@@ -69,6 +78,19 @@ impl Frame {
             .map(|s| match s {
                 Segment::Text(t) => t.len() as i32,
                 Segment::Image(i) => i.n_pos,
+            })
+            .sum()
+    }
+
+    /// KV cells the frame fills: one per text token and one per embedding row. An M-RoPE image
+    /// (Qwen2-VL) fills a cell per row but advances only `n_pos` positions, so a sequence's
+    /// capacity is counted in cells, never in positions.
+    pub fn cells(&self) -> i32 {
+        self.segments
+            .iter()
+            .map(|s| match s {
+                Segment::Text(t) => t.len() as i32,
+                Segment::Image(i) => i.rows as i32,
             })
             .sum()
     }
@@ -155,6 +177,8 @@ struct Record {
     serial: u64,
     epoch: u32,
     end: i32,
+    /// KV cells the history fills (text tokens + embedding rows).
+    cells: i32,
     key: PrefixKey,
     history: Arc<[Entry]>,
 }
@@ -187,6 +211,9 @@ pub struct Version {
     pub epoch: u32,
     /// First free position after the history.
     pub end: i32,
+    /// KV cells the history fills (text tokens + embedding rows; more than `end` for M-RoPE
+    /// images): what a sequence's capacity and the cost of moving the history count.
+    pub cells: i32,
     pub key: PrefixKey,
     /// The entries of the history after its prompt, oldest first (kept for replay).
     pub history: Arc<[Entry]>,
@@ -245,6 +272,7 @@ impl Stream {
             serial: 1,
             epoch: 0,
             end: prompt.prefix.len() as i32,
+            cells: prompt.prefix.len() as i32,
             key: PrefixKey::root(&engine.model().identity(), &prompt.prefix),
             history: Arc::from(Vec::new()),
         };
@@ -354,17 +382,23 @@ impl Stream {
     /// Plan the version that appends `entry` to `tail` (a new frame when `new_frame`),
     /// applying the history policy.
     fn plan(&self, tail: &Record, entry: Entry, new_frame: bool) -> Result<(Record, Option<(usize, usize)>)> {
+        // Capacity in KV cells (positions may be fewer: M-RoPE).
         let capacity = self.engine.n_ctx_per_seq() as i32 - self.config.answer_reserve;
-        let n_pos = entry.n_pos();
+        let (n_pos, n_cells) = (entry.n_pos(), entry.cells());
         let number = tail.number + new_frame as u64;
         let serial = tail.serial + 1;
         let with = |kept: &[Entry]| -> Arc<[Entry]> { kept.iter().cloned().chain([entry.clone()]).collect() };
-        if tail.end + n_pos <= capacity {
+        if tail.cells + n_cells <= capacity {
             let (key, end, history) = (entry.extend(tail.key), tail.end + n_pos, with(&tail.history));
-            return Ok((Record { number, serial, epoch: tail.epoch, end, key, history }, None));
+            let cells = tail.cells + n_cells;
+            return Ok((Record { number, serial, epoch: tail.epoch, end, cells, key, history }, None));
         }
         let frames = |h: &[Entry]| h.iter().filter(|e| matches!(e, Entry::Frame(_))).count();
-        let full = || Error::HistoryFull { frames: frames(&tail.history) as u64, cells: self.engine.n_ctx_per_seq() };
+        let full = || Error::HistoryFull {
+            frames: frames(&tail.history) as u64,
+            used: tail.cells as u32,
+            cells: self.engine.n_ctx_per_seq(),
+        };
         let HistoryPolicy::Restart { keep } = self.config.history_policy else {
             return Err(full());
         };
@@ -377,17 +411,18 @@ impl Stream {
             seen += matches!(tail.history[from], Entry::Frame(_)) as usize;
         }
         let mut kept: &[Entry] = &tail.history[from..];
-        while !kept.is_empty() && prefix_len + kept.iter().map(Entry::n_pos).sum::<i32>() + n_pos > capacity {
+        while !kept.is_empty() && prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells > capacity {
             kept = &kept[1..];
         }
-        if prefix_len + n_pos > capacity {
+        if prefix_len + n_cells > capacity {
             return Err(full());
         }
         let root = PrefixKey::root(&self.engine.model().identity(), &self.prompt.prefix);
         let key = kept.iter().chain([&entry]).fold(root, |key, e| e.extend(key));
         let end = prefix_len + kept.iter().map(Entry::n_pos).sum::<i32>() + n_pos;
+        let cells = prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells;
         let dropped = frames(&tail.history) - frames(kept);
-        let record = Record { number, serial, epoch: tail.epoch + 1, end, key, history: with(kept) };
+        let record = Record { number, serial, epoch: tail.epoch + 1, end, cells, key, history: with(kept) };
         Ok((record, Some((frames(kept), dropped))))
     }
 
@@ -494,8 +529,8 @@ impl Stream {
         };
         let s = Arc::clone(self);
         let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
-        let done = move |w: &mut Worker, end: Result<i32>| {
-            if let (Ok(end), Some(cache)) = (&end, &cache)
+        let done = move |w: Option<&mut Worker>, end: Result<i32>| {
+            if let (Ok(end), Some(cache), Some(w)) = (&end, &cache, w)
                 && missed.load(Ordering::Acquire)
                 && let Ok(bytes) = w.ctx.seq_snapshot(s.seq)
             {
@@ -513,7 +548,7 @@ impl Stream {
         self.engine.ingest(Ingestion {
             prefill,
             begin: Some(Box::new(begin)),
-            done: Box::new(done),
+            done: Some(Box::new(done)),
             cancel: Arc::clone(&self.closing),
             demand: Arc::clone(&self.demand),
             cost_ms,
@@ -574,6 +609,7 @@ impl Stream {
                     number,
                     epoch: r.epoch,
                     end: r.end,
+                    cells: r.cells,
                     key: r.key,
                     history: Arc::clone(&r.history),
                 });

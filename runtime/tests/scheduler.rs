@@ -215,3 +215,37 @@ fn a_stream_that_cannot_keep_up_skips_frames_and_stays_bounded() {
     let newest = stream.registered();
     assert_eq!(stream.wait_version(newest, &never).unwrap().frames(), newest);
 }
+
+/// A panic on one engine's thread fails what waits on that engine (a frame's version, an answer)
+/// with an error instead of leaving it waiting, later work there is refused, and another engine
+/// keeps answering.
+#[test]
+fn a_panic_on_one_engine_fails_its_waiters_and_another_engine_keeps_answering() {
+    let _alone = serial();
+    let (bad, good) = (engine("bad"), engine("good"));
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let (s, t) = (open(&bad, "s", true), open(&good, "t", true));
+    s.wait_version(0, &never).unwrap();
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    bad.submit(move |_| {
+        let _ = held.recv();
+        panic!("injected engine fault");
+    })
+    .unwrap();
+    s.register(frame(&enc, 0), &never).unwrap();
+    let waiter = {
+        let (s, never) = (Arc::clone(&s), Arc::clone(&never));
+        std::thread::spawn(move || s.wait_version(1, &never).map(|v| v.number))
+    };
+    release.send(()).unwrap();
+    let waited = waiter.join().unwrap();
+    assert!(waited.is_err(), "the frame's version was waited for on a dead engine: {waited:?}");
+    let version0 = s.wait_version(0, &never);
+    assert!(
+        version0.is_err() || answer(&version0.unwrap(), &question("Hi?", 4), &never, |_| {}).is_err(),
+        "an answer on the dead engine must fail"
+    );
+    t.register(frame(&enc, 1), &never).unwrap();
+    assert_eq!(ask_exact(&t, 1, 4).tokens, 4, "the other engine keeps answering");
+}
