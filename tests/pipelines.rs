@@ -262,3 +262,40 @@ fn the_npu_backend_falls_back_or_fails_clearly_in_a_build_without_it() {
     ));
     assert!(e.contains("RKNN"), "{e}");
 }
+
+#[test]
+fn a_downstream_error_stops_vlmencode_with_one_error_and_upstream_never_blocks() {
+    // The sink refuses every buffer: vlmencode's task stops; upstream must get the error back
+    // (not block on a full queue), and the bus must carry one error from vlmencode, not several.
+    let pipeline = launch(
+        "videotestsrc num-buffers=200 ! video/x-raw,width=64,height=48 ! videoconvert \
+         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+           interval=0 max-pending=1 ! identity error-after=3 ! fakesink sync=false",
+    );
+    let bus = pipeline.bus().unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let mut errors = vec![];
+    let started = std::time::Instant::now();
+    for msg in bus.iter_timed(gst::ClockTime::from_seconds(30)) {
+        match msg.view() {
+            gst::MessageView::Error(e) => {
+                errors.push(format!("{}: {}", msg.src().map(|s| s.name().to_string()).unwrap_or_default(), e.error()));
+            }
+            gst::MessageView::Eos(_) => break,
+            _ => (),
+        }
+        if !errors.is_empty() && started.elapsed() > std::time::Duration::from_secs(2) {
+            break;
+        }
+    }
+    // Drain what is left for a moment, then shut down: NULL must return.
+    while let Some(msg) = bus.timed_pop_filtered(gst::ClockTime::from_mseconds(500), &[gst::MessageType::Error]) {
+        if let gst::MessageView::Error(e) = msg.view() {
+            errors.push(format!("{}: {}", msg.src().map(|s| s.name().to_string()).unwrap_or_default(), e.error()));
+        }
+    }
+    pipeline.set_state(gst::State::Null).unwrap();
+    let from_enc = errors.iter().filter(|e| e.starts_with("enc:")).count();
+    assert!(!errors.is_empty(), "the failure never reached the bus");
+    assert!(from_enc <= 1, "vlmencode posted {from_enc} errors for one failure: {errors:?}");
+}

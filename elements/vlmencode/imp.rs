@@ -254,7 +254,8 @@ impl VlmEncode {
     fn enqueue(&self, item: Item, encode: bool) -> Result<gst::FlowSuccess, gst::FlowError> {
         let max_pending = self.settings.lock().max_pending as usize;
         let mut q = self.queue.lock();
-        while !q.flushing && (q.items.len() >= MAX_QUEUED || (encode && q.pending >= max_pending)) {
+        // Wait for room, unless the task has stopped (flush or a flow error): then nobody drains.
+        while !q.flushing && q.flow.is_none() && (q.items.len() >= MAX_QUEUED || (encode && q.pending >= max_pending)) {
             self.changed.wait(&mut q);
         }
         if q.flushing {
@@ -370,6 +371,9 @@ impl VlmEncode {
                 self.changed.wait(&mut q);
             }
         };
+        // Errors of our own (encoding) are posted where they happen; a failed push is posted
+        // here, once.
+        let mut posted = false;
         let result = match item {
             Item::Event(event) => {
                 let eos = event.type_() == gst::EventType::Eos;
@@ -386,13 +390,22 @@ impl VlmEncode {
                 q.pending = q.pending.saturating_sub(1);
                 self.changed.notify_all();
                 drop(q);
+                posted = encoded.is_err();
                 encoded.and_then(|()| self.srcpad.push(buffer))
             }
         };
         if let Err(e) = result {
             gst::debug!(CAT, imp = self, "task paused: {e:?}");
             if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
-                gst::element_imp_error!(self, gst::StreamError::Failed, ["streaming stopped, reason {:?}", e]);
+                if !posted {
+                    gst::element_imp_error!(
+                        self,
+                        gst::StreamError::Failed,
+                        ("Internal data stream error."),
+                        ["streaming stopped, reason {:?}", e],
+                        details: gst::Structure::builder("details").field("flow-return", gst::FlowReturn::from(e)).build()
+                    );
+                }
                 self.srcpad.push_event(gst::event::Eos::new());
             }
             self.queue.lock().flow = Some(e);
