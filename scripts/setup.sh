@@ -14,7 +14,7 @@ sudo_() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 # 1. Debian packages -------------------------------------------------------------------------
 packages=(
   libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-plugins-base
-  gstreamer1.0-plugins-good gstreamer1.0-tools
+  gstreamer1.0-plugins-good gstreamer1.0-tools gstreamer1.0-x
   cmake clang libclang-dev pkg-config glslc spirv-headers libvulkan-dev mesa-vulkan-drivers
   python3-venv meson ninja-build unzip
 )

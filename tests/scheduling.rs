@@ -137,3 +137,38 @@ fn answers_come_out_as_text_lines_or_json_objects() {
         assert!(o["text"].is_string() && o["engine"] == "cpu" && o["path"] == "resident", "{o}");
     }
 }
+
+#[test]
+fn video_leaves_vlmquery_and_textoverlay_draws_answers_with_its_defaults() {
+    // No tee, textoverlay's default wait-text=true: the text pad's GAP events keep the video
+    // moving, the answers arrive timestamped where they completed, with a display duration.
+    let pipeline = launch(&format!(
+        "{SOURCE} ! vlmquery name=q max-tokens=6 answer-duration=500000000 \
+         q.video_src ! queue ! o.video_sink q.src ! queue ! o.text_sink \
+         textoverlay name=o ! fakesink name=out sync=false"
+    ));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let frames = Arc::new(Mutex::new(0u32));
+    let f2 = Arc::clone(&frames);
+    bin.by_name("out").unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        *f2.lock().unwrap() += 1;
+        gst::PadProbeReturn::Ok
+    });
+    let texts = Arc::new(Mutex::new(vec![]));
+    let t2 = Arc::clone(&texts);
+    bin.by_name("o").unwrap().static_pad("text_sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        if let Some(b) = info.buffer() {
+            t2.lock().unwrap().push((b.pts(), b.duration()));
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let (run, ids) = run_asking(&pipeline, |n| if n == 3 { vec!["What is it?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(ids.lock().unwrap()[0].is_some());
+    assert_eq!(*frames.lock().unwrap(), 60, "every video frame went through textoverlay");
+    let texts = texts.lock().unwrap();
+    assert_eq!(texts.len(), 1, "one answer buffer");
+    let (pts, duration) = texts[0];
+    assert_eq!(duration, Some(gst::ClockTime::from_mseconds(500)));
+    assert!(pts.is_some_and(|p| p >= gst::ClockTime::from_mseconds(750)), "shown from where it completed: {pts:?}");
+}

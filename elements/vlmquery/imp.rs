@@ -109,6 +109,9 @@ struct Video {
     frames: VecDeque<(Option<gst::ClockTime>, Option<gst::ClockTime>, u64)>,
     /// Running time of the newest video buffer, registered or not.
     running_time: Option<gst::ClockTime>,
+    /// Timestamp (in the video segment) of the newest video buffer, and where it ends.
+    pts: Option<gst::ClockTime>,
+    end: Option<gst::ClockTime>,
     segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     eos: bool,
 }
@@ -142,6 +145,9 @@ struct Shared {
     src_started: bool,
     /// The last flow return of the source pad: errors travel upstream from the sink pads.
     srcresult: Option<gst::FlowError>,
+    /// How far the text pad has told downstream about (answers and GAP events), in the video
+    /// segment's time.
+    text_position: Option<gst::ClockTime>,
     next_id: u64,
     /// Ids of the most recent accepted questions: an id is answered once.
     recent_ids: VecDeque<String>,
@@ -151,6 +157,8 @@ pub struct VlmQuery {
     sinkpad: gst::Pad,
     querypad: gst::Pad,
     srcpad: gst::Pad,
+    /// The video, passed through unchanged (for textoverlay and display, no tee needed).
+    video_srcpad: gst::Pad,
     settings: Mutex<Settings>,
     shared: Mutex<Shared>,
     changed: Condvar,
@@ -369,9 +377,29 @@ impl VlmQuery {
         if rt.is_some() {
             shared.video.running_time = rt;
         }
+        if let Some(pts) = buffer.pts() {
+            shared.video.pts = Some(pts);
+            shared.video.end = Some(pts + buffer.duration().unwrap_or(gst::ClockTime::ZERO));
+        }
+        // The text pad's task sends a GAP up to this frame before it goes on, so an overlay
+        // that waits for text at this frame's time is never stuck.
         self.changed.notify_all();
         drop(shared);
-        self.flow()
+        let video =
+            if self.video_srcpad.is_linked() { self.video_srcpad.push(buffer) } else { Ok(gst::FlowSuccess::Ok) };
+        self.flow().and(video)
+    }
+
+    /// Caps and allocation queries of the video go on through `video_src`.
+    fn sink_query(&self, pad: &gst::Pad, query: &mut gst::QueryRef) -> bool {
+        match query.view() {
+            gst::QueryView::Caps(_) | gst::QueryView::AcceptCaps(_) | gst::QueryView::Allocation(_)
+                if self.video_srcpad.is_linked() =>
+            {
+                self.video_srcpad.peer_query(query)
+            }
+            _ => gst::Pad::query_default(pad, Some(&*self.obj()), query),
+        }
     }
 
     fn sink_event(&self, event: gst::Event) -> bool {
@@ -408,6 +436,7 @@ impl VlmQuery {
         match event.view() {
             EventView::Segment(s) => {
                 self.shared.lock().video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
+                self.video_srcpad.push_event(event);
                 true
             }
             EventView::Eos(_) => {
@@ -415,17 +444,25 @@ impl VlmQuery {
                 shared.video.eos = true;
                 self.maybe_finish(&mut shared);
                 self.changed.notify_all();
+                drop(shared);
+                self.video_srcpad.push_event(event);
                 true
             }
             EventView::FlushStart(_) => {
                 self.flush_start("flush");
+                self.video_srcpad.push_event(event.clone());
                 self.srcpad.push_event(event)
             }
             EventView::FlushStop(_) => {
                 self.flush_stop();
+                self.video_srcpad.push_event(event.clone());
                 self.srcpad.push_event(event)
             }
-            EventView::Caps(_) | EventView::StreamStart(_) | EventView::Tag(_) | EventView::Gap(_) => true,
+            // The video's own events go on with it; the text pad makes its own.
+            _ if event.is_serialized() || event.is_sticky() => {
+                self.video_srcpad.push_event(event);
+                true
+            }
             _ => gst::Pad::event_default(&self.sinkpad, Some(&*self.obj()), event),
         }
     }
@@ -557,7 +594,12 @@ impl VlmQuery {
     /// One iteration of the source pad's task: push the oldest question's answer once it has
     /// one (answers go out in question order), or EOS after the last one.
     fn task_iteration(&self) {
-        let pending = {
+        enum Next {
+            Answer(Arc<Pending>, Option<gst::ClockTime>),
+            Gap(gst::ClockTime, gst::ClockTime),
+            Eos,
+        }
+        let next = {
             let mut shared = self.shared.lock();
             loop {
                 if shared.flushing {
@@ -566,16 +608,41 @@ impl VlmQuery {
                     return;
                 }
                 match shared.pending.front() {
-                    Some(p) if p.outcome.lock().is_some() => break shared.pending.pop_front(),
-                    None if shared.eos => break None,
+                    // An answer is shown from the newest frame on, when it completed.
+                    Some(p) if p.outcome.lock().is_some() => {
+                        let p = shared.pending.pop_front().expect("front");
+                        let at = shared.video.pts.or(p.job.pts);
+                        if let Some(at) = at {
+                            let end = at + gst::ClockTime::from_nseconds(self.settings.lock().answer_duration);
+                            shared.text_position = shared.text_position.max(Some(end));
+                        }
+                        break Next::Answer(p, at);
+                    }
+                    None if shared.eos => break Next::Eos,
                     _ => (),
+                }
+                // Nothing to say up to the newest frame: tell downstream, so it never waits.
+                if let Some(end) = shared.video.end
+                    && shared.text_position.is_none_or(|t| t < end)
+                {
+                    let start = shared.text_position.unwrap_or(shared.video.pts.unwrap_or(end));
+                    shared.text_position = Some(end);
+                    break Next::Gap(start, end - start);
                 }
                 self.changed.wait(&mut shared);
             }
         };
         self.changed.notify_all();
         self.ensure_src_started();
-        let Some(p) = pending else {
+        let pending = match next {
+            Next::Gap(start, duration) => {
+                self.srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
+                return;
+            }
+            Next::Answer(p, at) => Some((p, at)),
+            Next::Eos => None,
+        };
+        let Some((p, at)) = pending else {
             gst::debug!(CAT, imp = self, "all questions answered, EOS");
             self.srcpad.push_event(gst::event::Eos::new());
             let _ = self.srcpad.pause_task();
@@ -599,7 +666,7 @@ impl VlmQuery {
         let mut buffer = gst::Buffer::from_mut_slice(line.into_bytes());
         {
             let buffer = buffer.get_mut().unwrap();
-            buffer.set_pts(p.job.pts);
+            buffer.set_pts(at);
             buffer.set_duration(gst::ClockTime::from_nseconds(duration));
         }
         let result = self.srcpad.push(buffer);
@@ -732,6 +799,9 @@ impl ObjectSubclass for VlmQuery {
             .event_function(|_, parent, event| {
                 VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sink_event(event))
             })
+            .query_function(|pad, parent, query| {
+                VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sink_query(pad, query))
+            })
             .build();
         let querypad = gst::Pad::builder_from_template(&klass.pad_template("query").unwrap())
             .chain_function(|_, parent, buffer| {
@@ -742,10 +812,19 @@ impl ObjectSubclass for VlmQuery {
             })
             .build();
         let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap()).build();
+        let video_srcpad = gst::Pad::builder_from_template(&klass.pad_template("video_src").unwrap())
+            .event_function(|_, parent, event| {
+                VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sinkpad.push_event(event))
+            })
+            .query_function(|_, parent, query| {
+                VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sinkpad.peer_query(query))
+            })
+            .build();
         VlmQuery {
             sinkpad,
             querypad,
             srcpad,
+            video_srcpad,
             settings: Mutex::new(Settings::default()),
             shared: Mutex::new(Shared::default()),
             changed: Condvar::new(),
@@ -761,6 +840,7 @@ impl ObjectImpl for VlmQuery {
         obj.add_pad(&self.sinkpad).unwrap();
         obj.add_pad(&self.querypad).unwrap();
         obj.add_pad(&self.srcpad).unwrap();
+        obj.add_pad(&self.video_srcpad).unwrap();
     }
 
     fn properties() -> &'static [glib::ParamSpec] {
@@ -959,6 +1039,7 @@ impl ElementImpl for VlmQuery {
                 gst::PadTemplate::new("sink", gst::PadDirection::Sink, gst::PadPresence::Always, &video).unwrap(),
                 gst::PadTemplate::new("query", gst::PadDirection::Sink, gst::PadPresence::Always, &questions).unwrap(),
                 gst::PadTemplate::new("src", gst::PadDirection::Src, gst::PadPresence::Always, &text).unwrap(),
+                gst::PadTemplate::new("video_src", gst::PadDirection::Src, gst::PadPresence::Always, &video).unwrap(),
             ]
         });
         TEMPLATES.as_ref()
