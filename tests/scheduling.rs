@@ -172,3 +172,16 @@ fn video_leaves_vlmquery_and_textoverlay_draws_answers_with_its_defaults() {
     assert_eq!(duration, Some(gst::ClockTime::from_mseconds(500)));
     assert!(pts.is_some_and(|p| p >= gst::ClockTime::from_mseconds(750)), "shown from where it completed: {pts:?}");
 }
+
+#[test]
+fn periodic_captions_ask_the_prompt_at_the_interval() {
+    // 8 frames 250 ms apart, a caption every 500 ms of running time: frames 1, 3, 5, 7.
+    let run = run(&launch(&format!(
+        "{SOURCE} ! vlmquery name=q max-tokens=4 caption-prompt=\"Describe the scene.\" caption-interval=500000000 \
+         ! fakesink sync=false"
+    )));
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let frames: Vec<u64> = run.answers.iter().map(|a| a.get::<u64>("frames").unwrap()).collect();
+    assert_eq!(frames, [1, 3, 5, 7], "{:?}", run.answers);
+    assert!(run.answers.iter().all(|a| a.get::<String>("question").unwrap() == "Describe the scene."));
+}

@@ -32,6 +32,7 @@ pub enum CommitAnswers {
 }
 const DEFAULT_MAX_QUESTIONS: u32 = 16;
 const DEFAULT_ANSWER_DURATION: u64 = 5_000_000_000;
+const DEFAULT_CAPTION_INTERVAL: u64 = 10_000_000_000;
 
 /// What the text pad carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
@@ -52,6 +53,8 @@ struct Settings {
     exact_tokens: bool,
     output_format: OutputFormat,
     answer_duration: u64,
+    caption_prompt: String,
+    caption_interval: u64,
     max_questions: u32,
     commit_answers: CommitAnswers,
     sampling: Sampling,
@@ -65,6 +68,8 @@ impl Default for Settings {
             exact_tokens: false,
             output_format: OutputFormat::Text,
             answer_duration: DEFAULT_ANSWER_DURATION,
+            caption_prompt: String::new(),
+            caption_interval: DEFAULT_CAPTION_INTERVAL,
             max_questions: DEFAULT_MAX_QUESTIONS,
             commit_answers: CommitAnswers::None,
             sampling: Sampling::default(),
@@ -114,6 +119,8 @@ struct Video {
     end: Option<gst::ClockTime>,
     segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     eos: bool,
+    /// Running time of the frame the last periodic caption was asked at.
+    last_caption: Option<gst::ClockTime>,
 }
 
 impl Video {
@@ -373,6 +380,7 @@ impl VlmQuery {
                 shared.video.frames.pop_front();
             }
             shared.video.frames.push_back((rt, buffer.pts(), number));
+            self.maybe_caption(&mut shared, rt, buffer.pts(), number);
         }
         if rt.is_some() {
             shared.video.running_time = rt;
@@ -388,6 +396,35 @@ impl VlmQuery {
         let video =
             if self.video_srcpad.is_linked() { self.video_srcpad.push(buffer) } else { Ok(gst::FlowSuccess::Ok) };
         self.flow().and(video)
+    }
+
+    /// Ask `caption-prompt` about frame `number` when `caption-interval` has passed since the
+    /// last caption (periodic captions, no question needed). A caption that finds the queue
+    /// full is skipped, not waited for.
+    fn maybe_caption(
+        &self,
+        shared: &mut parking_lot::MutexGuard<'_, Shared>,
+        rt: Option<gst::ClockTime>,
+        pts: Option<gst::ClockTime>,
+        number: u64,
+    ) {
+        let (prompt, interval) = {
+            let s = self.settings.lock();
+            (s.caption_prompt.clone(), gst::ClockTime::from_nseconds(s.caption_interval))
+        };
+        let due = match (rt, shared.video.last_caption) {
+            (Some(rt), Some(last)) => rt >= last + interval || rt < last,
+            _ => true,
+        };
+        if prompt.trim().is_empty() || !due {
+            return;
+        }
+        shared.video.last_caption = rt;
+        let question = self.question(&prompt, None, None, shared);
+        let stream = shared.video.stream.clone();
+        if self.accept(shared, Job { question, stream, frames: number, pts }, false).is_err() {
+            gst::debug!(CAT, imp = self, "caption at frame {number} skipped: the question queue is full");
+        }
     }
 
     /// Caps and allocation queries of the video go on through `video_src`.
@@ -878,6 +915,17 @@ impl ObjectImpl for VlmQuery {
                     .default_value(DEFAULT_ANSWER_DURATION)
                     .mutable_playing()
                     .build(),
+                glib::ParamSpecString::builder("caption-prompt")
+                    .nick("Caption prompt")
+                    .blurb("Asked automatically about the newest frame every caption-interval (periodic captions, same outputs as questions); empty = off")
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecUInt64::builder("caption-interval")
+                    .nick("Caption interval")
+                    .blurb("Running time (ns) between periodic captions; 0 = at every frame that joins the history")
+                    .default_value(DEFAULT_CAPTION_INTERVAL)
+                    .mutable_playing()
+                    .build(),
                 glib::ParamSpecUInt::builder("max-questions")
                     .nick("Max questions")
                     .blurb("Questions pending (being answered or waiting to be pushed) before the query pad and question events block and ask is refused")
@@ -964,6 +1012,8 @@ impl ObjectImpl for VlmQuery {
             "exact-tokens" => s.exact_tokens = value.get().unwrap(),
             "output-format" => s.output_format = value.get().unwrap(),
             "answer-duration" => s.answer_duration = value.get().unwrap(),
+            "caption-prompt" => s.caption_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
+            "caption-interval" => s.caption_interval = value.get().unwrap(),
             "max-questions" => s.max_questions = value.get().unwrap(),
             "commit-answers" => s.commit_answers = value.get().unwrap(),
             "temp" => s.sampling.temperature = value.get().unwrap(),
@@ -983,6 +1033,8 @@ impl ObjectImpl for VlmQuery {
             "exact-tokens" => s.exact_tokens.to_value(),
             "output-format" => s.output_format.to_value(),
             "answer-duration" => s.answer_duration.to_value(),
+            "caption-prompt" => s.caption_prompt.to_value(),
+            "caption-interval" => s.caption_interval.to_value(),
             "max-questions" => s.max_questions.to_value(),
             "commit-answers" => s.commit_answers.to_value(),
             "temp" => s.sampling.temperature.to_value(),
