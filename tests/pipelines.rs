@@ -128,10 +128,15 @@ fn retain_false_gives_the_same_answers_by_replay() {
     assert_eq!(strip(retained), strip(replayed));
 }
 
+/// The first error's message (not its debug text: the message itself must name the cause).
 fn error_of(description: &str) -> String {
     let run = run(&launch(description));
     assert!(!run.errors.is_empty(), "{description} must fail");
-    run.errors.join("\n")
+    let first = run.errors.iter().find(|e| !e.starts_with("state change")).expect("an error message on the bus");
+    // run() writes "{message} ({debug:?})".
+    let message =
+        first.rsplit_once(" (Some(").or_else(|| first.rsplit_once(" (None)")).map_or(first.as_str(), |(m, _)| m);
+    message.to_owned()
 }
 
 #[test]

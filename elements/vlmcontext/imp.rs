@@ -306,12 +306,20 @@ impl VlmContext {
 
     fn start(&self) -> Result<(), gst::ErrorMessage> {
         let s = self.settings.lock().clone();
-        let fail = |e: Error| match e {
-            Error::File { .. } | Error::Config(_) => {
-                gst::error_msg!(gst::ResourceError::OpenRead, ["vlmcontext: {}", e])
+        // The message names the cause (the file, the property); the debug text the details.
+        let fail = |e: Error| {
+            self.progress(gst::ProgressType::Error, &format!("loading {} failed", s.model));
+            match e {
+                Error::File { .. } => {
+                    gst::error_msg!(gst::ResourceError::OpenRead, ("{}", e), ["vlmcontext model={}", s.model])
+                }
+                Error::Config(_) => {
+                    gst::error_msg!(gst::ResourceError::Settings, ("{}", e), ["vlmcontext engines={}", s.engines])
+                }
+                e => gst::error_msg!(gst::ResourceError::Failed, ("{}", e), ["vlmcontext model={}", s.model]),
             }
-            e => gst::error_msg!(gst::ResourceError::Failed, ["vlmcontext: {}", e]),
         };
+        self.progress(gst::ProgressType::Start, &format!("loading {} ({} engines)", s.model, s.engines));
         let base = EngineConfig {
             threads: s.threads as i32,
             context_per_sequence: s.context_size,
@@ -337,7 +345,7 @@ impl VlmContext {
             engines.push(engine);
         }
         let prompt = Prompt::new(engines[0].model(), &s.system_prompt)
-            .map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ["vlmcontext: {}", e]))?;
+            .map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ("{}", e), ["vlmcontext model={}", s.model]))?;
         let mut cache = self.prefix_cache.lock();
         let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
         if cache.as_ref().is_none_or(|c| c.limits() != limits) {
@@ -345,7 +353,14 @@ impl VlmContext {
         }
         drop(cache);
         *self.state.lock() = State { engines, prompt: Some(Arc::new(prompt)) };
+        self.progress(gst::ProgressType::Complete, &format!("{} loaded", s.model));
         Ok(())
+    }
+
+    /// A `Progress` message about model loading (it runs inside READY→PAUSED).
+    fn progress(&self, kind: gst::ProgressType, text: &str) {
+        let msg = gst::message::Progress::builder(kind, "load-model", text).src(&*self.obj()).build();
+        let _ = self.obj().post_message(msg);
     }
 
     fn stop(&self) {

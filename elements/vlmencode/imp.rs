@@ -183,7 +183,14 @@ impl VlmEncode {
         } else {
             settings.model.clone()
         };
-        let fail = |e: vlm_runtime::Error| gst::error_msg!(gst::ResourceError::OpenRead, ["{}", e]);
+        // The message names the cause (the file); the debug text the element's settings.
+        let fail = |e: vlm_runtime::Error| {
+            gst::error_msg!(
+                gst::ResourceError::OpenRead,
+                ("{}", e),
+                ["vlmencode mmproj={} model={} backend={:?}", settings.mmproj, model_path, settings.backend]
+            )
+        };
         let model = models::model(&PathBuf::from(&model_path), &Device::Cpu).map_err(fail)?;
         let backend = match settings.backend {
             Backend::Auto => EncoderBackend::Auto,
@@ -461,7 +468,7 @@ impl VlmEncode {
         let (file, what) =
             if s.backend == Backend::Rknn { (&s.rknn_model, "rknn-model") } else { (&s.mmproj, "mmproj") };
         vlm_runtime::llama::check_readable(&PathBuf::from(file), what)
-            .map_err(|e| gst::error_msg!(gst::ResourceError::OpenRead, ["vlmencode: {}", e]))?;
+            .map_err(|e| gst::error_msg!(gst::ResourceError::OpenRead, ("{}", e), ["vlmencode {what}={file}"]))?;
         *self.state.lock() = State::default();
         *self.stats.lock() = Stats::default();
         *self.queue.lock() = Queue::default();
