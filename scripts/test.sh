@@ -9,3 +9,8 @@ scripts/setup.sh
 cargo test --workspace "$@"
 # The NPU (RKNN) glue, against the stand-in librknnrt built from runtime/rknn-standin (no NPU here).
 VLM_RKNN_STANDIN=1 cargo test -p vlm-runtime --features rknn --test rknn "$@"
+# The example applications (Rust, and Python through Debian's PyGObject) against the built plugin.
+cargo build -q -p gst-plugin-vlm
+cargo run -q -p gst-plugin-vlm --example ask
+target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+GST_PLUGIN_PATH="$target_dir/debug" /usr/bin/python3 examples/ask.py
