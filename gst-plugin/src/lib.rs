@@ -15,6 +15,7 @@ gst::plugin_define!(
     "MPL-2.0",
     env!("CARGO_PKG_NAME"),
     env!("CARGO_PKG_NAME"),
-    env!("CARGO_PKG_REPOSITORY"),
+    // No public repository yet: the origin says so rather than naming an invented URL.
+    "Unknown package origin",
     env!("BUILD_REL_DATE")
 );
