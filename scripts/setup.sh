@@ -16,7 +16,7 @@ packages=(
   libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-plugins-base
   gstreamer1.0-plugins-good gstreamer1.0-tools gstreamer1.0-x
   cmake clang libclang-dev pkg-config glslc spirv-headers libvulkan-dev mesa-vulkan-drivers
-  python3-venv meson ninja-build unzip python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
+  python3-venv meson ninja-build unzip fonts-dejavu-core python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
 )
 missing=()
 for p in "${packages[@]}"; do

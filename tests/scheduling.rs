@@ -185,3 +185,58 @@ fn periodic_captions_ask_the_prompt_at_the_interval() {
     assert_eq!(frames, [1, 3, 5, 7], "{:?}", run.answers);
     assert!(run.answers.iter().all(|a| a.get::<String>("question").unwrap() == "Describe the scene."));
 }
+
+#[test]
+fn textoverlay_draws_the_answer_on_the_frames_of_its_display_duration() {
+    // Black frames: any light pixel on a frame is drawn text. The answer must be drawn on the
+    // frames of [its timestamp, + answer-duration) and on no frame before it. The frames are
+    // also written as PNGs; VLM_OVERLAY_PNG=path keeps one with the answer on it (the README's).
+    let dir = std::env::temp_dir().join(format!("vlm-overlay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let pipeline = launch(&format!(
+        "videotestsrc pattern=black num-buffers=40 ! video/x-raw,width=320,height=240,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=500000000 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q max-tokens=8 answer-duration=1000000000 \
+         q.video_src ! textoverlay name=o font-desc=\"Sans 12\" ! videoconvert ! video/x-raw,format=RGB ! tee name=t \
+         t. ! queue ! appsink name=frames sync=false t. ! queue ! pngenc ! multifilesink location={}/frame-%03d.png \
+         q.src ! o.text_sink",
+        dir.display()
+    ));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let drawn = Arc::new(Mutex::new(vec![]));
+    let d2 = Arc::clone(&drawn);
+    let appsink = bin.by_name("frames").unwrap();
+    appsink.set_property("emit-signals", true);
+    appsink.connect("new-sample", false, move |args| {
+        let sink = args[0].get::<gst::Element>().unwrap();
+        let sample = sink.emit_by_name::<gst::Sample>("pull-sample", &[]);
+        let buffer = sample.buffer().unwrap();
+        let map = buffer.map_readable().unwrap();
+        let light = map.chunks(3).filter(|p| p.iter().any(|&c| c > 128)).count();
+        d2.lock().unwrap().push((buffer.pts().unwrap(), light));
+        Some(gst::FlowReturn::Ok.to_value())
+    });
+    let shown = Arc::new(Mutex::new(None));
+    let s2 = Arc::clone(&shown);
+    bin.by_name("o").unwrap().static_pad("text_sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        if let Some(b) = info.buffer() {
+            *s2.lock().unwrap() = Some((b.pts().unwrap(), b.duration().unwrap()));
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let (run, _) = run_asking(&pipeline, |n| if n == 2 { vec!["What is it?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let (at, duration) = shown.lock().unwrap().expect("an answer buffer reached textoverlay");
+    let drawn = drawn.lock().unwrap();
+    assert_eq!(drawn.len(), 40);
+    let (before, during): (Vec<_>, Vec<_>) =
+        drawn.iter().filter(|(pts, _)| *pts < at + duration).partition(|(pts, _)| *pts < at);
+    assert!(before.iter().all(|(_, light)| *light == 0), "text before the answer: {before:?}");
+    assert!(!during.is_empty() && during.iter().all(|(_, light)| *light > 100), "answer not drawn: {during:?}");
+    if let Some(keep) = std::env::var_os("VLM_OVERLAY_PNG") {
+        let index = drawn.iter().position(|(pts, _)| *pts >= at).unwrap();
+        std::fs::copy(dir.join(format!("frame-{index:03}.png")), keep).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

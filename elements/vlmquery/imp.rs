@@ -645,10 +645,11 @@ impl VlmQuery {
                     return;
                 }
                 match shared.pending.front() {
-                    // An answer is shown from the newest frame on, when it completed.
+                    // An answer is shown from where the video is when it completed: the end of
+                    // the newest frame (the next frame is the first that can show it).
                     Some(p) if p.outcome.lock().is_some() => {
                         let p = shared.pending.pop_front().expect("front");
-                        let at = shared.video.pts.or(p.job.pts);
+                        let at = shared.video.end.or(p.job.pts);
                         if let Some(at) = at {
                             let end = at + gst::ClockTime::from_nseconds(self.settings.lock().answer_duration);
                             shared.text_position = shared.text_position.max(Some(end));
