@@ -14,3 +14,10 @@ cargo build -q -p gst-plugin-vlm
 cargo run -q -p gst-plugin-vlm --example ask
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 GST_PLUGIN_PATH="$target_dir/debug" /usr/bin/python3 examples/ask.py
+# meson drives cargo and installs the plugin where GStreamer finds it under its prefix.
+prefix=$(mktemp -d)
+meson setup --prefix="$prefix" --libdir=lib "$prefix/build" >/dev/null
+meson install -C "$prefix/build" >/dev/null
+GST_PLUGIN_PATH="$prefix/lib/gstreamer-1.0" gst-inspect-1.0 vlm | grep -q "vlmquery"
+rm -rf "$prefix"
+echo "[test] meson install: gst-inspect-1.0 finds the plugin under its prefix"
