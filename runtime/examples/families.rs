@@ -54,7 +54,7 @@ struct Args {
     #[arg(long, default_value_t = 8)]
     tokens: u32,
     /// Then fill a stream of an engine with this many KV cells per sequence until the history is
-    /// full, counting positions against cells (0: skip).
+    /// full (it must end in `HistoryFull`, never a failed prefill; 0: skip).
     #[arg(long, default_value_t = 256)]
     fill_cells: u32,
     /// Print every line llama.cpp / libmtmd log (default: warnings and errors).
@@ -274,9 +274,8 @@ fn run_family(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Register copies of `frame` into a stream of `cells` KV cells per sequence until the stream
-/// refuses one or a prefill fails. The stream plans its history in positions; an image takes
-/// `rows` cells but only `n_pos` positions (fewer for M-RoPE), so positions alone can promise
-/// more than the cells hold.
+/// refuses one or a prefill fails. An image takes `rows` cells but only `n_pos` positions (fewer
+/// for M-RoPE): the stream plans its history in cells, so it refuses with `HistoryFull`.
 fn fill(
     lm: &Path,
     prompt: &Arc<Prompt>,

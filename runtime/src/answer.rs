@@ -178,6 +178,7 @@ pub fn snapshot(version: &Version) -> Result<Arc<Snapshot>> {
     }
     let stream = Arc::clone(&version.stream);
     let (epoch, end, key, tag) = (version.epoch, version.end, version.key, stream.engine().compat_tag());
+    let cells = version.cells as usize;
     let engine = Arc::clone(stream.engine());
     engine.call(move |w| {
         if !stream.retain() || stream.resident_epoch() != epoch {
@@ -185,7 +186,7 @@ pub fn snapshot(version: &Version) -> Result<Arc<Snapshot>> {
         }
         let started = Instant::now();
         let bytes = w.ctx.seq_snapshot(stream.seq())?;
-        w.record(Stage::Export, end as usize, ms(started.elapsed()));
+        w.record(Stage::Export, cells, ms(started.elapsed()));
         Ok(Arc::new(Snapshot { key, tag, bytes, end }))
     })?
 }
@@ -202,7 +203,8 @@ pub fn answer_on(
     let resident = Arc::ptr_eq(engine, version.stream.engine());
     let rates = engine.rates();
     let suffix = version.stream.prompt().question_tokens(engine.model(), &question.text)?.len() as f64;
-    let history = version.end as f64;
+    // Moving the history costs per KV cell (token or embedding row), not per position.
+    let history = version.cells as f64;
     let start_ms = suffix * rates.prefill_ms_per_token
         + match path {
             PreparePath::Resident => 0.0,
@@ -240,6 +242,7 @@ pub fn answer_on(
             utf8: Utf8Stream::default(),
             limit: engine.n_ctx_per_seq() as i32,
             next_pos: 0,
+            next_cell: 0,
             started: None,
         }),
         start_ms,
@@ -276,9 +279,13 @@ struct Answer {
     /// Filled in by `start`; sent when the answer ends.
     report: Option<AnswerReport>,
     utf8: Utf8Stream,
+    /// KV cells of the answer's sequence.
     limit: i32,
     /// Position of the next token to decode.
     next_pos: i32,
+    /// KV cell the next token fills (history cells + suffix + tokens generated; ahead of
+    /// `next_pos` after M-RoPE images).
+    next_cell: i32,
     /// When `start` ran (preparation is measured from here to the first token).
     started: Option<Instant>,
 }
@@ -316,17 +323,19 @@ impl Answer {
         let prep = Instant::now();
         self.started = Some(prep);
         let suffix = stream.prompt().question_tokens(&self.model, &self.question.text)?;
-        if version.end + suffix.len() as i32 + 1 > self.limit {
+        if version.cells + suffix.len() as i32 + 1 > self.limit {
             return Err(Error::BadInput(format!(
-                "question of {} tokens does not fit after a history of {} positions",
+                "question of {} tokens does not fit after a history of {} KV cells (of {})",
                 suffix.len(),
-                version.end
+                version.cells,
+                self.limit
             )));
         }
         if suffix.is_empty() {
             return Err(Error::BadInput("the question has no tokens".into()));
         }
         self.next_pos = version.end + suffix.len() as i32;
+        self.next_cell = version.cells + suffix.len() as i32;
         let suffix = Entry::Text(suffix.into());
         let (path, entries) = match &self.preparation {
             Preparation::Branch if stream.resident_epoch() == version.epoch => {
@@ -336,7 +345,7 @@ impl Answer {
             Preparation::Import(snapshot) => {
                 w.ctx.seq_restore(branch, &snapshot.bytes)?;
                 w.ctx.seq_truncate(branch, version.end);
-                w.record(Stage::Import, version.end as usize, ms(prep.elapsed()));
+                w.record(Stage::Import, version.cells as usize, ms(prep.elapsed()));
                 (PreparePath::Import, vec![suffix])
             }
             // The baseline, a replay on another engine, or a version of an older epoch:
@@ -376,7 +385,7 @@ impl Answer {
 
     /// Sample the next token from `logits`, emit its text, and say what comes next.
     fn sample(&mut self, logits: &[f32]) -> Progress {
-        let pos = self.next_pos;
+        let (pos, cell) = (self.next_pos, self.next_cell);
         let report = self.report.as_mut().expect("prepared");
         if self.cancel.load(Ordering::Acquire) {
             report.cancelled = true;
@@ -404,13 +413,15 @@ impl Answer {
         }
         report.tokens += 1;
         report.token_ids.push(token);
-        let done = report.tokens >= self.question.max_tokens || pos >= self.limit;
+        // No cell left to decode this token into: it is the last one.
+        let done = report.tokens >= self.question.max_tokens || cell >= self.limit;
         let piece = self.utf8.push(&self.model.token_bytes(token));
         self.emit(piece);
         if done {
             return self.finish(Ok(()));
         }
         self.next_pos = pos + 1;
+        self.next_cell = cell + 1;
         Progress::Next { token, pos }
     }
 }

@@ -326,7 +326,11 @@ pub fn open_encoder(
         Ok(Arc::new(MtmdEncoder::new(crate::models::projector(mmproj, model, gpu, threads)?)))
     };
     let rknn = || match rknn_model {
-        Some(m) => open_rknn(m, model.n_embd()),
+        Some(m) => match model.plain_embeddings_refusal() {
+            // The NPU's rows are plain 1-D, causal embeddings: refuse the pairing up front.
+            Some(why) => Err(Error::Config(format!("cannot pair the NPU model {} with it: {why}", m.display()))),
+            None => open_rknn(m, model.n_embd()),
+        },
         None => Err(Error::Config("backend rknn needs an RKNN model (rknn-model)".into())),
     };
     let gpu = crate::llama::gpu_available;

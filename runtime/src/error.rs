@@ -16,9 +16,13 @@ pub enum Error {
     /// llama.cpp / libmtmd reported a failure.
     #[error("{0}")]
     Engine(String),
-    /// The stream's history has no room for another frame.
-    #[error("history full: {frames} frames fill the {cells} cells of the stream's sequence")]
-    HistoryFull { frames: u64, cells: u32 },
+    /// The stream's history has no room for another frame: `frames` frames fill `used` of the
+    /// sequence's `cells` KV cells (one per text token and embedding row; the rest is reserved
+    /// for a question and its answer).
+    #[error(
+        "history full: {frames} frames fill {used} of the {cells} KV cells of the stream's sequence (the rest is kept for answers)"
+    )]
+    HistoryFull { frames: u64, used: u32, cells: u32 },
     /// A stored state cannot be consumed by the target engine.
     #[error("incompatible snapshot: {0}")]
     Incompatible(String),

@@ -16,7 +16,9 @@ use crate::llama::Model;
 /// Special tokens a projector type's wrapper text needs in the language model's vocabulary.
 fn required_tokens(projector_type: &str) -> &'static [&'static str] {
     match projector_type {
-        "idefics3" => &["<fake_token_around_image>", "<global-img>"],
+        // libmtmd looks up "\n\n" as one token (`lookup_token`) before the overview image;
+        // without it a -1 token id ends up in the frame's text.
+        "idefics3" => &["\n\n", "<fake_token_around_image>", "<global-img>"],
         _ => &[],
     }
 }
@@ -40,7 +42,7 @@ pub fn check_projector(path: &Path, model: &Model) -> Result<()> {
     for token in required_tokens(&projector_type) {
         if !model.has_special_token(token) {
             return Err(bad(format!(
-                "projector type {projector_type} needs the token {token} that the language model {} does not have",
+                "projector type {projector_type} needs the token {token:?} that the language model {} does not have",
                 model.path().display()
             )));
         }

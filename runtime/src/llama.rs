@@ -384,6 +384,41 @@ impl Model {
         Err(Error::Config("chat template output kept growing".into()))
     }
 
+    /// A metadata string of the GGUF file (e.g. `general.architecture`).
+    pub fn meta_str(&self, key: &str) -> Option<String> {
+        let key = CString::new(key).ok()?;
+        let mut buf = vec![0u8; 256];
+        // SAFETY: valid model pointer; `key` is NUL-terminated; buf/len describe a writable
+        // buffer and llama.cpp writes at most len bytes including the NUL (snprintf), returning
+        // the full length or -1 when the key is missing.
+        let n = unsafe {
+            sys::llama_model_meta_val_str(self.ptr.as_ptr(), key.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        };
+        (n >= 0).then(|| String::from_utf8_lossy(&buf[..(n as usize).min(buf.len() - 1)]).into_owned())
+    }
+
+    /// Why plain image embeddings (rows on consecutive 1-D positions, decoded causally: what the
+    /// NPU encoder gives) cannot feed this model, if they cannot. M-RoPE models (Qwen2-VL,
+    /// Qwen2.5-VL) place an image on 2-D positions that only libmtmd computes, and llama.cpp
+    /// reads 4 positions per embedding row of such a model; Gemma 3 decodes an image
+    /// non-causally.
+    pub fn plain_embeddings_refusal(&self) -> Option<String> {
+        // SAFETY: valid model pointer.
+        let rope = unsafe { sys::llama_model_rope_type(self.ptr.as_ptr()) };
+        let name = self.path.display();
+        if rope == sys::LLAMA_ROPE_TYPE_MROPE || rope == sys::LLAMA_ROPE_TYPE_IMROPE {
+            return Some(format!(
+                "the language model {name} uses M-RoPE: embeddings from the NPU need 2-D M-RoPE positions that this build does not give; use backend=cpu|gpu"
+            ));
+        }
+        if self.meta_str("general.architecture").as_deref() == Some("gemma3") {
+            return Some(format!(
+                "the language model {name} (gemma3) decodes images non-causally: embeddings from the NPU are decoded causally on 1-D positions in this build; use backend=cpu|gpu"
+            ));
+        }
+        None
+    }
+
     /// What makes two loaded models the same model: part of every prefix key.
     pub fn identity(&self) -> String {
         let size = std::fs::metadata(&self.path).map_or(0, |m| m.len());
@@ -510,6 +545,9 @@ pub struct Context {
     model: Arc<Model>,
     n_batch: u32,
     n_ctx_per_seq: u32,
+    /// Set when batches of embedding rows (1-D positions, causal) must not reach this model
+    /// ([`Model::plain_embeddings_refusal`]).
+    plain_rows_refused: Option<String>,
 }
 
 // SAFETY: a llama_context may move between threads; it is only used through &mut self.
@@ -555,7 +593,8 @@ impl Context {
             .ok_or_else(|| Error::Engine("llama.cpp could not create a context (out of memory?)".into()))?;
         // SAFETY: valid context pointer.
         let n_ctx_per_seq = unsafe { sys::llama_n_ctx_seq(ptr.as_ptr()) };
-        Ok(Context { ptr, model, n_batch: p.n_batch, n_ctx_per_seq })
+        let plain_rows_refused = model.plain_embeddings_refusal();
+        Ok(Context { ptr, model, n_batch: p.n_batch, n_ctx_per_seq, plain_rows_refused })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -580,6 +619,13 @@ impl Context {
         }
         if batch.is_empty() {
             return Ok(());
+        }
+        if batch.width > 0
+            && let Some(why) = &self.plain_rows_refused
+        {
+            // Also a memory-safety guard: a Batch holds one position per entry, and llama.cpp
+            // would read four per embedding row of an M-RoPE model.
+            return Err(Error::BadInput(why.clone()));
         }
         // SAFETY: the batch's arrays are filled for its first n_tokens entries (Batch's
         // invariant); llama_decode only reads them. GPU backends compute asynchronously:
@@ -625,9 +671,19 @@ impl Context {
                 self.model.n_embd()
             )));
         }
-        let ImageSource::Mtmd { chunk, projector } = &image.source else {
+        let ImageSource::Mtmd { chunk, projector, non_causal } = &image.source else {
             return self.decode_rows(image, 0..image.rows, pos, seq).map(|()| pos + image.rows as i32);
         };
+        // libmtmd's helper cuts an image into batches of n_batch; a non-causal image (Gemma 3)
+        // must attend to all its rows at once, and would be cut silently.
+        if *non_causal && image.rows > self.n_batch as usize {
+            return Err(Error::BadInput(format!(
+                "a non-causal image of {} embedding rows does not fit in one batch of {} (the language model {} decodes images whole)",
+                image.rows,
+                self.n_batch,
+                self.model.path().display()
+            )));
+        }
         let ctx = projector.ctx.lock();
         let mut next = 0;
         // SAFETY: the chunk was produced by mtmd_input_chunk_save for this projector; `load`
@@ -808,8 +864,9 @@ pub struct ImageEmbeddings {
 /// Who produced image embeddings, which says how they are decoded.
 enum ImageSource {
     /// libmtmd: its chunk description (`mtmd_input_chunk_save`) and projector, so that
-    /// `mtmd_helper_decode_image_chunk` applies the projector's positions and attention rule.
-    Mtmd { chunk: Vec<u8>, projector: Arc<Projector> },
+    /// `mtmd_helper_decode_image_chunk` applies the projector's positions and attention rule
+    /// (`non_causal`: the rows attend to each other, so they are decoded in one batch).
+    Mtmd { chunk: Vec<u8>, projector: Arc<Projector>, non_causal: bool },
     /// Another encoder (the NPU): plain rows on 1-D positions, decoded causally.
     Plain,
 }
@@ -951,10 +1008,10 @@ impl Projector {
                             return Err(Error::Engine("mtmd_input_chunk_save failed".into()));
                         }
                         let n_pos = sys::mtmd_input_chunk_get_n_pos(c);
-                        let causal_rows = n_pos == rows as i32
-                            && !sys::mtmd_decode_use_mrope(ctx.0.as_ptr())
-                            && !sys::mtmd_decode_use_non_causal(ctx.0.as_ptr(), c);
-                        let source = ImageSource::Mtmd { chunk, projector: Arc::clone(self) };
+                        let non_causal = sys::mtmd_decode_use_non_causal(ctx.0.as_ptr(), c);
+                        let causal_rows =
+                            n_pos == rows as i32 && !sys::mtmd_decode_use_mrope(ctx.0.as_ptr()) && !non_causal;
+                        let source = ImageSource::Mtmd { chunk, projector: Arc::clone(self), non_causal };
                         segments.push(Segment::Image(ImageEmbeddings {
                             data,
                             rows,

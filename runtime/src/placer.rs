@@ -47,7 +47,9 @@ pub fn estimate(
 ) -> Vec<PathEstimate> {
     let stream = &version.stream;
     let resident = stream.engine();
-    let history = version.end as f64;
+    // Export, import and replay cost per KV cell of the history (tokens and embedding rows;
+    // more than its positions after M-RoPE images).
+    let history = version.cells as f64;
     let resident_usable = stream.retain() && stream.resident_epoch() == version.epoch;
     let export_ms = if snapshot_cached {
         0.0

@@ -3,7 +3,9 @@
 //! The `.rknn` model takes one uint8 NHWC picture of a fixed size and returns the projected
 //! embeddings, `[1, rows, width]` floats, `width` being the language model's input width. They
 //! are decoded as plain rows on 1-D positions (LLaVA-style projectors), so no libmtmd projector
-//! is needed. On machines without an NPU the tests link `rknn-standin/librknnrt.c` instead of
+//! is needed. A model that needs other positions or attention for an image (M-RoPE: Qwen2-VL;
+//! non-causal: Gemma 3) is refused when paired with the NPU ([`crate::encoder::open_encoder`])
+//! and when such rows reach it ([`crate::llama::Model::plain_embeddings_refusal`]). On machines without an NPU the tests link `rknn-standin/librknnrt.c` instead of
 //! the vendor's runtime: NPU execution itself is unverified on hardware.
 
 use std::path::Path;

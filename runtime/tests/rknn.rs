@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use common::*;
-use vlm_runtime::encoder::{Picture, PixelLayout, VisionEncoder};
+use vlm_runtime::encoder::{EncoderBackend, Picture, PixelLayout, VisionEncoder, open_encoder};
 use vlm_runtime::llama::Segment;
 use vlm_runtime::rknn::RknnEncoder;
-use vlm_runtime::{Error, PreparePath, answer};
+use vlm_runtime::{Device, Engine, EngineConfig, Error, PreparePath, answer, models};
 
 fn model_file(name: &str, text: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("gst-vlm-rknn-{}", std::process::id()));
@@ -67,4 +67,40 @@ fn a_bad_npu_model_is_an_error_not_a_crash() {
     let garbage = model_file("garbage.rknn", "not a model");
     assert!(matches!(RknnEncoder::new(&garbage, 576), Err(Error::File { .. })));
     assert!(matches!(RknnEncoder::new(std::path::Path::new("/nonexistent.rknn"), 576), Err(Error::File { .. })));
+}
+
+/// The NPU gives plain rows on 1-D positions; an M-RoPE model (Qwen2-VL) needs the 2-D
+/// positions libmtmd computes. The pairing is refused (`auto` falls back to libmtmd, saying
+/// why), and rows that reach the model anyway are refused before llama.cpp sees them.
+#[test]
+fn the_npu_encoder_is_refused_for_an_mrope_model() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let (lm, mmproj) = (dir.join("test-qwen2vl-lm.gguf"), dir.join("test-qwen2vl-mmproj.gguf"));
+    if !lm.is_file() || !mmproj.is_file() {
+        eprintln!("SKIPPED: the qwen2vl test pair is missing (run scripts/setup.sh)");
+        return;
+    }
+    let model = models::model(&lm, &Device::Cpu).unwrap();
+    let width = model.n_embd();
+    let npu = model_file("qwen.rknn", &format!("RKNN-STANDIN width=64 height=64 rows=16 dim={width} seed=7"));
+    let err = open_encoder(EncoderBackend::Rknn, &mmproj, Some(&npu), &model, 1).err().expect("refused");
+    let text = err.to_string();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    assert!(
+        text.contains("M-RoPE") && text.contains("use backend=cpu|gpu") && text.contains("test-qwen2vl-lm"),
+        "{text}"
+    );
+    let auto = open_encoder(EncoderBackend::Auto, &mmproj, Some(&npu), &model, 1).unwrap();
+    assert_ne!(auto.backend, "rknn");
+    assert!(auto.fallback.as_deref().is_some_and(|f| f.contains("M-RoPE")), "{:?}", auto.fallback);
+
+    // The encoder opened directly: its rows are refused where they meet the model.
+    let enc = RknnEncoder::new(&npu, width).unwrap();
+    let config = EngineConfig { name: "cpu".into(), threads: 1, context_per_sequence: 256, ..EngineConfig::default() };
+    let engine = Engine::start(&lm, config).unwrap();
+    let never = Arc::new(AtomicBool::new(false));
+    let stream = open(&engine, "npu-qwen", true);
+    stream.register(rknn_frame(&enc, 1), &never).unwrap();
+    let err = stream.wait_version(1, &never).err().expect("refused");
+    assert!(matches!(&err, Error::BadInput(m) if m.contains("M-RoPE")), "{err}");
 }

@@ -1,0 +1,536 @@
+//! Three VLM families end to end, with the generated test pairs of `scripts/make_test_family.py`
+//! (`models/test-<family>-{lm,mmproj}.gguf`, random weights, each family's real shapes and
+//! metadata): SmolVLM (`llama` + `idefics3`: a frame is several image chunks with text markers
+//! between them), Qwen2-VL (`qwen2vl` + `qwen2vl_merger`: M-RoPE, an image fills more KV cells
+//! than it advances positions) and Gemma 3 (`gemma3`: images decoded non-causally).
+//!
+//! For each family: frames encoded, ingested and published; the retained answer equal to a full
+//! re-prefill; a snapshot imported into another engine and a replay there equal to the resident
+//! answer; answers on branches unchanged while more frames arrive; and the positions and greedy
+//! tokens equal to libmtmd's own helper (`mtmd_helper_eval_chunks`, what llama.cpp's mtmd-cli
+//! runs) on the same prompt. A family whose pair is missing is skipped with a message (run
+//! `scripts/setup.sh`).
+
+mod common;
+
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+use std::ptr::{NonNull, null_mut};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use common::{picture, question};
+use llama_cpp_sys_2 as sys;
+use vlm_runtime::encoder::{FrameEncoder, MtmdEncoder, Picture, PixelLayout, VisionEncoder};
+use vlm_runtime::llama::{Context, ContextParams, ImageEmbeddings, Model, Segment, Token};
+use vlm_runtime::prefix::PrefixKey;
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::{
+    Device, Engine, EngineConfig, Error, Frame, HistoryPolicy, PreparePath, Stream, StreamConfig, answer, answer_on,
+    models,
+};
+
+const QUESTION: &str = "What do you see in the video?";
+const TOKENS: u32 = 8;
+
+/// The tests share two cores: one family at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The family's generated pair, or `None` (with a message) when a file is missing.
+fn pair(family: &str) -> Option<(PathBuf, PathBuf)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let (lm, mmproj) = (dir.join(format!("test-{family}-lm.gguf")), dir.join(format!("test-{family}-mmproj.gguf")));
+    for f in [&lm, &mmproj] {
+        if !f.is_file() {
+            eprintln!("SKIPPED {family}: {} is missing (run scripts/setup.sh)", f.display());
+            return None;
+        }
+    }
+    Some((lm, mmproj))
+}
+
+fn threads() -> i32 {
+    std::thread::available_parallelism().map_or(2, |n| n.get() as i32).min(2)
+}
+
+fn engine(lm: &Path, name: &str, cells: u32) -> Arc<Engine> {
+    let config = EngineConfig {
+        name: name.into(),
+        threads: threads(),
+        context_per_sequence: cells,
+        max_streams: 2,
+        max_branches: 2,
+        ..EngineConfig::default()
+    };
+    Engine::start(lm, config).expect("engine")
+}
+
+fn stream(resident: &Arc<Engine>, peers: &[&Arc<Engine>], name: &str, retain: bool, reserve: i32) -> Arc<Stream> {
+    stream_with(resident, peers, name, retain, reserve, HistoryPolicy::Stop)
+}
+
+fn stream_with(
+    resident: &Arc<Engine>,
+    peers: &[&Arc<Engine>],
+    name: &str,
+    retain: bool,
+    answer_reserve: i32,
+    history_policy: HistoryPolicy,
+) -> Arc<Stream> {
+    let prompt = Arc::new(Prompt::new(resident.model(), DEFAULT_SYSTEM_PROMPT).expect("prompt"));
+    let peers = peers.iter().map(|e| Arc::clone(e)).collect();
+    let config = StreamConfig { retain, answer_reserve, history_policy, peers, ..StreamConfig::new(name) };
+    Stream::open(resident, prompt, config).expect("stream")
+}
+
+fn encoder(lm: &Path, mmproj: &Path) -> (Arc<Model>, MtmdEncoder) {
+    let model = models::model(lm, &Device::Cpu).expect("model");
+    let projector = models::projector(mmproj, &model, false, threads()).expect("projector");
+    (model, MtmdEncoder::new(projector))
+}
+
+fn frame(enc: &MtmdEncoder, variant: u32) -> Arc<Frame> {
+    let rgb = picture(variant);
+    Arc::new(enc.encode(&Picture::packed(&rgb, 64, 48, 64 * 3, PixelLayout::Rgb)).expect("encode"))
+}
+
+fn images(frame: &Frame) -> Vec<&ImageEmbeddings> {
+    frame
+        .segments
+        .iter()
+        .filter_map(|s| match s {
+            Segment::Image(i) => Some(i),
+            Segment::Text(_) => None,
+        })
+        .collect()
+}
+
+fn never() -> Arc<AtomicBool> {
+    Arc::new(AtomicBool::new(false))
+}
+
+/// Every check of one family, in order.
+fn family_end_to_end(family: &str) {
+    let Some((lm, mmproj)) = pair(family) else { return };
+    let _serial = serial();
+    let started = std::time::Instant::now();
+    let (model, enc) = encoder(&lm, &mmproj);
+    let frames: Vec<Arc<Frame>> = (0..5).map(|v| frame(&enc, v)).collect();
+
+    // The family's shape, as libmtmd made it.
+    let first = &frames[0];
+    let imgs = images(first);
+    match family {
+        "idefics3" => assert!(imgs.len() > 1, "an idefics3 frame is several image chunks, got {}", imgs.len()),
+        "qwen2vl" => assert!(imgs.iter().all(|i| i.n_pos < i.rows as i32 && !i.causal_rows), "M-RoPE: n_pos < rows"),
+        "gemma3" => assert!(imgs.iter().all(|i| i.n_pos == i.rows as i32 && !i.causal_rows), "non-causal, whole"),
+        _ => unreachable!(),
+    }
+    assert!(first.cells() >= first.n_pos());
+
+    // Frames ingested and published on a retained stream and on the baseline (no retention).
+    let (a, b) = (engine(&lm, "a", 1024), engine(&lm, "b", 1024));
+    let s = stream(&a, &[&a, &b], family, true, 64);
+    let baseline = stream(&a, &[], &format!("{family}-baseline"), false, 64);
+    for f in &frames[..2] {
+        s.register(Arc::clone(f), &never()).unwrap();
+        baseline.register(Arc::clone(f), &never()).unwrap();
+    }
+    let v2 = s.wait_version(2, &never()).unwrap();
+    let prefix = Prompt::new(&model, DEFAULT_SYSTEM_PROMPT).unwrap().prefix;
+    assert_eq!((v2.number, v2.frames(), v2.history.len()), (2, 2, 2));
+    assert_eq!(v2.end, prefix.len() as i32 + frames[0].n_pos() + frames[1].n_pos());
+    assert_eq!(v2.cells, prefix.len() as i32 + frames[0].cells() + frames[1].cells());
+
+    // Positions: libmtmd's own helper on the same prompt, after 1 and 2 frames.
+    let reference = Reference::load(&lm, &mmproj);
+    let v1 = s.wait_version(1, &never()).unwrap();
+    for v in [&v1, &v2] {
+        let history = reference.history(&model, v.number as usize);
+        assert_eq!(v.end, history.n_pos(), "{family}: end after {} frames: runtime vs mtmd_helper_get_n_pos", v.number);
+    }
+
+    // A question: resident branch, and the full re-prefill of the baseline.
+    let q = question(QUESTION, TOKENS);
+    let resident = answer_on(&v2, &q, &a, PreparePath::Resident, &never(), |_| {}).unwrap();
+    let base = answer(&baseline.wait_version(2, &never()).unwrap(), &q, &never(), |_| {}).unwrap();
+    assert_eq!((resident.path, base.path), (PreparePath::Resident, PreparePath::Replay));
+    assert!(resident.tokens > 0, "{family}: no tokens");
+    assert_eq!(base.token_ids, resident.token_ids, "{family}: retained vs full re-prefill");
+
+    // libmtmd's helper over the whole prompt: the answer starts where the runtime's does and
+    // continues with the same greedy tokens.
+    let suffix = suffix_len(&model);
+    let (n_past, tokens) = reference.eval_and_generate(&model, 2, TOKENS);
+    assert_eq!(n_past, v2.end + suffix, "{family}: answer start: runtime vs mtmd_helper_eval_chunks");
+    assert_eq!(tokens, resident.token_ids, "{family}: greedy tokens: runtime vs mtmd_helper_eval_chunks");
+
+    // Another engine: a snapshot imported and continued, and a replay of the embeddings.
+    let imported = answer_on(&v2, &q, &b, PreparePath::Import, &never(), |_| {}).unwrap();
+    let replayed = answer_on(&v2, &q, &b, PreparePath::Replay, &never(), |_| {}).unwrap();
+    assert_eq!((imported.engine.as_str(), imported.path), ("b", PreparePath::Import));
+    assert_eq!((replayed.engine.as_str(), replayed.path), ("b", PreparePath::Replay));
+    assert_eq!(imported.token_ids, resident.token_ids, "{family}: imported snapshot");
+    assert_eq!(replayed.token_ids, resident.token_ids, "{family}: replay on another engine");
+
+    // Branches while more frames keep being registered.
+    let over_one = answer(&v1, &q, &never(), |_| {}).unwrap();
+    let arriving = {
+        let (s, more) = (Arc::clone(&s), frames[2..].to_vec());
+        std::thread::spawn(move || {
+            for f in more {
+                s.register(f, &AtomicBool::new(false)).unwrap();
+            }
+        })
+    };
+    let during = answer(&v2, &q, &never(), |_| {}).unwrap();
+    let during_one = answer(&v1, &q, &never(), |_| {}).unwrap();
+    arriving.join().unwrap();
+    let v5 = s.wait_version(5, &never()).unwrap();
+    assert_eq!(v5.end, reference.history(&model, 5).n_pos(), "{family}: end after 5 frames");
+    let after = answer(&v2, &q, &never(), |_| {}).unwrap();
+    // The stream's sequence now holds 5 frames: the snapshot is trimmed back to version 2.
+    let imported_after = answer_on(&v2, &q, &b, PreparePath::Import, &never(), |_| {}).unwrap();
+    for (what, r) in [("during", &during), ("after", &after), ("imported after", &imported_after)] {
+        assert_eq!(r.token_ids, resident.token_ids, "{family}: version 2 answered {what} more frames");
+    }
+    assert_eq!(during_one.token_ids, over_one.token_ids, "{family}: version 1 while frames arrived");
+    assert_eq!(answer(&v5, &q, &never(), |_| {}).unwrap().frames, 5);
+    eprintln!(
+        "{family}: frame {} segments, {} positions, {} cells; end after 2 frames {}; answer {:?}; {:.1} s",
+        first.segments.len(),
+        first.n_pos(),
+        first.cells(),
+        v2.end,
+        resident.text,
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// Tokens a question adds after a version's history, before its answer.
+fn suffix_len(model: &Model) -> i32 {
+    let prompt = Prompt::new(model, DEFAULT_SYSTEM_PROMPT).unwrap();
+    prompt.question_tokens(model, QUESTION).unwrap().len() as i32
+}
+
+#[test]
+fn idefics3_end_to_end() {
+    family_end_to_end("idefics3");
+}
+
+#[test]
+fn qwen2vl_end_to_end() {
+    family_end_to_end("qwen2vl");
+}
+
+#[test]
+fn gemma3_end_to_end() {
+    family_end_to_end("gemma3");
+}
+
+#[test]
+fn an_idefics3_frame_of_several_chunks_is_one_frame_in_the_history() {
+    let Some((lm, mmproj)) = pair("idefics3") else { return };
+    let _serial = serial();
+    let (model, enc) = encoder(&lm, &mmproj);
+    let cache = FrameEncoder::new(Arc::new(enc), 8, 64 << 20);
+    let encode = |rgb: &[u8]| cache.encode(&Picture::packed(rgb, 64, 48, 64 * 3, PixelLayout::Rgb)).unwrap();
+    let (f, hit) = encode(&picture(0));
+    let (again, hit_again) = encode(&picture(0));
+    assert!(!hit && hit_again);
+    assert!(Arc::ptr_eq(&f, &again), "a repeated picture is the same cached frame, all its chunks");
+    let chunks = images(&f).len();
+    assert!(chunks > 1, "{chunks} image chunks");
+    let stats = cache.cache_stats();
+    assert_eq!((stats.entries, stats.hits), (1, 1), "one embedding-cache entry for {chunks} chunks");
+    let (other, _) = encode(&picture(1));
+    assert_ne!(other.content_hash, f.content_hash);
+    assert_eq!(cache.cache_stats().entries, 2);
+
+    let e = engine(&lm, "cpu", 1024);
+    let s = stream(&e, &[], "tiles", true, 64);
+    s.register(Arc::clone(&f), &never()).unwrap();
+    let v = s.wait_version(1, &never()).unwrap();
+    assert_eq!((v.number, v.frames(), v.history.len()), (1, 1, 1), "one version, one entry");
+    let prompt = Prompt::new(&model, DEFAULT_SYSTEM_PROMPT).unwrap();
+    let key = PrefixKey::root(&model.identity(), &prompt.prefix).then_frame(f.content_hash, f.n_pos());
+    assert_eq!(v.key, key, "the prefix key takes the frame as one identity over all its chunks");
+    assert_eq!(v.end, prompt.prefix.len() as i32 + f.n_pos());
+    assert_eq!(s.published(), 1);
+}
+
+/// A Qwen2-VL image fills one KV cell per embedding row but advances fewer positions: the
+/// history must be counted in cells, or a frame planned as fitting fails in llama.cpp.
+#[test]
+fn a_qwen2vl_stream_fills_its_cells_and_then_stops_or_restarts() {
+    let Some((lm, mmproj)) = pair("qwen2vl") else { return };
+    let _serial = serial();
+    let (_, enc) = encoder(&lm, &mmproj);
+    let f = frame(&enc, 0);
+    assert!(f.cells() > f.n_pos());
+    let e = engine(&lm, "fill", 256);
+    let capacity = e.n_ctx_per_seq() as i32 - 32;
+    let q = question(QUESTION, TOKENS);
+
+    // Stop: every registered frame is published, then HistoryFull (never a decode failure).
+    let s = stream(&e, &[], "stop", true, 32);
+    let mut n = 0;
+    let refused = loop {
+        match s.register(Arc::clone(&f), &never()) {
+            Ok(r) => {
+                n = s.wait_version(r.number, &never()).expect("a planned frame is published").number;
+            }
+            Err(err) => break err,
+        }
+        assert!(n < 100, "never full");
+    };
+    let last = s.wait_version(n, &never()).unwrap();
+    assert!(matches!(refused, Error::HistoryFull { frames, .. } if frames == n), "{refused}");
+    assert!(last.cells <= capacity && last.cells + f.cells() > capacity, "cells {} of {capacity}", last.cells);
+    assert!(last.end + f.n_pos() <= capacity, "positions alone would have taken one more frame");
+    let full = answer(&last, &q, &never(), |_| {}).expect("the reserve holds a question and its answer");
+    assert!(full.tokens > 0);
+    s.close();
+
+    // Restart: the history starts again from the newest frames, every version published.
+    let s = stream_with(&e, &[], "restart", true, 32, HistoryPolicy::Restart { keep: 2 });
+    for _ in 0..n + 3 {
+        let r = s.register(Arc::clone(&f), &never()).unwrap();
+        let v = s.wait_version(r.number, &never()).expect("published");
+        assert!(v.cells <= capacity);
+    }
+    assert_eq!(s.restarts(), 1);
+    let newest = s.wait_version(n + 3, &never()).unwrap();
+    assert!(answer(&newest, &q, &never(), |_| {}).unwrap().tokens > 0);
+}
+
+/// Plain embedding rows (what the NPU gives: 1-D positions, causal) cannot feed an M-RoPE or a
+/// non-causal model: refused with the reason, never decoded wrongly (or, for M-RoPE, read past
+/// their position array by llama.cpp).
+#[test]
+fn plain_embeddings_are_refused_by_mrope_and_non_causal_models() {
+    for family in ["qwen2vl", "gemma3"] {
+        let Some((lm, _)) = pair(family) else { continue };
+        let _serial = serial();
+        let e = engine(&lm, "plain", 256);
+        let width = e.model().n_embd();
+        let refusal = e.model().plain_embeddings_refusal().expect("refused");
+        assert!(refusal.contains("use backend=cpu|gpu") && refusal.contains(&lm.display().to_string()), "{refusal}");
+        let rows = ImageEmbeddings::plain(vec![0.01; 4 * width].into(), 4, width).unwrap();
+        let plain = Arc::new(Frame { segments: vec![Segment::Image(rows)], content_hash: 7 });
+        let s = stream(&e, &[], "plain", true, 32);
+        s.register(plain, &never()).unwrap();
+        let err = s.wait_version(1, &never()).err().expect("refused");
+        assert!(matches!(&err, Error::BadInput(m) if *m == refusal), "{family}: {err}");
+    }
+    // The LLaVA-style pair takes them.
+    let Some((lm, _)) = pair("idefics3") else { return };
+    assert_eq!(models::model(&lm, &Device::Cpu).unwrap().plain_embeddings_refusal(), None);
+}
+
+/// libmtmd's helper would cut a non-causal image into batches of n_batch silently.
+#[test]
+fn a_non_causal_image_larger_than_the_batch_is_refused() {
+    let Some((lm, mmproj)) = pair("gemma3") else { return };
+    let _serial = serial();
+    let (model, enc) = encoder(&lm, &mmproj);
+    let f = frame(&enc, 0);
+    let image = images(&f)[0];
+    let context = |n_batch: u32| {
+        let params = ContextParams {
+            n_ctx_per_seq: 256,
+            n_seq: 1,
+            n_batch,
+            threads: 1,
+            kv_unified: false,
+            flash_attention: false,
+        };
+        Context::new(Arc::clone(&model), &params).unwrap()
+    };
+    let n = image.rows as u32;
+    let err = context(n - 1).decode_image(image, 0, 0).expect_err("refused");
+    assert!(err.to_string().contains("does not fit in one batch"), "{err}");
+    assert_eq!(context(n).decode_image(image, 0, 0).unwrap(), image.n_pos);
+}
+
+/// The pair loaded a second time directly through llama-cpp-sys-2, to run libmtmd's own helper
+/// on the same prompt (the runtime keeps its pointers private).
+struct Reference {
+    model: NonNull<sys::llama_model>,
+    mtmd: NonNull<sys::mtmd_context>,
+}
+
+/// Chunks of one tokenized prompt, freed on drop.
+struct Chunks(NonNull<sys::mtmd_input_chunks>);
+
+impl Drop for Chunks {
+    fn drop(&mut self) {
+        // SAFETY: owned chunks from mtmd_input_chunks_init, not used after this.
+        unsafe { sys::mtmd_input_chunks_free(self.0.as_ptr()) }
+    }
+}
+
+impl Chunks {
+    fn n_pos(&self) -> i32 {
+        // SAFETY: valid chunks.
+        unsafe { sys::mtmd_helper_get_n_pos(self.0.as_ptr()) }
+    }
+}
+
+impl Drop for Reference {
+    fn drop(&mut self) {
+        // SAFETY: owned; the mtmd context refers to the model, so it goes first.
+        unsafe {
+            sys::mtmd_free(self.mtmd.as_ptr());
+            sys::llama_model_free(self.model.as_ptr());
+        }
+    }
+}
+
+fn marker() -> String {
+    // SAFETY: libmtmd's default marker is a static NUL-terminated string.
+    unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_str().unwrap().to_owned()
+}
+
+impl Reference {
+    fn load(lm: &Path, mmproj: &Path) -> Reference {
+        vlm_runtime::llama::init_backend();
+        let (lm_c, mmproj_c) =
+            (CString::new(lm.to_str().unwrap()).unwrap(), CString::new(mmproj.to_str().unwrap()).unwrap());
+        // SAFETY: default params are plain data; a device list of one null entry keeps the model
+        // on the CPU and outlives the load; both paths are NUL-terminated and outlive the calls.
+        unsafe {
+            let mut mp = sys::llama_model_default_params();
+            let mut devices: [sys::ggml_backend_dev_t; 1] = [null_mut()];
+            mp.devices = devices.as_mut_ptr();
+            mp.n_gpu_layers = 0;
+            let model = NonNull::new(sys::llama_model_load_from_file(lm_c.as_ptr(), mp)).expect("reference model");
+            let mut p = sys::mtmd_context_params_default();
+            p.use_gpu = false;
+            p.n_threads = threads();
+            p.print_timings = false;
+            let mtmd = NonNull::new(sys::mtmd_init_from_file(mmproj_c.as_ptr(), model.as_ptr(), p));
+            let Some(mtmd) = mtmd else {
+                sys::llama_model_free(model.as_ptr());
+                panic!("reference projector");
+            };
+            Reference { model, mtmd }
+        }
+    }
+
+    /// The runtime's prompt with `frames` pictures (variants 0..frames) as one text for libmtmd:
+    /// the chat template around the frames' markers and the question; `whole` keeps the question
+    /// and the assistant's turn, else the text ends after the last frame.
+    fn prompt(model: &Model, frames: usize, whole: bool) -> String {
+        let marker = marker();
+        let user = format!("{}\n{QUESTION}", marker.repeat(frames));
+        let full = model.apply_chat_template(&[("system", DEFAULT_SYSTEM_PROMPT), ("user", &user)], true).unwrap();
+        if whole {
+            return full;
+        }
+        let end = full.rfind(&marker).unwrap() + marker.len();
+        full[..end].to_owned()
+    }
+
+    fn history(&self, model: &Model, frames: usize) -> Chunks {
+        self.chunks(&Self::prompt(model, frames, false), frames)
+    }
+
+    /// libmtmd's tokenization of `text`, its markers replaced by pictures 0..frames (64x48 RGB).
+    fn chunks(&self, text: &str, frames: usize) -> Chunks {
+        let pictures: Vec<Vec<u8>> = (0..frames as u32).map(picture).collect();
+        let text_c = CString::new(text).unwrap();
+        // SAFETY: each bitmap copies its picture (64*48*3 bytes) and is freed after tokenizing;
+        // the text outlives the call; the chunks are owned by the returned value.
+        unsafe {
+            let bitmaps: Vec<*const sys::mtmd_bitmap> = pictures
+                .iter()
+                .map(|rgb| sys::mtmd_bitmap_init(64, 48, rgb.as_ptr()) as *const sys::mtmd_bitmap)
+                .collect();
+            let chunks = Chunks(NonNull::new(sys::mtmd_input_chunks_init()).expect("chunks"));
+            let input = sys::mtmd_input_text {
+                text: text_c.as_ptr(),
+                text_len: text.len(),
+                add_special: true,
+                parse_special: true,
+            };
+            let rc = sys::mtmd_tokenize(self.mtmd.as_ptr(), chunks.0.as_ptr(), &input, bitmaps.as_ptr(), bitmaps.len());
+            for b in bitmaps {
+                sys::mtmd_bitmap_free(b as *mut _);
+            }
+            assert_eq!(rc, 0, "mtmd_tokenize");
+            chunks
+        }
+    }
+
+    /// `mtmd_helper_eval_chunks` of the whole prompt with `frames` pictures into a fresh context
+    /// (what mtmd-cli does), then up to `n` greedy tokens: (n_past after the prompt, tokens).
+    fn eval_and_generate(&self, model: &Model, frames: usize, n: u32) -> (i32, Vec<Token>) {
+        let chunks = self.chunks(&Self::prompt(model, frames, true), frames);
+        // SAFETY: the context is created from the valid model and freed before return; each
+        // batch is allocated for one token (one position: llama.cpp reads one per token, M-RoPE
+        // or not) and freed after use; a logits row holds n_vocab floats and is read before the
+        // next decode.
+        unsafe {
+            let vocab = sys::llama_model_get_vocab(self.model.as_ptr());
+            let mut cp = sys::llama_context_default_params();
+            cp.n_ctx = 1024;
+            cp.n_batch = 512;
+            cp.n_ubatch = 512;
+            cp.n_seq_max = 1;
+            cp.n_threads = threads();
+            cp.n_threads_batch = threads();
+            cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+            let ctx = NonNull::new(sys::llama_init_from_model(self.model.as_ptr(), cp)).expect("reference context");
+            let ctx = ctx.as_ptr();
+            let mut n_past = 0;
+            let rc =
+                sys::mtmd_helper_eval_chunks(self.mtmd.as_ptr(), ctx, chunks.0.as_ptr(), 0, 0, 512, true, &mut n_past);
+            let mut out = vec![];
+            let mut failed = (rc != 0).then(|| format!("mtmd_helper_eval_chunks failed ({rc})"));
+            let n_vocab = sys::llama_vocab_n_tokens(vocab) as usize;
+            for pos in n_past..n_past + n as i32 {
+                if failed.is_some() {
+                    break;
+                }
+                let logits = std::slice::from_raw_parts(sys::llama_get_logits_ith(ctx, -1), n_vocab);
+                // First maximum on ties, like the runtime's greedy sampler.
+                let mut best = 0;
+                for (i, &l) in logits.iter().enumerate() {
+                    if l > logits[best] {
+                        best = i;
+                    }
+                }
+                let token = best as Token;
+                if sys::llama_vocab_is_eog(vocab, token) {
+                    break;
+                }
+                out.push(token);
+                if out.len() == n as usize {
+                    break;
+                }
+                let mut b = sys::llama_batch_init(1, 0, 1);
+                *b.token = token;
+                *b.pos = pos;
+                *b.n_seq_id = 1;
+                **b.seq_id = 0;
+                *b.logits = 1;
+                b.n_tokens = 1;
+                let rc = sys::llama_decode(ctx, b);
+                sys::llama_batch_free(b);
+                if rc != 0 {
+                    failed = Some(format!("llama_decode failed ({rc}) at {pos}"));
+                }
+            }
+            sys::llama_free(ctx);
+            if let Some(e) = failed {
+                panic!("{e}");
+            }
+            (n_past, out)
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! State changes that must always complete: shutdown after a start-up error with every pad
+//! linked (the query pad fed by `subparse` too), fast PLAYING⇄NULL cycles of one pipeline, and
+//! NULL after a stream's `sink_%u` pad was released during ingestion. Each is repeated; a state
+//! change that does not return within its bound fails the test instead of hanging it.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::*;
+use gst::prelude::*;
+
+/// Set `state` on another thread; fail if it does not return within `within`.
+fn set_state_within(pipeline: &gst::Element, state: gst::State, within: Duration, what: &str) {
+    let (tx, rx) = mpsc::channel();
+    let p = pipeline.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(p.set_state(state));
+    });
+    assert!(rx.recv_timeout(within).is_ok(), "{what}: the change to {state:?} did not return within {within:?}");
+}
+
+/// Wait for an error or EOS on the bus (or `within`); returns whether an error came.
+fn wait_error(pipeline: &gst::Element, within: gst::ClockTime) -> bool {
+    let bus = pipeline.bus().unwrap();
+    bus.timed_pop_filtered(within, &[gst::MessageType::Error, gst::MessageType::Eos])
+        .is_some_and(|m| m.type_() == gst::MessageType::Error)
+}
+
+#[test]
+fn shutdown_after_a_start_up_error_always_completes() {
+    for (i, broken) in
+        ["model=/nonexistent/lm.gguf", "model=models/test-mmproj-mlp.gguf"].iter().cycle().take(10).enumerate()
+    {
+        let pipeline = launch(&format!(
+            "videotestsrc is-live=true ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+             ! vlmencode mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+             ! vlmcontext {broken} ! vlmquery name=q ! fakesink \
+             filesrc location=pipelines/questions.srt ! subparse ! q.query"
+        ));
+        let _ = pipeline.set_state(gst::State::Playing);
+        assert!(wait_error(&pipeline, gst::ClockTime::from_seconds(30)), "run {i}: no error for {broken}");
+        set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), &format!("run {i} ({broken})"));
+    }
+}
+
+#[test]
+fn fast_playing_null_cycles_of_one_pipeline_complete() {
+    let pipeline = launch(
+        "videotestsrc is-live=true ! video/x-raw,width=64,height=48,framerate=30/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=32 ! fakesink \
+         filesrc location=pipelines/questions.srt ! subparse ! q.query",
+    );
+    for i in 0..20 {
+        set_state_within(&pipeline, gst::State::Playing, Duration::from_secs(30), &format!("cycle {i}"));
+        std::thread::sleep(Duration::from_millis(50 + 37 * (i % 5)));
+        if i % 4 == 0 {
+            // Sometimes mid-answer: ask, then stop while it is being generated.
+            let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+            let _ = q.emit_by_name::<Option<String>>("ask", &[&"What is it?"]);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), &format!("cycle {i}"));
+    }
+}
+
+#[test]
+fn releasing_a_stream_pad_during_ingestion_leaves_the_rest_running_and_null_completes() {
+    for i in 0..3 {
+        let pipeline = launch(
+            "vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf max-streams=2 \
+             videotestsrc name=src0 is-live=true ! video/x-raw,width=64,height=48,framerate=20/1 ! videoconvert name=conv0 \
+             ! vlmencode name=enc0 mmproj=models/test-mmproj-mlp.gguf interval=0 ! ctx.sink_0 ctx.src_0 ! fakesink name=out0 async=false \
+             videotestsrc is-live=true ! video/x-raw,width=64,height=48,framerate=20/1 ! videoconvert \
+             ! vlmencode name=second mmproj=models/test-mmproj-mlp.gguf interval=0 ! ctx.sink_1 ctx.src_1 \
+             ! vlmquery name=q max-tokens=4 ! fakesink async=false",
+        );
+        let bin = pipeline.downcast_ref::<gst::Bin>().unwrap().clone();
+        set_state_within(&pipeline, gst::State::Playing, Duration::from_secs(30), &format!("run {i}"));
+        std::thread::sleep(Duration::from_millis(600));
+        // Take the first stream out while its frames are being ingested, as an application does:
+        // stop and remove its branch, then release its pad.
+        for name in ["src0", "conv0", "enc0", "out0"] {
+            let e = bin.by_name(name).unwrap();
+            e.set_state(gst::State::Null).unwrap();
+            bin.remove(&e).unwrap();
+        }
+        let ctx = bin.by_name("ctx").unwrap();
+        ctx.release_request_pad(&ctx.static_pad("sink_0").unwrap());
+        assert!(ctx.static_pad("src_0").is_none(), "src_0 goes with sink_0");
+        // The other stream keeps answering.
+        let q = bin.by_name("q").unwrap();
+        let id = q.emit_by_name::<Option<String>>("ask", &[&"Still there?"]).expect("the other stream takes questions");
+        let bus = pipeline.bus().unwrap();
+        let mut answered = false;
+        while let Some(msg) = bus.timed_pop_filtered(gst::ClockTime::from_seconds(30), &[gst::MessageType::Element]) {
+            if msg
+                .structure()
+                .is_some_and(|s| s.name() == "vlm-answer" && s.get::<String>("id").ok() == Some(id.clone()))
+            {
+                answered = true;
+                break;
+            }
+        }
+        assert!(answered, "run {i}: the remaining stream did not answer");
+        assert!(
+            bus.pop_filtered(&[gst::MessageType::Error]).is_none(),
+            "run {i}: releasing a pad ended the pipeline with an error"
+        );
+        set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), &format!("run {i}"));
+    }
+}
