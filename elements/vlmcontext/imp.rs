@@ -439,7 +439,7 @@ impl ObjectImpl for VlmContext {
                     .build(),
                 glib::ParamSpecDouble::builder("ingest-share")
                     .nick("Ingest share")
-                    .blurb("Share of an engine's time that frame ingestion takes while answers are being generated (twice that, at most 0.5, while a question waits for a frame); answers keep the rest of their decode rate")
+                    .blurb("Share of an engine's time that frame ingestion takes while answers are being generated (more while a question waits for a frame: then a step budget every step); answers keep the rest of their decode rate")
                     .minimum(0.0)
                     .maximum(0.9)
                     .default_value(vlm_runtime::engine::DEFAULT_INGEST_SHARE)

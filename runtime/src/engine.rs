@@ -11,8 +11,9 @@
 //!    the budget behind prefill (chunked prefill, as in vLLM and Sarathi-Serve);
 //! 3. while answers are decoding, ingestion earns credit at `ingest_share` of the engine's time
 //!    and runs a chunk when it has a budget's worth, so answers keep `1 - ingest_share` of their
-//!    idle decode rate; a stream with a question waiting for its frames earns at twice that
-//!    share; with no answer active, ingestion runs back to back.
+//!    idle decode rate; while a question waits for frames still being ingested, ingestion gets a
+//!    budget every step (that question is an answer starting); with no answer active, ingestion
+//!    runs back to back.
 //!
 //! Ingestion that cannot keep up shows as lag on its stream, where the overload policy applies.
 
@@ -564,7 +565,13 @@ impl Scheduler {
             self.ingest(w, shared, self.budget_ms);
             return;
         }
-        let share = if self.demanded() { (2.0 * self.share).min(0.5) } else { self.share };
+        // A question waiting for a frame is an answer starting: its frames get a budget every
+        // step, like the prefill of an answer's question.
+        if self.demanded() {
+            self.ingest(w, shared, self.budget_ms);
+            return;
+        }
+        let share = self.share;
         self.credit_ms = (self.credit_ms + decode_ms * share / (1.0 - share)).min(self.budget_ms);
         if self.credit_ms >= self.budget_ms {
             let spent = self.ingest(w, shared, self.budget_ms);
