@@ -354,4 +354,11 @@ fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
     assert!(h.push_event(QuestionEvent::event("What is shown?", Some("after"), Some(4))));
     let answer = h.pull().expect("an answer after the flush");
     assert!(answer.size() > 0);
+    // A flush of the query pad alone leaves the element answering.
+    let query = h.element().unwrap().static_pad("query").unwrap();
+    assert!(query.send_event(gst::event::FlushStart::new()));
+    assert!(query.send_event(gst::event::FlushStop::new(true)));
+    assert!(h.push_event(QuestionEvent::event("And now?", Some("after-query-flush"), Some(4))));
+    let answer = h.pull().expect("an answer after a flush of the query pad");
+    assert!(answer.size() > 0);
 }

@@ -19,7 +19,7 @@ pub(crate) static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
 
 const DEFAULT_CONTEXT_SIZE: u32 = 2048;
 const DEFAULT_MAX_STREAMS: u32 = 2;
-const DEFAULT_MAX_PENDING: u32 = 4;
+const DEFAULT_MAX_PENDING: u32 = 2;
 const DEFAULT_HISTORY_KEEP: u32 = 8;
 const DEFAULT_PREFIX_CACHE_ENTRIES: u32 = 16;
 
@@ -52,7 +52,7 @@ pub enum OverloadKind {
     )]
     Skip,
 }
-const DEFAULT_MAX_ANSWERS: u32 = 4;
+const DEFAULT_MAX_ANSWERS: u32 = 8;
 
 /// Cells kept free after the history for a question and its answer.
 const ANSWER_RESERVE: i32 = 256;

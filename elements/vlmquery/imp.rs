@@ -144,6 +144,8 @@ struct Shared {
     query_segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     query_markup: bool,
     query_eos: bool,
+    /// The query pad alone is flushing: a question waiting there gives up; answers go on.
+    query_flushing: bool,
     /// Accepted questions, in question order.
     pending: VecDeque<Arc<Pending>>,
     /// Every input has ended: later questions are refused, EOS follows the last answer.
@@ -523,10 +525,14 @@ impl VlmQuery {
         let (frames, pts) = match t {
             Some(t) => {
                 // Wait for the video to pass the question's time, so every frame up to it is known.
-                while !shared.flushing && !shared.video.eos && shared.video.running_time.is_none_or(|rt| rt <= t) {
+                while !shared.flushing
+                    && !shared.query_flushing
+                    && !shared.video.eos
+                    && shared.video.running_time.is_none_or(|rt| rt <= t)
+                {
                     self.changed.wait(&mut shared);
                 }
-                if shared.flushing {
+                if shared.flushing || shared.query_flushing {
                     return Err(gst::FlowError::Flushing);
                 }
                 shared.video.at(t)
@@ -559,15 +565,16 @@ impl VlmQuery {
                 shared.query_eos = true;
                 self.maybe_finish(&mut shared);
             }
-            // A flush of the questions alone: unblock a waiting question, then resume.
+            // A flush of the questions alone: unblock a question waiting on the query pad; the
+            // answers and the video go on.
             EventView::FlushStart(_) => {
                 let mut shared = self.shared.lock();
-                shared.flushing = true;
+                shared.query_flushing = true;
                 self.changed.notify_all();
             }
             EventView::FlushStop(_) => {
                 let mut shared = self.shared.lock();
-                shared.flushing = false;
+                shared.query_flushing = false;
                 shared.query_eos = false;
                 shared.query_segment = None;
             }

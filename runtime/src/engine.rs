@@ -6,9 +6,9 @@
 //! of the thread's loop:
 //! 1. decodes the next token of every active answer in one batch;
 //! 2. prefills at most `step_budget_ms` of input: the next chunk of an answer that is starting
-//!    (its replayed history and question suffix) or else the next chunk of frame ingestion (the
-//!    front frames of several streams in one batch), so a decode step never waits longer than
-//!    the budget behind prefill (chunked prefill, as in vLLM and Sarathi-Serve);
+//!    (its replayed history and question suffix) or else the next chunk of frame ingestion, in
+//!    arrival order, so a decode step never waits longer than the budget behind prefill (chunked
+//!    prefill, as in vLLM and Sarathi-Serve);
 //! 3. while answers are decoding, ingestion earns credit at `ingest_share` of the engine's time
 //!    and runs a chunk when it has a budget's worth, so answers keep `1 - ingest_share` of their
 //!    idle decode rate; while a question waits for frames still being ingested, ingestion gets a
@@ -55,10 +55,12 @@ pub struct EngineConfig {
     pub ingest_share: f64,
 }
 
-/// Default most prefill between two decode steps (ms): on the 2-core CI machine a 12-token chunk
-/// (~38 ms) costs 7% more per token than a whole 36-token frame, a 6-token one 21% more
-/// (`cargo run -p vlm-runtime --example chunks`).
-pub const DEFAULT_STEP_BUDGET_MS: f64 = 40.0;
+/// Default most prefill between two decode steps (ms). Measured on the 2-core CI machine
+/// (`cargo run -p vlm-runtime --example chunks`): a 12-token chunk (~38 ms) costs 7% more per
+/// token than a whole 36-token frame, a 6-token one 21% more; under a live load the switches
+/// between decode steps, chunks and streams (graph rebuilds) cost more again: two streams'
+/// frames took ~435 ms to ingest at 40 ms, ~350 ms at 100 ms and ~320 ms whole.
+pub const DEFAULT_STEP_BUDGET_MS: f64 = 100.0;
 /// Default share of the engine's time that ingestion gets while answers decode.
 pub const DEFAULT_INGEST_SHARE: f64 = 0.25;
 
@@ -70,7 +72,7 @@ impl Default for EngineConfig {
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as i32),
             context_per_sequence: 2048,
             max_streams: 2,
-            max_branches: 4,
+            max_branches: 8,
             flash_attention: false,
             cores: Vec::new(),
             step_budget_ms: DEFAULT_STEP_BUDGET_MS,
@@ -421,14 +423,15 @@ impl Scheduler {
             if s.generation.cancelled() {
                 break Err(Error::Cancelled);
             }
-            let Some(next) = s.prefill.next() else { break Ok(()) };
+            if s.prefill.is_done() {
+                break Ok(());
+            }
             if spent >= self.budget_ms {
                 return true;
             }
             let tokens = ((self.budget_ms - spent) / w.prefill_ms_per_token()) as usize;
             let started = Instant::now();
-            let n = chunk_len(next.available(), tokens);
-            if let Err(e) = prefill_chunk(w, &mut [&mut s.prefill], next, n) {
+            if let Err(e) = prefill_chunk(w, &mut s.prefill, tokens) {
                 break Err(e);
             }
             spent += started.elapsed().as_secs_f64() * 1e3;
@@ -450,93 +453,41 @@ impl Scheduler {
         true
     }
 
-    /// Run ordered work: a plain job, or up to `allowed_ms` of ingestion, the front ingestion of
-    /// every stream that can share the batch going together. Returns the time spent (ms).
+    /// Run ordered work: a plain job, or up to `allowed_ms` of the front ingestion. Returns the
+    /// time spent (ms).
+    ///
+    /// Frames of several streams are not put in one batch: measured here (CPU backend,
+    /// per-sequence KV), a batch of two streams' chunks took several times as long as the two
+    /// chunks one after the other, and whole frames even less.
     fn ingest(&mut self, w: &mut Worker, shared: &Shared, allowed_ms: f64) -> f64 {
         let started = Instant::now();
         let elapsed = || started.elapsed().as_secs_f64() * 1e3;
-        if let Some(Ordered::Run(_)) = self.ordered.front() {
-            if let Some(Ordered::Run(f)) = self.ordered.pop_front() {
-                f(w);
+        let ended = match self.ordered.front_mut() {
+            None => return 0.0,
+            Some(Ordered::Run(_)) => {
+                if let Some(Ordered::Run(f)) = self.ordered.pop_front() {
+                    f(w);
+                }
+                return elapsed();
             }
-            return elapsed();
-        }
-        // The front ingestion of each stream, up to the first plain job, begun (a cache hit, a
-        // cancellation or nothing left to prefill ends one at once).
-        let mut candidates: Vec<(usize, Option<Result<i32>>)> = vec![];
-        let mut seen: Vec<i32> = vec![];
-        for (i, item) in self.ordered.iter_mut().enumerate() {
-            let Ordered::Ingest(ing) = item else { break };
-            if seen.contains(&ing.prefill.seq) {
-                continue;
-            }
-            seen.push(ing.prefill.seq);
-            let ended = ing
+            // Begin it: a cache hit, a cancellation or nothing left to prefill ends it at once.
+            Some(Ordered::Ingest(ing)) => ing
                 .begin
                 .take()
                 .and_then(|begin| begin(w))
                 .or_else(|| ing.cancel.load(Ordering::Acquire).then_some(Err(Error::Cancelled)))
-                .or_else(|| ing.prefill.is_done().then_some(Ok(ing.prefill.pos)));
-            candidates.push((i, ended));
-        }
-        let ended: Vec<(usize, Result<i32>)> =
-            candidates.iter_mut().filter_map(|(i, e)| Some((*i, e.take()?))).collect();
-        if !ended.is_empty() {
-            for (i, result) in ended.into_iter().rev() {
-                self.finish(w, shared, i, result);
-            }
+                .or_else(|| ing.prefill.is_done().then_some(Ok(ing.prefill.pos))),
+        };
+        if let Some(result) = ended {
+            self.finish(w, shared, 0, result);
             return elapsed();
         }
-        // Those whose next chunk is of the first one's kind share one batch; different
-        // sequences in ascending order go in one llama.cpp micro-batch.
-        let next_of = |i: usize| match &self.ordered[i] {
-            Ordered::Ingest(ing) => ing.prefill.next(),
-            Ordered::Run(_) => None,
-        };
-        let Some(kind) = candidates.first().and_then(|&(i, _)| next_of(i)) else { return elapsed() };
-        let mut group: Vec<usize> = candidates
-            .iter()
-            .map(|&(i, _)| i)
-            .filter(|&i| next_of(i).is_some_and(|n| i == candidates[0].0 || kind.batches_with(n)))
-            .collect();
-        // Equal chunks (llama.cpp puts sequences with equal counts in one micro-batch), each a
-        // valid cut of every piece (`chunk_len`); when no size suits them all, the front goes
-        // alone.
-        let tokens = (allowed_ms / w.prefill_ms_per_token()).max(1.0) as usize;
-        let available =
-            |group: &[usize]| -> Vec<usize> { group.iter().filter_map(|&i| next_of(i)).map(Next::available).collect() };
-        let fits = |n: usize, a: &[usize]| a.iter().all(|&a| chunk_len(a, n) == n);
-        let mut n = {
-            let a = available(&group);
-            let mut n = chunk_len(a.iter().copied().min().unwrap_or(1), tokens / group.len());
-            while n > 2 && !fits(n, &a) {
-                n -= 1;
-            }
-            n
-        };
-        if !fits(n, &available(&group)) {
-            group.truncate(1);
-            n = chunk_len(available(&group)[0], tokens);
-        }
-        let mut prefills: Vec<&mut Prefill> = self
-            .ordered
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| group.contains(i))
-            .filter_map(|(_, o)| match o {
-                Ordered::Ingest(ing) => Some(&mut ing.prefill),
-                Ordered::Run(_) => None,
-            })
-            .collect();
-        prefills.sort_by_key(|p| p.seq);
-        let result = prefill_chunk(w, &mut prefills, kind, n);
-        // Finish what is complete (or failed), back to front so the indices stay valid.
-        for &i in group.iter().rev() {
-            let Some(Ordered::Ingest(ing)) = self.ordered.get(i) else { continue };
-            if result.is_err() || ing.prefill.is_done() {
-                let end = ing.prefill.pos;
-                self.finish(w, shared, i, result.clone().map(|()| end));
-            }
+        let Some(Ordered::Ingest(ing)) = self.ordered.front_mut() else { unreachable!("checked above") };
+        let tokens = (allowed_ms / w.prefill_ms_per_token()) as usize;
+        let result = prefill_chunk(w, &mut ing.prefill, tokens.max(MIN_CHUNK));
+        if result.is_err() || ing.prefill.is_done() {
+            let end = ing.prefill.pos;
+            self.finish(w, shared, 0, result.map(|()| end));
         }
         elapsed()
     }
@@ -580,33 +531,31 @@ impl Scheduler {
     }
 }
 
-/// Decode the next `n` inputs of each prefill (all of kind `next`) in one batch.
-fn prefill_chunk(w: &mut Worker, prefills: &mut [&mut Prefill], next: Next, n: usize) -> Result<()> {
+/// Fewest inputs in a chunk of ingestion. Each switch between a decode step, a chunk and
+/// another sequence's chunk makes llama.cpp build its graph again, a cost that small chunks pay
+/// per input and that would feed back into the measured rate (smaller chunks, dearer inputs).
+const MIN_CHUNK: usize = 8;
+
+/// Decode the next chunk of `prefill`: about `tokens` inputs (`chunk_len` decides), or an image
+/// that must go whole.
+fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result<()> {
+    let Some(next) = prefill.next() else { return Ok(()) };
     let started = Instant::now();
-    let tokens = match next {
-        Next::Whole => {
-            let p = &mut prefills[0];
-            let before = p.remaining();
-            p.decode_whole(&mut w.ctx)?;
-            before - p.remaining()
-        }
-        Next::Tokens(_) | Next::Rows(_) => {
-            let total = n * prefills.len();
+    let before = prefill.remaining();
+    match next {
+        Next::Whole => prefill.decode_whole(&mut w.ctx)?,
+        Next::Tokens(available) | Next::Rows(available) => {
+            let n = chunk_len(available, tokens);
             let mut batch = match next {
-                Next::Tokens(_) => Batch::tokens(total),
-                _ => Batch::embeddings(total, w.ctx.model().n_embd()),
+                Next::Tokens(_) => Batch::tokens(n),
+                _ => Batch::embeddings(n, w.ctx.model().n_embd()),
             };
-            for p in prefills.iter() {
-                p.push(&mut batch, n);
-            }
+            prefill.push(&mut batch, n);
             w.ctx.decode(&batch)?;
-            for p in prefills.iter_mut() {
-                p.advance(n);
-            }
-            total
+            prefill.advance(n);
         }
-    };
-    w.record(Stage::Prefill, tokens, started.elapsed().as_secs_f64() * 1e3);
+    }
+    w.record(Stage::Prefill, before - prefill.remaining(), started.elapsed().as_secs_f64() * 1e3);
     Ok(())
 }
 
@@ -895,17 +844,12 @@ impl Engine {
         })
     }
 
-    /// Return a stream sequence; its cells are cleared on the engine thread first.
-    pub(crate) fn give_stream_seq(self: &Arc<Self>, seq: i32) {
-        let engine = Arc::clone(self);
-        let cleared = self.submit(move |w| {
-            w.ctx.seq_clear(seq);
-            engine.free_streams.lock().push_back(seq);
-        });
-        if cleared.is_err() {
-            // The engine is stopping; its context goes away with its thread.
-            self.free_streams.lock().push_back(seq);
-        }
+    /// Return a stream sequence (its stream is gone: nothing queued refers to it). It is free at
+    /// once; the job that clears its cells is queued before anything a new stream queues.
+    pub(crate) fn give_stream_seq(&self, seq: i32) {
+        // A stopping engine frees its context with its thread: nothing to clear then.
+        let _ = self.submit(move |w| w.ctx.seq_clear(seq));
+        self.free_streams.lock().push_back(seq);
     }
 
     /// Stop accepting jobs and wait for the queued ones to finish.

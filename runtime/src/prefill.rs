@@ -45,20 +45,6 @@ pub(crate) fn chunk_len(available: usize, want: usize) -> usize {
     }
 }
 
-impl Next {
-    /// Whether chunks of `self` and `other` can share one batch.
-    pub(crate) fn batches_with(self, other: Next) -> bool {
-        matches!((self, other), (Next::Tokens(_), Next::Tokens(_)) | (Next::Rows(_), Next::Rows(_)))
-    }
-
-    pub(crate) fn available(self) -> usize {
-        match self {
-            Next::Tokens(n) | Next::Rows(n) => n,
-            Next::Whole => 1,
-        }
-    }
-}
-
 /// The inputs a sequence still has to prefill, from position `pos` on.
 pub(crate) struct Prefill {
     pub seq: i32,

@@ -1,0 +1,207 @@
+//! PNG plots drawn by the benchmark itself (plotters): TTFT distribution per configuration,
+//! throughput bars and decode rates. Text uses a TrueType font found on the system (DejaVu or
+//! Liberation Sans; `VLM_BENCH_FONT` names another), so no fontconfig is needed.
+
+use std::error::Error;
+use std::path::{Path, PathBuf};
+
+use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+use crate::record::{Config, RunRecord};
+use crate::report::Summary;
+
+type BoxError = Box<dyn Error + Send + Sync>;
+
+const FONT_CANDIDATES: [&str; 5] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/liberation/LiberationSans-Regular.ttf",
+];
+
+fn register_font() -> Result<(), BoxError> {
+    let path = std::env::var_os("VLM_BENCH_FONT")
+        .map(PathBuf::from)
+        .or_else(|| FONT_CANDIDATES.iter().map(PathBuf::from).find(|p| p.is_file()))
+        .ok_or("no TrueType font found for the plots (install fonts-dejavu-core or set VLM_BENCH_FONT)")?;
+    let bytes: &'static [u8] = Box::leak(std::fs::read(&path)?.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+        .map_err(|_| format!("{} is not a usable TrueType font", path.display()))?;
+    Ok(())
+}
+
+const PALETTE: [RGBColor; 6] = [
+    RGBColor(0x4c, 0x72, 0xb0),
+    RGBColor(0xdd, 0x84, 0x52),
+    RGBColor(0x55, 0xa8, 0x68),
+    RGBColor(0xc4, 0x4e, 0x52),
+    RGBColor(0x81, 0x72, 0xb3),
+    RGBColor(0x93, 0x78, 0x60),
+];
+
+fn color(config: Config) -> RGBColor {
+    let i = crate::record::ALL_CONFIGS.iter().position(|c| *c == config).unwrap_or(0);
+    PALETTE[i % PALETTE.len()]
+}
+
+type Chart<'a> = ChartContext<'a, BitMapBackend<'a>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Configuration names under the x axis: configuration i is centred on i + 0.5.
+fn name_axis(
+    root: &DrawingArea<BitMapBackend<'_>, Shift>,
+    chart: &Chart<'_>,
+    summaries: &[Summary],
+) -> Result<(), BoxError> {
+    for (i, s) in summaries.iter().enumerate() {
+        let (x, y) = chart.backend_coord(&(i as f64 + 0.5, 0.0));
+        let style = ("sans-serif", 16).into_text_style(root).pos(Pos::new(HPos::Center, VPos::Top));
+        root.draw(&Text::new(s.config.name().to_owned(), (x, y + 8), style))?;
+    }
+    Ok(())
+}
+
+/// Write ttft.png, throughput.png and decode.png into `dir`; the paths written.
+pub fn write(dir: &Path, summaries: &[Summary], runs: &[RunRecord], title: &str) -> Result<Vec<PathBuf>, BoxError> {
+    register_font()?;
+    std::fs::create_dir_all(dir)?;
+    let files = vec![dir.join("ttft.png"), dir.join("throughput.png"), dir.join("decode.png")];
+    ttft(&files[0], summaries, runs, title)?;
+    throughput(&files[1], summaries, runs, title)?;
+    decode(&files[2], summaries, title)?;
+    Ok(files)
+}
+
+fn ttft(path: &Path, summaries: &[Summary], runs: &[RunRecord], title: &str) -> Result<(), BoxError> {
+    let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let points: Vec<(usize, f64)> = summaries
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| {
+            runs.iter()
+                .filter(move |r| r.config == s.config)
+                .flat_map(|r| r.answers.iter())
+                .filter(|a| a.error.is_none())
+                .map(move |a| (i, a.ttft_ms))
+        })
+        .collect();
+    let top = points.iter().map(|p| p.1).fold(1.0, f64::max) * 1.1;
+    let n = summaries.len();
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Time to first token from arrival: {title}"), ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..n as f64, 0.0..top)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_desc("TTFT (ms)")
+        .x_desc("configuration (dots: answers; black: p50, red: mean, grey: p95)")
+        .draw()?;
+    chart.draw_series(points.iter().enumerate().map(|(k, &(i, y))| {
+        let jitter = ((k * 37) % 21) as f64 / 21.0 * 0.5 - 0.25;
+        Circle::new((i as f64 + 0.5 + jitter, y), 3, color(summaries[i].config).mix(0.7).filled())
+    }))?;
+    for (i, s) in summaries.iter().enumerate() {
+        let x = i as f64;
+        for (v, c, w) in
+            [(s.ttft_p50_ms, BLACK, 3), (s.ttft_mean_ms, RED, 2), (s.ttft_p95_ms, RGBColor(150, 150, 150), 2)]
+        {
+            if v.is_finite() {
+                chart.draw_series(LineSeries::new([(x + 0.15, v), (x + 0.85, v)], c.stroke_width(w)))?;
+            }
+        }
+    }
+    name_axis(&root, &chart, summaries)?;
+    root.present()?;
+    Ok(())
+}
+
+fn throughput(path: &Path, summaries: &[Summary], runs: &[RunRecord], title: &str) -> Result<(), BoxError> {
+    let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let top = summaries
+        .iter()
+        .flat_map(|s| s.throughput_rounds.iter().copied().chain([s.throughput]))
+        .filter(|v| v.is_finite())
+        .fold(0.1, f64::max)
+        * 1.15;
+    let n = summaries.len();
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Request throughput: {title}"), ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..n as f64, 0.0..top)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .y_desc("answers / s (bar: mean over rounds; dots: rounds)")
+        .draw()?;
+    for (i, s) in summaries.iter().enumerate() {
+        let x = i as f64;
+        if s.throughput.is_finite() {
+            chart.draw_series([Rectangle::new([(x + 0.2, 0.0), (x + 0.8, s.throughput)], color(s.config).filled())])?;
+        }
+        let rounds: Vec<f64> = runs
+            .iter()
+            .filter(|r| r.config == s.config && r.window_ms > 0.0)
+            .map(|r| r.answers.iter().filter(|a| a.error.is_none()).count() as f64 / (r.window_ms / 1e3))
+            .collect();
+        chart.draw_series(rounds.iter().map(|&v| Circle::new((x + 0.5, v), 4, BLACK.filled())))?;
+    }
+    name_axis(&root, &chart, summaries)?;
+    root.present()?;
+    Ok(())
+}
+
+fn decode(path: &Path, summaries: &[Summary], title: &str) -> Result<(), BoxError> {
+    let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let series = |s: &Summary| [Some(s.decode_tok_s), s.decode_ingesting_tok_s, s.decode_idle_tok_s];
+    let top = summaries.iter().flat_map(series).flatten().filter(|v| v.is_finite()).fold(1.0, f64::max) * 1.15;
+    let n = summaries.len();
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Decode rate per answer: {title}"), ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..n as f64, 0.0..top)?;
+    chart.configure_mesh().disable_x_mesh().x_labels(0).y_desc("tokens / s per answer").draw()?;
+    let kinds = [
+        ("all answers (after the first token)", RGBColor(0x4c, 0x72, 0xb0)),
+        ("engine steps while frames waited for ingestion", RGBColor(0xc4, 0x4e, 0x52)),
+        ("engine steps with no ingestion waiting", RGBColor(0x55, 0xa8, 0x68)),
+    ];
+    for (k, (name, c)) in kinds.into_iter().enumerate() {
+        let bars: Vec<_> = summaries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| series(s)[k].filter(|v| v.is_finite()).map(|v| (i as f64, v)))
+            .map(|(x, v)| {
+                let left = x + 0.1 + 0.27 * k as f64;
+                Rectangle::new([(left, 0.0), (left + 0.25, v)], c.filled())
+            })
+            .collect();
+        chart
+            .draw_series(bars)?
+            .label(name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], c.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    name_axis(&root, &chart, summaries)?;
+    root.present()?;
+    Ok(())
+}

@@ -1,0 +1,188 @@
+//! What a run measures, as the workers report it and the JSON keeps it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// The configurations compared side by side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Config {
+    /// No retention: every question re-prefills its whole history (one engine).
+    B0,
+    /// Retained history, one engine (all threads).
+    B1,
+    /// Retained history, the second engine of P only.
+    B2,
+    /// The placer over two engines.
+    P,
+    /// One process per stream.
+    B3,
+    /// llama.cpp's own llama-server, prompt caching on, one slot per stream.
+    #[serde(rename = "PEER")]
+    Peer,
+}
+
+pub const ALL_CONFIGS: [Config; 6] = [Config::B0, Config::B1, Config::B2, Config::P, Config::B3, Config::Peer];
+
+impl Config {
+    pub fn name(self) -> &'static str {
+        match self {
+            Config::B0 => "B0",
+            Config::B1 => "B1",
+            Config::B2 => "B2",
+            Config::P => "P",
+            Config::B3 => "B3",
+            Config::Peer => "PEER",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Config::B0 => "retain=false (re-prefill), one engine",
+            Config::B1 => "retained, one engine",
+            Config::B2 => "retained, second engine only",
+            Config::P => "placer over both engines",
+            Config::B3 => "one process per stream",
+            Config::Peer => "llama-server, prompt cache, one slot per stream",
+        }
+    }
+}
+
+impl fmt::Display for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Config {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        ALL_CONFIGS
+            .into_iter()
+            .find(|c| c.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| format!("unknown configuration {s:?} (expected B0, B1, B2, P, B3 or PEER)"))
+    }
+}
+
+/// One answered (or failed) question.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AnswerRecord {
+    pub stream: usize,
+    /// Question number within its stream.
+    pub index: usize,
+    /// The frame (1-based) it was asked right after.
+    pub after_frame: usize,
+    /// Arrival, from the first frame of the window (ms).
+    pub arrival_ms: f64,
+    /// Arrival until the answer was started with its version published (runtime only).
+    pub wait_ms: Option<f64>,
+    /// Arrival to first token.
+    pub ttft_ms: f64,
+    /// Arrival to last token.
+    pub total_ms: f64,
+    /// Tokens generated.
+    pub tokens: u32,
+    /// resident / import / replay (runtime only).
+    pub path: Option<String>,
+    pub engine: Option<String>,
+    /// Frames in the bound version (runtime) or images sent (peer).
+    pub frames: u64,
+    pub error: Option<String>,
+}
+
+impl AnswerRecord {
+    /// Decode rate of this answer after its first token (tokens/s).
+    pub fn decode_seconds(&self) -> f64 {
+        ((self.total_ms - self.ttft_ms) / 1e3).max(0.0)
+    }
+}
+
+/// Decode steps run while frames waited for ingestion (busy) and with none waiting (idle).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct DecodeSplit {
+    pub busy_steps: u64,
+    pub busy_ms: f64,
+    pub idle_steps: u64,
+    pub idle_ms: f64,
+}
+
+impl DecodeSplit {
+    pub fn add(&mut self, other: &DecodeSplit) {
+        self.busy_steps += other.busy_steps;
+        self.busy_ms += other.busy_ms;
+        self.idle_steps += other.idle_steps;
+        self.idle_ms += other.idle_ms;
+    }
+}
+
+/// Ingestion lag, sampled right after every frame registration.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct LagStats {
+    pub samples: u64,
+    /// Most frames registered but not yet published.
+    pub max_frames: u64,
+    /// Oldest unpublished frame's age, at most and summed over the samples (ms).
+    pub max_ms: f64,
+    pub sum_ms: f64,
+    /// Frames registered later than their due time (a blocking registration), at most (ms).
+    pub feed_late_max_ms: f64,
+    /// Frames the stream skipped under its overload policy.
+    pub skipped: u64,
+}
+
+impl LagStats {
+    pub fn add(&mut self, other: &LagStats) {
+        self.samples += other.samples;
+        self.max_frames = self.max_frames.max(other.max_frames);
+        self.max_ms = self.max_ms.max(other.max_ms);
+        self.sum_ms += other.sum_ms;
+        self.feed_late_max_ms = self.feed_late_max_ms.max(other.feed_late_max_ms);
+        self.skipped += other.skipped;
+    }
+
+    pub fn mean_ms(&self) -> f64 {
+        if self.samples == 0 { 0.0 } else { self.sum_ms / self.samples as f64 }
+    }
+}
+
+/// One configuration in one round.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRecord {
+    pub config: Config,
+    pub round: usize,
+    /// Processes that ran it (B3: one per stream; the peer: the server).
+    pub processes: usize,
+    /// Model load and warm-up, outside the window (ms; B3: the slowest process).
+    pub load_ms: f64,
+    /// Peak RSS (KiB): the worker process, the sum over B3's processes, or the server's.
+    pub peak_rss_kib: u64,
+    /// First frame to last answer (ms).
+    pub window_ms: f64,
+    pub answers: Vec<AnswerRecord>,
+    /// Runtime configurations only: the engines' decode steps during the window.
+    pub decode_split: Option<DecodeSplit>,
+    pub lag: Option<LagStats>,
+    pub error: Option<String>,
+}
+
+/// Lines a worker process writes on its stdout, one JSON object each.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerMsg {
+    /// Engines started, calibrated and warmed up; waiting for the start time on stdin.
+    Ready {
+        load_ms: f64,
+    },
+    Answer(AnswerRecord),
+    Done {
+        window_ms: f64,
+        peak_rss_kib: u64,
+        decode_split: DecodeSplit,
+        lag: LagStats,
+    },
+    Failed {
+        error: String,
+    },
+}

@@ -1,0 +1,55 @@
+//! The benchmark's seconds-long smoke run (what CI runs): one configuration, 2 frames, 1 question
+//! per stream, 8 tokens, through the real binary, its worker process and the test models.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn model_file(var: &str, default: &str) -> PathBuf {
+    std::env::var_os(var)
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models").join(default), PathBuf::from)
+}
+
+#[test]
+fn smoke_run_answers_every_question_with_the_exact_length() {
+    let dir = std::env::temp_dir().join(format!("vlm-bench-smoke-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("report.json");
+    let plots = dir.join("plots");
+    let out = Command::new(env!("CARGO_BIN_EXE_vlm-bench"))
+        .arg("--smoke")
+        .arg("--model")
+        .arg(model_file("VLM_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .arg("--mmproj")
+        .arg(model_file("VLM_MMPROJ", "test-mmproj-mlp.gguf"))
+        .arg("--json")
+        .arg(&json)
+        .arg("--plots")
+        .arg(&plots)
+        .arg("--log-dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "vlm-bench --smoke failed: {stderr}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let s = &report["summaries"][0];
+    assert_eq!(s["config"], "B1");
+    assert_eq!((s["answered"].as_u64(), s["expected"].as_u64()), (Some(2), Some(2)));
+    assert_eq!((s["length_min"].as_u64(), s["length_max"].as_u64()), (Some(8), Some(8)), "exact length");
+    assert_eq!(s["path_resident"].as_u64(), Some(2));
+    assert!(s["peak_rss_mib"].as_f64().unwrap() > 50.0, "the worker's RSS holds the model");
+    assert!(s["load_ms"].as_f64().unwrap() > 0.0);
+    for answer in report["runs"][0]["answers"].as_array().unwrap() {
+        assert!(answer["ttft_ms"].as_f64().unwrap() > 0.0);
+        assert!(answer["total_ms"].as_f64().unwrap() >= answer["ttft_ms"].as_f64().unwrap());
+    }
+    // Plots need a TrueType font; the message says so when there is none.
+    if plots.join("ttft.png").exists() {
+        for name in ["ttft.png", "throughput.png", "decode.png"] {
+            assert!(std::fs::metadata(plots.join(name)).unwrap().len() > 1000, "{name}");
+        }
+    } else {
+        assert!(stderr.contains("no plots"), "{stderr}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
