@@ -431,7 +431,7 @@ impl Scheduler {
             }
             let tokens = ((self.budget_ms - spent) / w.prefill_ms_per_token()) as usize;
             let started = Instant::now();
-            if let Err(e) = prefill_chunk(w, &mut s.prefill, tokens) {
+            if let Err(e) = prefill_chunk(w, &mut s.prefill, tokens.max(MIN_CHUNK)) {
                 break Err(e);
             }
             spent += started.elapsed().as_secs_f64() * 1e3;
@@ -531,7 +531,7 @@ impl Scheduler {
     }
 }
 
-/// Fewest inputs in a chunk of ingestion. Each switch between a decode step, a chunk and
+/// Fewest inputs in a chunk of prefill. Each switch between a decode step, a chunk and
 /// another sequence's chunk makes llama.cpp build its graph again, a cost that small chunks pay
 /// per input and that would feed back into the measured rate (smaller chunks, dearer inputs).
 const MIN_CHUNK: usize = 8;
