@@ -184,7 +184,9 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
     }
     let answer = h.pull().expect("an answer buffer");
     let text = String::from_utf8(answer.map_readable().unwrap().to_vec()).unwrap();
-    assert_eq!(answer.pts(), Some(gst::ClockTime::from_seconds(1)), "timestamp of the last frame of the bound version");
+    // Shown from where the video was when it completed: never before the bound frame.
+    assert!(answer.pts() >= Some(gst::ClockTime::from_seconds(1)), "answer timestamped {:?}", answer.pts());
+    let text = text.strip_suffix('\n').expect("a text answer ends with a newline").to_owned();
     let version = stream.wait_version(2, &never).unwrap();
     let q = vlm_runtime::Question {
         id: "ref".into(),
