@@ -320,7 +320,9 @@ struct Shared {
     widest: AtomicUsize,
     rates: Arc<Mutex<StageRates>>,
     /// Estimated milliseconds of queued ingestion (and other ordered work).
-    ingest_backlog: Mutex<f64>,
+    /// (ingestions queued, their estimated milliseconds): the count says whether any is waiting,
+    /// whatever rounding the sum of estimates leaves.
+    ingest_backlog: Mutex<(usize, f64)>,
     /// Estimated milliseconds of answer starts queued or running, which go before ingestion.
     start_backlog: Mutex<f64>,
     /// Decode steps run while ingestion was waiting, and their total time (ms).
@@ -494,7 +496,10 @@ impl Scheduler {
 
     fn finish(&mut self, w: &mut Worker, shared: &Shared, index: usize, result: Result<i32>) {
         if let Some(Ordered::Ingest(ing)) = self.ordered.remove(index) {
-            *shared.ingest_backlog.lock() -= ing.cost_ms;
+            let mut backlog = shared.ingest_backlog.lock();
+            backlog.0 -= 1;
+            backlog.1 -= ing.cost_ms;
+            drop(backlog);
             ing.finish(w, result);
         }
     }
@@ -699,7 +704,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             widest: AtomicUsize::new(0),
             rates,
-            ingest_backlog: Mutex::new(0.0),
+            ingest_backlog: Mutex::new((0, 0.0)),
             start_backlog: Mutex::new(0.0),
             busy_steps: Mutex::new((0, 0.0)),
             idle_steps: Mutex::new((0, 0.0)),
@@ -784,7 +789,10 @@ impl Engine {
 
     /// Estimated milliseconds of queued ingestion on this engine (measured costs).
     pub fn ingest_backlog_ms(&self) -> f64 {
-        self.shared.ingest_backlog.lock().max(0.0)
+        match *self.shared.ingest_backlog.lock() {
+            (0, _) => 0.0,
+            (_, ms) => ms.max(0.0),
+        }
     }
 
     /// Estimated milliseconds before a new answer starts here: the starts of the answers ahead
@@ -796,8 +804,13 @@ impl Engine {
     /// Queue ingestion; its cost counts in the ingestion backlog until it is done.
     pub(crate) fn ingest(&self, ingestion: Ingestion) -> Result<()> {
         let cost = ingestion.cost_ms;
-        *self.shared.ingest_backlog.lock() += cost;
-        self.send(Job::Ingest(ingestion)).inspect_err(|_| *self.shared.ingest_backlog.lock() -= cost)
+        let queue = |n: isize, ms: f64| {
+            let mut backlog = self.shared.ingest_backlog.lock();
+            backlog.0 = backlog.0.saturating_add_signed(n);
+            backlog.1 += ms;
+        };
+        queue(1, cost);
+        self.send(Job::Ingest(ingestion)).inspect_err(|_| queue(-1, -cost))
     }
 
     /// Run `job` on the engine thread ahead of queued prefill and wait for its result.
