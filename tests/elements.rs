@@ -242,6 +242,12 @@ fn vlmquery_reports_a_malformed_question_without_failing() {
         let w = warnings();
         assert!(w.iter().any(|w| w.contains(field)), "no warning naming {field}: {w:?}");
     }
+    // An id is answered once: the same id again is refused with a warning naming it.
+    let id = |id: &str| question(&[("text", "Hi?".to_send_value()), ("id", id.to_send_value())]);
+    assert!(h.push_event(id("twice")));
+    assert!(h.push_event(id("twice")));
+    let w = warnings();
+    assert!(w.iter().any(|w| w.contains("twice") && w.contains("already taken")), "no refusal of a repeated id: {w:?}");
     // Any integer type is an integer: an int max-tokens is taken.
     assert!(h.push_event(question(&[("text", "Hi?".to_send_value()), ("max-tokens", 4i32.to_send_value())])));
     assert!(warnings().iter().all(|w| !w.contains("malformed")), "an int max-tokens was refused");
