@@ -826,7 +826,10 @@ impl VlmQuery {
     fn stop(&self) {
         self.flush_start("the element stopped");
         let _ = self.srcpad.stop_task();
-        *self.shared.lock() = Shared::default();
+        // Still flushing until READY->PAUSED starts again: a chain function woken by the flush
+        // (the query pad's, waiting for the video) must see it and return, or deactivating its
+        // pad would wait for it forever.
+        *self.shared.lock() = Shared { flushing: true, ..Shared::default() };
     }
 }
 
