@@ -29,6 +29,20 @@ fn route_llama_log() {
     });
 }
 
+/// Post the error of a push that failed downstream (not for flushing or EOS), with its flow
+/// return in the details, as gst-plugins-rs elements do.
+pub(crate) fn post_flow_error(element: &gst::Element, e: gst::FlowError) {
+    if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
+        gst::element_error!(
+            element,
+            gst::StreamError::Failed,
+            ("Internal data stream error."),
+            ["streaming stopped, reason {:?}", e],
+            details: gst::Structure::builder("details").field("flow-return", gst::FlowReturn::from(e)).build()
+        );
+    }
+}
+
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     route_llama_log();
     vlmencode::register(plugin)?;

@@ -405,13 +405,7 @@ impl VlmEncode {
             gst::debug!(CAT, imp = self, "task paused: {e:?}");
             if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
                 if !posted {
-                    gst::element_imp_error!(
-                        self,
-                        gst::StreamError::Failed,
-                        ("Internal data stream error."),
-                        ["streaming stopped, reason {:?}", e],
-                        details: gst::Structure::builder("details").field("flow-return", gst::FlowReturn::from(e)).build()
-                    );
+                    crate::post_flow_error(self.obj().upcast_ref(), e);
                 }
                 self.srcpad.push_event(gst::event::Eos::new());
             }

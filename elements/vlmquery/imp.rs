@@ -726,15 +726,7 @@ impl VlmQuery {
     fn flow_error(&self, e: gst::FlowError) {
         gst::debug!(CAT, imp = self, "answer push: {e:?}");
         self.shared.lock().srcresult = Some(e);
-        if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
-            gst::element_imp_error!(
-                self,
-                gst::StreamError::Failed,
-                ("Internal data stream error."),
-                ["streaming stopped, reason {:?}", e],
-                details: gst::Structure::builder("details").field("flow-return", gst::FlowReturn::from(e)).build()
-            );
-        }
+        crate::post_flow_error(self.obj().upcast_ref(), e);
         let _ = self.srcpad.pause_task();
     }
 
