@@ -120,8 +120,27 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
     let (a, b, version) = two_engines(false, 3);
     let enc = encoder();
     let q = question("What is in the picture?", 8);
+    let paths = vlm_runtime::placer::estimate(&version, 20, 8, false);
     let idle = answer_placed(&version, &q, "auto", &never(), |_| {}).unwrap();
-    assert_eq!((idle.engine.as_str(), idle.path), ("a", PreparePath::Resident), "idle resident engine");
+    assert_eq!(
+        (idle.engine.as_str(), idle.path),
+        ("a", PreparePath::Resident),
+        "idle resident engine; rates a {:?}, b {:?}; paths {:?}",
+        a.rates(),
+        b.rates(),
+        paths
+            .iter()
+            .map(|p| (
+                p.engine.name().to_owned(),
+                p.path,
+                p.queue_ms,
+                p.prepare_ms,
+                p.suffix_ms,
+                p.decode_ms,
+                p.ingest_delay_ms
+            ))
+            .collect::<Vec<_>>()
+    );
     assert!(idle.estimate_ms.is_some());
 
     // Frames waiting for ingestion on `a`: an answer there would delay them (answers go first),
