@@ -236,18 +236,9 @@ fn run(
                             let result = ask(agent, base, body, arrival);
                             let end = Instant::now();
                             let mut answer = AnswerRecord {
-                                stream: gs,
-                                index,
-                                after_frame: number,
-                                arrival_ms: ms(arrival - t0),
-                                wait_ms: None,
-                                ttft_ms: 0.0,
-                                total_ms: ms(end - arrival),
-                                tokens: 0,
-                                path: None,
                                 engine: Some("llama-server".into()),
                                 frames: images.len() as u64,
-                                error: None,
+                                ..AnswerRecord::asked(gs, index, number, ms(arrival - t0), ms(end - arrival))
                             };
                             match result {
                                 Ok(s) => {

@@ -93,6 +93,26 @@ pub struct AnswerRecord {
 }
 
 impl AnswerRecord {
+    /// A question asked at `arrival_ms` and ended `total_ms` later, before its outcome is known.
+    pub fn asked(stream: usize, index: usize, after_frame: usize, arrival_ms: f64, total_ms: f64) -> AnswerRecord {
+        AnswerRecord {
+            stream,
+            index,
+            after_frame,
+            arrival_ms,
+            wait_ms: None,
+            ttft_ms: 0.0,
+            total_ms,
+            tokens: 0,
+            path: None,
+            engine: None,
+            frames: 0,
+            error: None,
+        }
+    }
+}
+
+impl AnswerRecord {
     /// Decode rate of this answer after its first token (tokens/s).
     pub fn decode_seconds(&self) -> f64 {
         ((self.total_ms - self.ttft_ms) / 1e3).max(0.0)

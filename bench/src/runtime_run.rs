@@ -175,20 +175,8 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
                                 .wait_version(bound, never)
                                 .and_then(|v| answer_placed(&v, &question, placement, never, |_| {}));
                             let end = Instant::now();
-                            let mut record = AnswerRecord {
-                                stream: *gs,
-                                index,
-                                after_frame: number,
-                                arrival_ms: ms(arrival - t0),
-                                wait_ms: None,
-                                ttft_ms: 0.0,
-                                total_ms: ms(end - arrival),
-                                tokens: 0,
-                                path: None,
-                                engine: None,
-                                frames: 0,
-                                error: None,
-                            };
+                            let mut record =
+                                AnswerRecord::asked(*gs, index, number, ms(arrival - t0), ms(end - arrival));
                             match result {
                                 Ok(r) => {
                                     record.wait_ms = Some(r.wait_ms);

@@ -25,11 +25,6 @@ struct Args {
     files: common::ModelArgs,
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
@@ -70,7 +65,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             ctx.seq_truncate(0, 200);
         }
-        let c = median(&mut chunk_ms);
+        let c = common::median(&mut chunk_ms);
         per_token.push((size, c / size as f64));
         rows.push(serde_json::json!({"chunk": size, "chunk_ms": c, "ms_per_token": c / size as f64}));
     }
@@ -78,7 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (row, (size, p)) in rows.iter().zip(&per_token) {
         println!("{size:>6} {:>12.1} {p:>14.2} {:>11.2}x", row["chunk_ms"].as_f64().unwrap(), p / whole);
     }
-    let d = median(&mut decode);
+    let d = common::median(&mut decode);
     println!("decode step (1 token): {d:.1} ms");
     println!(
         "{}",

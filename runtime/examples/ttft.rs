@@ -38,11 +38,6 @@ fn picture(variant: usize) -> Vec<u8> {
     (0..64 * 48).flat_map(|i| [(i % 64 * 4) as u8, (i / 64 * 5) as u8, ((i / 8 + variant * 3) % 256) as u8]).collect()
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
@@ -95,7 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 out.push(answer(version, &q, &never, |_| {})?.ttft_ms);
             }
         }
-        let (rm, bm) = (median(&mut r), median(&mut b));
+        let (rm, bm) = (common::median(&mut r), common::median(&mut b));
         let new_frames =
             n.saturating_sub(rows.last().map_or(0, |row: &serde_json::Value| row["frames"].as_u64().unwrap() as usize));
         let per_frame = ingest_ms / new_frames.max(1) as f64;

@@ -7,3 +7,10 @@ pub struct ModelArgs {
     #[arg(long, env = "VLM_MMPROJ", default_value = "models/test-mmproj-mlp.gguf")]
     pub mmproj: std::path::PathBuf,
 }
+
+/// The median of `v` (sorted in place).
+#[allow(dead_code)] // not every example takes medians
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
