@@ -11,7 +11,7 @@ use std::time::Instant;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
-    Device, Engine, EngineConfig, Overload, Question, Sampling, Stream, StreamConfig, answer_placed, models,
+    Device, Engine, EngineConfig, Overload, Question, Sampling, Stream, StreamConfig, answer_frame, models,
 };
 
 use crate::record::{AnswerRecord, Config, DecodeSplit, LagStats, WorkerMsg};
@@ -95,9 +95,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     };
     let mut engines = vec![];
     for c in configs {
-        let engine = Engine::start(&w.model, c)?;
-        engine.call(|_| ())?; // wait for the engine's calibration run
-        engines.push(engine);
+        engines.push(Engine::start(&w.model, c)?);
     }
     let prompt = Arc::new(Prompt::new(engines[0].model(), DEFAULT_SYSTEM_PROMPT)?);
     let never = Arc::new(AtomicBool::new(false));
@@ -171,9 +169,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
                                 sampling: Sampling::default(),
                                 arrival,
                             };
-                            let result = stream
-                                .wait_version(bound, never)
-                                .and_then(|v| answer_placed(&v, &question, placement, never, |_| {}));
+                            let result = answer_frame(&stream, bound, &question, placement, never, |_| {});
                             let end = Instant::now();
                             let mut record =
                                 AnswerRecord::asked(*gs, index, number, ms(arrival - t0), ms(end - arrival));

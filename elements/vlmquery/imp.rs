@@ -313,7 +313,8 @@ impl VlmQuery {
         Ok(id)
     }
 
-    /// Answer one question (on its own thread): wait for its version, then generate.
+    /// Answer one question (on its own thread): wait for its version (or replay it elsewhere, as
+    /// the placer decides), then generate.
     fn generate(&self, p: &Pending, previous: Option<&Pending>, placement: &str, commit: bool) -> Outcome {
         let q = &p.job.question;
         if let Some(previous) = previous {
@@ -325,9 +326,7 @@ impl VlmQuery {
         let Some(stream) = p.job.stream.clone() else {
             return Outcome::Failed("no video stream has reached vlmquery yet".into());
         };
-        let result = stream
-            .wait_version(p.job.frames, &p.cancel)
-            .and_then(|version| vlm_runtime::answer_placed(&version, q, placement, &p.cancel, |_| {}));
+        let result = vlm_runtime::answer_frame(&stream, p.job.frames, q, placement, &p.cancel, |_| {});
         match result {
             Ok(report) if !report.cancelled => {
                 if commit && let Err(e) = stream.commit(&q.text, &report.token_ids, &p.cancel) {

@@ -18,7 +18,7 @@ use crate::llama::Token;
 use crate::placer;
 use crate::prefill::Prefill;
 use crate::snapshot::Snapshot;
-use crate::stream::{Entry, Version};
+use crate::stream::{Entry, Stream, Version};
 use crate::text::Utf8Stream;
 
 /// Token sampling; greedy (temperature 0) by default so answers reproduce.
@@ -161,6 +161,33 @@ pub fn answer_placed(
     let mut report = answer_on(version, question, &plan.engine, plan.path, cancel, on_text)?;
     report.estimate_ms = Some(plan.total_ms());
     Ok(report)
+}
+
+/// Answer `question` over frame `number` of `stream`: with `placement` = `auto`, a frame still
+/// waiting for ingestion on a lagging resident engine is answered at once by replaying its
+/// history on another engine when the placer finds that sooner
+/// ([`placer::before_publication`]); otherwise this waits for the version and places it
+/// ([`answer_placed`]).
+pub fn answer_frame(
+    stream: &Arc<Stream>,
+    number: u64,
+    question: &Question,
+    placement: &str,
+    cancel: &Arc<AtomicBool>,
+    on_text: impl FnMut(&str),
+) -> Result<AnswerReport> {
+    if placement == "auto"
+        && let Some(pending) = stream.pending_version(number)
+    {
+        let suffix = stream.prompt().question_tokens(stream.engine().model(), &question.text)?.len();
+        if let Some(plan) = placer::before_publication(&pending, suffix, question.max_tokens) {
+            let mut report = answer_on(&pending, question, &plan.engine, plan.path, cancel, on_text)?;
+            report.estimate_ms = Some(plan.total_ms());
+            return Ok(report);
+        }
+    }
+    let version = stream.wait_version(number, cancel)?;
+    answer_placed(&version, question, placement, cancel, on_text)
 }
 
 /// A stored snapshot of exactly `version`, if the prefix cache has one.

@@ -31,7 +31,7 @@ pub mod snapshot;
 pub mod stream;
 pub mod text;
 
-pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer, answer_on, answer_placed};
+pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer, answer_frame, answer_on, answer_placed};
 pub use engine::{DecodeRates, Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use llama::Device;

@@ -9,6 +9,10 @@
 //! its start goes before them, and while it decodes ingestion keeps only its share of the engine),
 //! all from stage rates measured online on each engine (so co-running slowdowns are in them),
 //! not from a fixed CPU < GPU order.
+//!
+//! A question whose frame is still waiting for ingestion on a lagging resident engine may be
+//! answered at once elsewhere, by replaying the retained history there, when that beats the
+//! wait ([`before_publication`]).
 
 use std::sync::Arc;
 
@@ -96,6 +100,23 @@ pub fn estimate(
 /// Leave the resident engine only for a path this much cheaper: estimates are noisy, and a
 /// resident answer moves nothing.
 const MOVE_FACTOR: f64 = 0.8;
+
+/// A path that answers over `pending` (registered, not yet published: its frames wait for
+/// ingestion on the resident engine) at once, by replaying its history on another engine, when
+/// that is cheaper than waiting for the resident engine to publish it and answering there.
+pub fn before_publication(pending: &Version, suffix_tokens: usize, expected_tokens: u32) -> Option<PathEstimate> {
+    let resident = pending.stream.engine();
+    let rates = resident.rates();
+    // The frame is the newest registered, so at worst the last of the resident's queue; then
+    // the question's suffix and its decode there.
+    let there_ms = resident.ingest_backlog_ms()
+        + suffix_tokens as f64 * rates.prefill_ms_per_token
+        + expected_tokens as f64 * rates.decode_ms_per_step;
+    estimate(pending, suffix_tokens, expected_tokens, false)
+        .into_iter()
+        .find(|p| p.path == PreparePath::Replay && !Arc::ptr_eq(&p.engine, resident))
+        .filter(|moved| moved.total_ms() < there_ms * MOVE_FACTOR)
+}
 
 /// The cheapest path, on any engine (`placement` = `auto`) or on the named one.
 pub fn choose(

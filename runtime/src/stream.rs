@@ -621,6 +621,27 @@ impl Stream {
         }
     }
 
+    /// The version of frame `number` before it is published: registered, the newest so far, its
+    /// frames still waiting for ingestion on the resident engine. Its history (the retained
+    /// embeddings) can be replayed on another engine at once; it is the same record that will
+    /// be published, so nothing a reader sees changes. `None` when the frame is published, or is
+    /// not the newest registered.
+    pub fn pending_version(self: &Arc<Self>, number: u64) -> Option<Version> {
+        let t = self.timeline.lock();
+        let r = &t.tail;
+        (t.failed.is_none() && !t.closed && number > t.published && r.number == number && t.registered == number).then(
+            || Version {
+                stream: Arc::clone(self),
+                number,
+                epoch: r.epoch,
+                end: r.end,
+                cells: r.cells,
+                key: r.key,
+                history: Arc::clone(&r.history),
+            },
+        )
+    }
+
     /// Stop accepting frames and wake every waiter.
     pub fn close(&self) {
         self.closing.store(true, Ordering::Release);

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use common::*;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{Engine, EngineConfig, Error, PreparePath, Stream, StreamConfig};
-use vlm_runtime::{answer_on, answer_placed};
+use vlm_runtime::{answer_frame, answer_on, answer_placed};
 
 /// The placer compares measured rates: tests running side by side would skew each other's
 /// measurements, so these run one at a time.
@@ -174,6 +174,34 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
     assert_ne!(moved.path, PreparePath::Resident);
     assert_eq!(moved.text, idle.text);
     busy.join().unwrap().unwrap();
+}
+
+#[test]
+fn a_question_behind_a_lagging_engine_replays_its_frames_on_an_idle_one() {
+    let _serial = serial();
+    let (a, b) = (engine_named("a", false), engine_named("b", false));
+    let enc = encoder();
+    // Six frames of another stream queued on `a` ahead of the one the question needs.
+    let busy = stream_on(&a, &[&a], "busy", 16, true);
+    for v in 0..6 {
+        busy.register(frame(&enc, 40 + v), &never()).unwrap();
+    }
+    let s = stream_on(&a, &[&a, &b], "s", 4, true);
+    s.register(frame(&enc, 1), &never()).unwrap();
+    assert!(s.pending_version(1).is_some(), "frame 1 was already published");
+    let q = question("What is in the picture?", 8);
+    let moved = answer_frame(&s, 1, &q, "auto", &never(), |_| {}).unwrap();
+    assert_eq!((moved.engine.as_str(), moved.path, moved.frames), ("b", PreparePath::Replay, 1), "{moved:?}");
+
+    // The same version, once `a` has ingested it, answers the same on `a`: the replay used the
+    // record that was then published.
+    let published = s.wait_version(1, &never()).unwrap();
+    assert!(s.pending_version(1).is_none());
+    let resident = answer_on(&published, &q, &a, PreparePath::Resident, &never(), |_| {}).unwrap();
+    assert_eq!(resident.text, moved.text);
+    // Nothing queued: the question stays resident.
+    let idle = answer_frame(&s, 1, &q, "auto", &never(), |_| {}).unwrap();
+    assert_eq!((idle.engine.as_str(), idle.path), ("a", PreparePath::Resident), "{idle:?}");
 }
 
 #[test]
