@@ -1,17 +1,94 @@
-//! `vlmcontext`: keeps, per stream, an append-only, versioned language history.
+//! SECTION:element-vlmcontext
+//! @see_also: vlmencode, vlmquery
 //!
-//! Each request sink pad `sink_%u` (one per camera/stream) has a matching `src_%u`. Every frame
+//! `vlmcontext` keeps, per stream, an append-only, versioned language-model history (its KV).
+//! Each request sink pad `sink_%u` (one per camera or stream) has a matching `src_%u`. A frame
 //! that carries embeddings from `vlmencode` is registered the moment it arrives and prefilled
 //! into the stream's KV on the language engine; its version is published only once that prefill
-//! has completed. The buffer goes on downstream at once, marked with its stream and frame number,
-//! so `vlmquery` can bind a question to exactly the history before it.
+//! has completed. The buffer goes on downstream at once, marked with its stream and frame
+//! number, so that `vlmquery` binds a question to exactly the history before it. Frames without
+//! embeddings pass untouched and do not join the history. After each `stream-start`, `src_%u`
+//! sends a sticky custom downstream event `vlm-stream` (`id`, `name`) naming its stream for
+//! `vlmquery`; `vlmcontext` answers `vlmencode`'s `vlm-model` query with its `model`.
 //!
-//! ```text
-//! gst-launch-1.0 videotestsrc num-buffers=100 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf \
-//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! fakesink
+//! Models load inside READY→PAUSED (`Progress` messages, code `load-model`). Engines are
+//! declared by `engines`: `NAME[:cpu|gpu[:THREADS[:CORES]]]` separated by commas, e.g. `cpu,gpu`
+//! or `big:cpu:4:4-7,little:cpu:4:0-3` (CORES: cores and ranges joined by `+`); stream `i` is
+//! resident on engine `i` modulo their number, and `vlmquery`'s placer may answer on any of them.
+//! A GPU engine is llama.cpp's Vulkan device (for Mesa's lavapipe on a machine without a GPU,
+//! set `GGML_VK_VISIBLE_DEVICES=0`).
+//!
+//! When ingestion is `max-pending` frames behind, `overload` applies: `block` holds upstream
+//! (backpressure, for files), `skip` lets the frame pass without joining the history (the
+//! stream's sampling rate falls to what the engine ingests), `auto` skips when upstream is live
+//! and blocks otherwise. When a history would overflow `context-size`, `history-policy=restart`
+//! starts it again from its newest `history-keep` frames (replayed from their embeddings) and
+//! `stop` lets later frames pass without joining it.
+//!
+//! ## Example pipelines
+//!
+//! Timed questions over the re-prefill baseline (`retain=false`: no KV kept, every question
+//! replays its whole history):
+//!
+//! ```sh
+//! gst-launch-1.0 -m videotestsrc num-buffers=150 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf \
+//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf retain=false \
+//!     ! vlmquery name=q max-tokens=16 ! fakesink \
+//!     filesrc location=pipelines/questions.srt ! subparse ! q.query
 //! ```
 //!
-//! `retain=false` keeps no KV: every question re-prefills its whole history (the baseline).
+//! Two streams, one model, two engines pinned to cores 0 and 1 (`pipelines/two-streams.pipeline`
+//! is the same with timed questions):
+//!
+//! ```sh
+//! gst-launch-1.0 -m vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf engines=a:cpu:1:0,b:cpu:1:1 \
+//!     videotestsrc pattern=ball num-buffers=90 ! videoconvert \
+//!     ! vlmencode mmproj=models/test-mmproj-mlp.gguf ! ctx.sink_0 \
+//!     ctx.src_0 ! vlmquery caption-prompt="What do you see?" max-tokens=8 ! fakesink \
+//!     videotestsrc pattern=smpte num-buffers=90 ! videoconvert \
+//!     ! vlmencode mmproj=models/test-mmproj-mlp.gguf ! ctx.sink_1 \
+//!     ctx.src_1 ! vlmquery caption-prompt="What do you see?" max-tokens=8 ! fakesink
+//! ```
+//!
+//! A live source encoded at every frame, faster than the engine ingests: frames are skipped,
+//! with `vlm-overload` messages:
+//!
+//! ```sh
+//! gst-launch-1.0 -m videotestsrc is-live=true num-buffers=90 ! videoconvert \
+//!     ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf overload=skip max-pending=2 ! vlmquery ! fakesink
+//! ```
+//!
+//! ## Properties
+//!
+//! - `model` (string): language-model GGUF. `retain` (true): keep each stream's KV.
+//! - `engines` (`cpu`), `threads` (the machine's cores; an engine's THREADS overrides it).
+//! - `system-prompt`: the system message that starts every history.
+//! - `context-size` (512-131072, 2048): KV cells per stream (history, question and answer).
+//! - `max-streams` (1-64, 2): streams the engines hold KV for. `max-answers` (1-64, 8): answers
+//!   generated at once per engine, each with its own KV sequence of `context-size` cells.
+//! - `max-pending` (1-1024, 2): frames per stream registered but not yet prefilled (the lag
+//!   bound). `overload` (`auto`/`block`/`skip`, `auto`).
+//! - `step-budget-ms` (100): most prefill between two decode steps. `ingest-share` (0-0.9,
+//!   0.25): share of an engine's time ingestion takes while answers are generated.
+//! - `history-policy` (`restart`/`stop`, `restart`), `history-keep` (8).
+//! - `prefix-cache-size` (bytes, 0 = off), `prefix-cache-entries` (16): KV snapshots that let a
+//!   stream or a new session with an identical history import it instead of prefilling.
+//! - Read-only: `frames-skipped`, `max-lag-ms`, `frames-dropped`, `history-restarts`,
+//!   `prefix-cache-hits`, `prefix-cache-misses`, `model-owners`.
+//!
+//! ## Messages
+//!
+//! - `Progress` (`load-model`): start, complete, or error while the model loads.
+//! - Element message `vlm-overload` (`stream`, `policy`, `lag-frames`, `lag-ms`, `skipped`), at
+//!   a stream's first skipped frame and every tenth.
+//! - Element message `vlm-history` (`stream`, `policy`, `frame`, `kept`, `dropped`,
+//!   `restarts`) when `history-policy=restart` restarts a history.
+//! - WARNING when a history is full under `history-policy=stop` (raise `context-size`).
+//! - ERROR when the model or `engines` cannot be used (the message names the file, the
+//!   property or the device), or when a prefill fails.
+//!
+//! Debug category: `vlmcontext`.
 
 use gst::glib;
 use gst::prelude::*;

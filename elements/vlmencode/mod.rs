@@ -1,17 +1,77 @@
-//! `vlmencode`: runs the vision encoder on sampled video frames and attaches the projected
-//! embeddings to them (`VlmFrameMeta`). Video passes through unchanged and in order, so a `tee`
-//! can still display it. Encoding runs on the element's own task, off the streaming thread, with
-//! at most `max-pending` frames waiting for it: then upstream blocks, or with `leaky=true` due
-//! frames pass without embeddings (counted).
+//! SECTION:element-vlmencode
+//! @see_also: vlmcontext, vlmquery
 //!
-//! ```text
-//! gst-launch-1.0 videotestsrc ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=1000000000 \
-//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! fakesink
+//! `vlmencode` runs a vision-language model's vision encoder (and projector) on sampled video
+//! frames and attaches the projected embeddings to each encoded buffer as a `VlmFrameMeta` (a
+//! shared handle: no copy). Video passes through unchanged and in order. Encoding runs on the
+//! element's own task, off the streaming thread, with at most `max-pending` frames waiting:
+//! then upstream blocks, or with `leaky=true` due frames pass without embeddings (counted in
+//! `frames-skipped`). Frames between two due frames (`interval`, `max-rate`) pass without
+//! embeddings. A repeated picture (hash of the visible pixels) is a cache hit: no encode.
+//!
+//! The encoder is libmtmd (`mmproj`, a projector GGUF) on the CPU or llama.cpp's GPU device, or,
+//! in builds with the `rknn` cargo feature, a `.rknn` model on a Rockchip NPU (`rknn-model`).
+//! `backend=auto` takes the NPU when `rknn-model` is set and it initialises, else the GPU when
+//! llama.cpp has one, else the CPU; a fallback from the NPU posts an INFO message
+//! ("vlmencode: NPU unavailable, using ...", the reason in its debug text); `active-backend`
+//! says which runs. The projector needs the language model it feeds: set `model`, or leave it
+//! empty and `vlmencode` asks the downstream `vlmcontext` (custom query `vlm-model`).
+//!
+//! Input: raw video in RGB, BGR, RGBA, RGBx, BGRA, BGRx, ARGB, xRGB, ABGR, xBGR, NV12 or I420
+//! (any stride); output caps are the input caps.
+//!
+//! ## Example pipelines
+//!
+//! One frame a second encoded, periodic captions on the bus (`-m`):
+//!
+//! ```sh
+//! gst-launch-1.0 -m videotestsrc num-buffers=90 ! videoconvert \
+//!     ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=1000000000 \
+//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+//!     ! vlmquery caption-prompt="What do you see?" max-tokens=16 ! fakesink
 //! ```
 //!
-//! The projector needs the language model it feeds (libmtmd checks the embedding width and uses
-//! its vocabulary): set `model`, or leave it empty and `vlmencode` asks the downstream
-//! `vlmcontext` for its `model`.
+//! Encoding alone (every frame of an NV12 stream, `model` set since no `vlmcontext` follows):
+//!
+//! ```sh
+//! gst-launch-1.0 videotestsrc num-buffers=30 ! video/x-raw,format=NV12,width=640,height=480 \
+//!     ! vlmencode mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+//!       interval=0 ! fakesink
+//! ```
+//!
+//! A live source (a camera: `v4l2src` in place of `videotestsrc is-live=true`) sampled at most
+//! twice a second, never blocking the camera:
+//!
+//! ```sh
+//! gst-launch-1.0 -m videotestsrc is-live=true num-buffers=90 ! videoconvert \
+//!     ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 max-rate=2 leaky=true \
+//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+//!     ! vlmquery caption-prompt="What do you see?" caption-interval=1000000000 max-tokens=8 ! fakesink
+//! ```
+//!
+//! ## Properties
+//!
+//! - `mmproj` (string): libmtmd projector GGUF (vision tower + projector).
+//! - `model` (string, empty): language-model GGUF the embeddings feed; empty = ask `vlmcontext`.
+//! - `backend` (`auto`/`cpu`/`gpu`/`rknn`, `auto`); `rknn-model` (string): the `.rknn` encoder.
+//! - `interval` (ns, 1000000000): stream time between encoded frames; 0 = every frame.
+//! - `max-rate` (encodes per second of wall-clock time, 0 = no limit).
+//! - `max-pending` (1-64, 2): frames waiting for or in the encoder before upstream blocks.
+//! - `leaky` (false): when the encoder is full, due frames pass without embeddings instead.
+//! - `cache-entries` (64, 0 = no cache), `cache-bytes` (64 MiB): the embedding cache.
+//! - `threads` (the machine's cores): CPU threads of the encoder.
+//! - Read-only: `active-backend`, `frames-seen`, `frames-encoded`, `frames-skipped`,
+//!   `peak-pending`, `cache-hits`, `cache-misses`, `mean-encode-ms`.
+//!
+//! ## Messages
+//!
+//! - ERROR at READY→PAUSED when `mmproj` (with `backend=rknn`: `rknn-model`) cannot be read,
+//!   and at the first due frame when the encoder cannot load (not a projector, no GPU for
+//!   `backend=gpu`, no RKNN in this build, a projector that does not fit the model); the
+//!   message names the file or the cause, the debug text the element's settings.
+//! - INFO when `backend=auto` falls back from the NPU.
+//!
+//! Debug category: `vlmencode`.
 
 use gst::glib;
 use gst::prelude::*;
