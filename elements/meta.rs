@@ -137,3 +137,27 @@ fn info() -> *const gst::ffi::GstMetaInfo {
     })
     .0
 }
+
+/// Name of the custom meta (`GstCustomMeta`) on every `vlmquery` text buffer: its structure
+/// holds the answer's `id`, `stream` and `status` (`answered`, `cancelled`, `failed`, or
+/// `partial` for a piece streamed with `stream-tokens`). Applications read it with
+/// `gst_buffer_get_custom_meta (buffer, "VlmAnswerMeta")` (Python:
+/// `buffer.get_custom_meta("VlmAnswerMeta").get_structure()`).
+pub const ANSWER_META: &str = "VlmAnswerMeta";
+
+/// Register [`ANSWER_META`] (once, at plugin load).
+pub fn register_answer_meta() {
+    if !gst::meta::CustomMeta::is_registered(ANSWER_META) {
+        gst::meta::CustomMeta::register(ANSWER_META, &[]);
+    }
+}
+
+/// Tag an answer buffer with its question.
+pub fn add_answer_meta(buffer: &mut gst::BufferRef, id: &str, stream: &str, status: &str) {
+    if let Ok(mut meta) = gst::meta::CustomMeta::add(buffer, ANSWER_META) {
+        let s = meta.mut_structure();
+        s.set("id", id);
+        s.set("stream", stream);
+        s.set("status", status);
+    }
+}

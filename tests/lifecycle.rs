@@ -1,6 +1,7 @@
 //! State changes that must always complete: shutdown after a start-up error with every pad
 //! linked (the query pad fed by `subparse` too), fast PLAYING⇄NULL cycles of one pipeline, and
-//! NULL after a stream's `sink_%u` pad was released during ingestion. Each is repeated; a state
+//! NULL after a stream's `sink_%u` pad was released during ingestion, and the model loading in
+//! the background from READY. Each is repeated; a state
 //! change that does not return within its bound fails the test instead of hanging it.
 
 mod common;
@@ -43,6 +44,47 @@ fn shutdown_after_a_start_up_error_always_completes() {
         assert!(wait_error(&pipeline, gst::ClockTime::from_seconds(30)), "run {i}: no error for {broken}");
         set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), &format!("run {i} ({broken})"));
     }
+}
+
+/// The `load-model` Progress messages (type, text) on the bus within `within`, until `until`.
+fn progress_until(
+    bus: &gst::Bus,
+    within: gst::ClockTime,
+    until: gst::ProgressType,
+) -> Vec<(gst::ProgressType, String)> {
+    let mut seen = vec![];
+    while let Some(msg) = bus.timed_pop_filtered(within, &[gst::MessageType::Progress]) {
+        if let gst::MessageView::Progress(p) = msg.view() {
+            let (kind, code, text) = p.get();
+            if code == "load-model" {
+                seen.push((kind, text.to_string()));
+                if kind == until {
+                    break;
+                }
+            }
+        }
+    }
+    seen
+}
+
+#[test]
+fn the_model_loads_in_the_background_from_ready_and_is_not_loaded_again() {
+    let pipeline = launch(
+        "videotestsrc num-buffers=20 ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q ! fakesink",
+    );
+    let bus = pipeline.bus().unwrap();
+    set_state_within(&pipeline, gst::State::Ready, Duration::from_secs(10), "NULL->READY");
+    // Loaded while the pipeline stays in READY: no later state change does it.
+    let loading = progress_until(&bus, gst::ClockTime::from_seconds(60), gst::ProgressType::Complete);
+    assert_eq!(loading.first().map(|p| p.0), Some(gst::ProgressType::Start), "{loading:?}");
+    assert_eq!(loading.last().map(|p| p.0), Some(gst::ProgressType::Complete), "not loaded in READY: {loading:?}");
+    set_state_within(&pipeline, gst::State::Paused, Duration::from_secs(30), "READY->PAUSED");
+    let again = progress_until(&bus, gst::ClockTime::ZERO, gst::ProgressType::Complete);
+    assert!(again.is_empty(), "the model was loaded again: {again:?}");
+    let run = run(&pipeline);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
 }
 
 #[test]

@@ -304,3 +304,39 @@ fn a_downstream_error_stops_vlmencode_with_one_error_and_upstream_never_blocks()
     assert!(!errors.is_empty(), "the failure never reached the bus");
     assert!(from_enc <= 1, "vlmencode posted {from_enc} errors for one failure: {errors:?}");
 }
+
+#[test]
+fn vlmencode_reports_its_slowest_encoding_as_latency() {
+    let pipeline = launch(
+        "videotestsrc is-live=true num-buffers=10 ! video/x-raw,width=160,height=120,framerate=10/1 ! videoconvert \
+         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 \
+         ! fakesink",
+    );
+    let bus = pipeline.bus().unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let mut latency_messages = 0;
+    for msg in bus.iter_timed(gst::ClockTime::from_seconds(60)) {
+        match msg.view() {
+            gst::MessageView::Latency(_) if msg.src().is_some_and(|s| s.name() == "enc") => latency_messages += 1,
+            gst::MessageView::Eos(_) => break,
+            gst::MessageView::Error(e) => panic!("{}", e.error()),
+            _ => (),
+        }
+    }
+    let enc = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
+    let query = |pad: gst::Pad| {
+        let mut q = gst::query::Latency::new();
+        assert!(pad.query(&mut q), "latency query on {}", pad.name());
+        q.result()
+    };
+    let (live, upstream_min, _) = query(enc.static_pad("sink").unwrap().peer().unwrap());
+    let (own_live, min, _) = query(enc.static_pad("src").unwrap());
+    pipeline.set_state(gst::State::Null).unwrap();
+    let mean_ms = enc.property::<f64>("mean-encode-ms");
+    assert!(live && own_live);
+    assert!(mean_ms > 0.0);
+    // The slowest encoding is at least the mean one.
+    let added_ms = (min - upstream_min).nseconds() as f64 / 1e6;
+    assert!(added_ms >= mean_ms, "latency adds {added_ms:.2} ms, mean encoding {mean_ms:.2} ms");
+    assert!(latency_messages >= 1, "no latency message as encoding times became known");
+}

@@ -139,6 +139,42 @@ fn answers_come_out_as_text_lines_or_json_objects() {
 }
 
 #[test]
+fn stream_tokens_pushes_each_answer_as_it_is_generated_with_its_question_id() {
+    let pipeline =
+        launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=32 exact-tokens=true stream-tokens=true ! fakesink"));
+    // (text, id, status) of every buffer on the text pad, from the answer meta.
+    let pushed = Arc::new(Mutex::new(Vec::<(String, String, String)>::new()));
+    let pushed2 = Arc::clone(&pushed);
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    bin.by_name("q").unwrap().static_pad("src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        let buffer = info.buffer().unwrap();
+        let text = String::from_utf8(buffer.map_readable().unwrap().to_vec()).unwrap();
+        let meta =
+            gst::meta::CustomMeta::from_buffer(buffer, gst_vlm_elements::meta::ANSWER_META).expect("answer meta");
+        let field = |name| meta.structure().get::<String>(name).unwrap();
+        pushed2.lock().unwrap().push((text, field("id"), field("status")));
+        gst::PadProbeReturn::Ok
+    });
+    let (run, ids) = run_asking(&pipeline, |n| if n == 2 || n == 4 { vec!["Describe the picture."] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let pushed = pushed.lock().unwrap();
+    for id in ids.lock().unwrap().iter().map(|i| i.clone().expect("accepted")) {
+        let answer = answer_of(&run, &id);
+        let mine: Vec<_> = pushed.iter().filter(|(_, i, _)| *i == id).collect();
+        let (last, pieces) = mine.split_last().expect("buffers for the answer");
+        assert_eq!((last.0.as_str(), last.2.as_str()), ("\n", "answered"), "the answer ends with its newline");
+        assert!(pieces.len() >= 2, "32 tokens came out in one piece: {mine:?}");
+        assert!(pieces.iter().all(|(_, _, status)| status == "partial"));
+        let streamed: String = pieces.iter().map(|(text, _, _)| text.as_str()).collect();
+        assert_eq!(streamed, answer.get::<String>("text").unwrap(), "the pieces make the answer");
+    }
+    // One answer's buffers are not interleaved with another's.
+    let order: Vec<&String> = pushed.iter().map(|(_, id, _)| id).collect();
+    let switches = order.windows(2).filter(|w| w[0] != w[1]).count();
+    assert_eq!(switches, 1, "answers went out interleaved: {order:?}");
+}
+
+#[test]
 fn video_leaves_vlmquery_and_textoverlay_draws_answers_with_its_defaults() {
     // No tee, textoverlay's default wait-text=true: the text pad's GAP events keep the video
     // moving, the answers arrive timestamped where they completed, with a display duration.

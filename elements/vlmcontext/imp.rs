@@ -57,7 +57,7 @@ const DEFAULT_MAX_ANSWERS: u32 = 8;
 /// Cells kept free after the history for a question and its answer.
 const ANSWER_RESERVE: i32 = 256;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 struct Settings {
     model: String,
     retain: bool,
@@ -121,10 +121,15 @@ struct State {
     prompt: Option<Arc<Prompt>>,
 }
 
+/// Engines and prompt loaded for some settings.
+type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
+
 #[derive(Default)]
 pub struct VlmContext {
     settings: Mutex<Settings>,
     state: Mutex<State>,
+    /// The load started at NULL→READY on a worker thread, with the settings it used.
+    loading: Mutex<Option<(Settings, std::thread::JoinHandle<Loaded>)>>,
     pads: Mutex<Vec<Arc<StreamPads>>>,
     /// Kept across sessions (state changes), so a new session with the same history reuses KV.
     prefix_cache: Mutex<Option<Arc<PrefixCache>>>,
@@ -304,8 +309,47 @@ impl VlmContext {
         pads.src.peer_query(query)
     }
 
+    /// Start loading the engines on a worker thread (at NULL→READY), so an application that
+    /// goes to READY early finds them loaded when it starts streaming.
+    fn preload(&self) {
+        let s = self.settings.lock().clone();
+        if s.model.is_empty() {
+            return;
+        }
+        let this = self.ref_counted();
+        let settings = s.clone();
+        match std::thread::Builder::new().name("vlmcontext-load".into()).spawn(move || this.load(&settings)) {
+            Ok(handle) => *self.loading.lock() = Some((s, handle)),
+            Err(e) => gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading at READY->PAUSED"),
+        }
+    }
+
+    /// The preloaded engines if they were loaded with the current settings (else they are
+    /// dropped), waiting for the load to end.
+    fn take_preloaded(&self) -> Option<Loaded> {
+        let (settings, handle) = self.loading.lock().take()?;
+        let loaded = handle.join().ok()?;
+        (settings == *self.settings.lock()).then_some(loaded)
+    }
+
     fn start(&self) -> Result<(), gst::ErrorMessage> {
         let s = self.settings.lock().clone();
+        let (engines, prompt) = match self.take_preloaded() {
+            Some(loaded) => loaded?,
+            None => self.load(&s)?,
+        };
+        let mut cache = self.prefix_cache.lock();
+        let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
+        if cache.as_ref().is_none_or(|c| c.limits() != limits) {
+            *cache = Some(Arc::new(PrefixCache::new(limits.0, limits.1)));
+        }
+        drop(cache);
+        *self.state.lock() = State { engines, prompt: Some(prompt) };
+        Ok(())
+    }
+
+    /// Load the model on every engine `s` names, with `Progress` messages.
+    fn load(&self, s: &Settings) -> Loaded {
         // The message names the cause (the file, the property); the debug text the details.
         let fail = |e: Error| {
             self.progress(gst::ProgressType::Error, &format!("loading {} failed", s.model));
@@ -346,18 +390,11 @@ impl VlmContext {
         }
         let prompt = Prompt::new(engines[0].model(), &s.system_prompt)
             .map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ("{}", e), ["vlmcontext model={}", s.model]))?;
-        let mut cache = self.prefix_cache.lock();
-        let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
-        if cache.as_ref().is_none_or(|c| c.limits() != limits) {
-            *cache = Some(Arc::new(PrefixCache::new(limits.0, limits.1)));
-        }
-        drop(cache);
-        *self.state.lock() = State { engines, prompt: Some(Arc::new(prompt)) };
         self.progress(gst::ProgressType::Complete, &format!("{} loaded", s.model));
-        Ok(())
+        Ok((engines, Arc::new(prompt)))
     }
 
-    /// A `Progress` message about model loading (it runs inside READY→PAUSED).
+    /// A `Progress` message about model loading.
     fn progress(&self, kind: gst::ProgressType, text: &str) {
         let msg = gst::message::Progress::builder(kind, "load-model", text).src(&*self.obj()).build();
         let _ = self.obj().post_message(msg);
@@ -711,6 +748,7 @@ impl ElementImpl for VlmContext {
 
     fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
         match transition {
+            gst::StateChange::NullToReady => self.preload(),
             gst::StateChange::ReadyToPaused => {
                 if let Err(e) = self.start() {
                     self.post_error_message(e);
@@ -721,6 +759,8 @@ impl ElementImpl for VlmContext {
                 }
             }
             gst::StateChange::PausedToReady => self.stop(),
+            // A load still running is waited for and dropped (its engines stop).
+            gst::StateChange::ReadyToNull => drop(self.take_preloaded()),
             _ => (),
         }
         self.parent_change_state(transition)

@@ -117,6 +117,8 @@ struct Stats {
     /// Due frames not encoded because of max-rate or, when leaky, a full encoder.
     skipped: u64,
     encode_ms_total: f64,
+    /// The slowest encoding so far (ms): the latency this element reports.
+    slowest_ms: f64,
     /// Most due frames ever waiting for the encoder at once.
     peak_pending: usize,
 }
@@ -453,8 +455,32 @@ impl VlmEncode {
             let mut st = self.stats.lock();
             st.encoded += 1;
             st.encode_ms_total += ms;
+            // Frames leave an encoding later: a live pipeline must know, or its sinks drop them.
+            // Grown by a quarter or more, the latency is reported again.
+            let grown = ms > st.slowest_ms * 1.25;
+            st.slowest_ms = st.slowest_ms.max(ms);
+            drop(st);
+            if grown {
+                gst::debug!(CAT, imp = self, "latency now {ms:.1} ms (slowest encoding)");
+                let _ = self.obj().post_message(gst::message::Latency::builder().src(&*self.obj()).build());
+            }
         }
         Ok(())
+    }
+
+    /// The latency query: upstream's, plus the slowest encoding seen (frames leave after it).
+    fn src_query(&self, pad: &gst::Pad, query: &mut gst::QueryRef) -> bool {
+        let gst::QueryViewMut::Latency(latency) = query.view_mut() else {
+            return gst::Pad::query_default(pad, Some(&*self.obj()), query);
+        };
+        let mut upstream = gst::query::Latency::new();
+        if !self.sinkpad.peer_query(&mut upstream) {
+            return false;
+        }
+        let (live, min, max) = upstream.result();
+        let own = gst::ClockTime::from_nseconds((self.stats.lock().slowest_ms * 1e6) as u64);
+        latency.set(live, min + own, max.map(|m| m + own));
+        true
     }
 
     fn start(&self) -> Result<(), gst::ErrorMessage> {
@@ -495,6 +521,9 @@ impl ObjectSubclass for VlmEncode {
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();
         let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
+            .query_function(|pad, parent, query| {
+                VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.src_query(pad, query))
+            })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();
         VlmEncode {

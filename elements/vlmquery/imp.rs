@@ -51,6 +51,7 @@ struct Settings {
     placement: String,
     max_tokens: u32,
     exact_tokens: bool,
+    stream_tokens: bool,
     output_format: OutputFormat,
     answer_duration: u64,
     caption_prompt: String,
@@ -66,6 +67,7 @@ impl Default for Settings {
             placement: "auto".into(),
             max_tokens: DEFAULT_MAX_TOKENS,
             exact_tokens: false,
+            stream_tokens: false,
             output_format: OutputFormat::Text,
             answer_duration: DEFAULT_ANSWER_DURATION,
             caption_prompt: String::new(),
@@ -99,6 +101,10 @@ struct Pending {
     cancel: Arc<AtomicBool>,
     /// Filled by the answering thread (and taken by the source pad's task).
     outcome: Mutex<Option<Outcome>>,
+    /// With `stream-tokens`: text generated and not yet pushed (taken by the source pad's task).
+    partial: Mutex<String>,
+    /// Whether some of its text went out before the answer ended.
+    streamed: AtomicBool,
     /// Set once the answering thread has its outcome (and, with ordered commits, committed).
     finished: AtomicBool,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -286,6 +292,8 @@ impl VlmQuery {
             job: Job { stream, ..job },
             cancel: Arc::new(AtomicBool::new(false)),
             outcome: Mutex::new(None),
+            partial: Mutex::new(String::new()),
+            streamed: AtomicBool::new(false),
             finished: AtomicBool::new(false),
             thread: Mutex::new(None),
         });
@@ -326,7 +334,14 @@ impl VlmQuery {
         let Some(stream) = p.job.stream.clone() else {
             return Outcome::Failed("no video stream has reached vlmquery yet".into());
         };
-        let result = vlm_runtime::answer_frame(&stream, p.job.frames, q, placement, &p.cancel, |_| {});
+        let stream_tokens = self.settings.lock().stream_tokens;
+        let result = vlm_runtime::answer_frame(&stream, p.job.frames, q, placement, &p.cancel, |piece| {
+            if stream_tokens {
+                p.partial.lock().push_str(piece);
+                let _shared = self.shared.lock();
+                self.changed.notify_all();
+            }
+        });
         match result {
             Ok(report) if !report.cancelled => {
                 if commit && let Err(e) = stream.commit(&q.text, &report.token_ids, &p.cancel) {
@@ -638,6 +653,8 @@ impl VlmQuery {
     /// one (answers go out in question order), or EOS after the last one.
     fn task_iteration(&self) {
         enum Next {
+            /// Text of the oldest answer generated so far (`stream-tokens`).
+            Partial(Arc<Pending>, Option<gst::ClockTime>),
             Answer(Arc<Pending>, Option<gst::ClockTime>),
             Gap(gst::ClockTime, gst::ClockTime),
             Eos,
@@ -650,17 +667,26 @@ impl VlmQuery {
                     let _ = self.srcpad.pause_task();
                     return;
                 }
+                // An answer (or a piece of it) is shown from where the video is when it came:
+                // the end of the newest frame (the next frame is the first that can show it).
+                let shown_at = |shared: &mut Shared, p: &Pending| {
+                    let at = shared.video.end.or(p.job.pts);
+                    if let Some(at) = at {
+                        let end = at + gst::ClockTime::from_nseconds(self.settings.lock().answer_duration);
+                        shared.text_position = shared.text_position.max(Some(end));
+                    }
+                    at
+                };
                 match shared.pending.front() {
-                    // An answer is shown from where the video is when it completed: the end of
-                    // the newest frame (the next frame is the first that can show it).
                     Some(p) if p.outcome.lock().is_some() => {
                         let p = shared.pending.pop_front().expect("front");
-                        let at = shared.video.end.or(p.job.pts);
-                        if let Some(at) = at {
-                            let end = at + gst::ClockTime::from_nseconds(self.settings.lock().answer_duration);
-                            shared.text_position = shared.text_position.max(Some(end));
-                        }
+                        let at = shown_at(&mut shared, &p);
                         break Next::Answer(p, at);
+                    }
+                    Some(p) if !p.partial.lock().is_empty() => {
+                        let p = Arc::clone(p);
+                        let at = shown_at(&mut shared, &p);
+                        break Next::Partial(p, at);
                     }
                     None if shared.eos => break Next::Eos,
                     _ => (),
@@ -683,6 +709,10 @@ impl VlmQuery {
                 self.srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
                 return;
             }
+            Next::Partial(p, at) => {
+                self.push_partial(&p, at);
+                return;
+            }
             Next::Answer(p, at) => Some((p, at)),
             Next::Eos => None,
         };
@@ -695,27 +725,58 @@ impl VlmQuery {
         if let Some(t) = p.thread.lock().take() {
             let _ = t.join();
         }
+        // The last pieces, generated after the task last looked.
+        let streamed = self.push_partial(&p, at);
         let outcome = p.outcome.lock().take().expect("checked above");
         let answered = matches!(outcome, Outcome::Answered(_));
         let message = self.post_answer(&p, outcome);
-        let (format, duration) = {
-            let s = self.settings.lock();
-            (s.output_format, s.answer_duration)
-        };
-        let line = match format {
+        let status = message.get::<String>("status").unwrap_or_default();
+        let line = match self.settings.lock().output_format {
+            // Streamed text ends with the newline alone, so the text pad's bytes are the same.
+            OutputFormat::Text if streamed => "\n".to_owned(),
             OutputFormat::Text if answered => message.get::<String>("text").unwrap_or_default() + "\n",
             OutputFormat::Text => return,
             OutputFormat::Json => json_line(&message),
         };
-        let mut buffer = gst::Buffer::from_mut_slice(line.into_bytes());
+        *self.answered.lock() += 1;
+        self.push_text(&p, at, line, &status);
+    }
+
+    /// With `stream-tokens`: push the text of `p` generated since the last push (text mode: the
+    /// text itself; json: an object with `status` `partial`). Returns whether `p` streamed any.
+    fn push_partial(&self, p: &Pending, at: Option<gst::ClockTime>) -> bool {
+        let piece = std::mem::take(&mut *p.partial.lock());
+        if !piece.is_empty() {
+            let line = match self.settings.lock().output_format {
+                OutputFormat::Text => piece,
+                OutputFormat::Json => json_line(
+                    &gst::Structure::builder("vlm-answer")
+                        .field("id", &p.job.question.id)
+                        .field("stream", p.job.stream.as_ref().map_or("", |s| s.name()))
+                        .field("status", "partial")
+                        .field("text", piece)
+                        .build(),
+                ),
+            };
+            p.streamed.store(true, Ordering::Release);
+            self.push_text(p, at, line, "partial");
+        }
+        p.streamed.load(Ordering::Acquire)
+    }
+
+    /// Push one text buffer of `p`'s answer, shown from `at` for `answer-duration`, with the
+    /// answer meta naming its question.
+    fn push_text(&self, p: &Pending, at: Option<gst::ClockTime>, text: String, status: &str) {
+        let duration = self.settings.lock().answer_duration;
+        let mut buffer = gst::Buffer::from_mut_slice(text.into_bytes());
         {
             let buffer = buffer.get_mut().unwrap();
             buffer.set_pts(at);
             buffer.set_duration(gst::ClockTime::from_nseconds(duration));
+            let stream = p.job.stream.as_ref().map_or("", |s| s.name());
+            crate::meta::add_answer_meta(buffer, &p.job.question.id, stream, status);
         }
-        let result = self.srcpad.push(buffer);
-        *self.answered.lock() += 1;
-        if let Err(e) = result {
+        if let Err(e) = self.srcpad.push(buffer) {
             self.flow_error(e);
         }
     }
@@ -906,6 +967,12 @@ impl ObjectImpl for VlmQuery {
                     .default_value(false)
                     .mutable_playing()
                     .build(),
+                glib::ParamSpecBoolean::builder("stream-tokens")
+                    .nick("Stream tokens")
+                    .blurb("Push each answer's text as it is generated (live captions): text mode sends the pieces and then the newline, json mode one object per piece with status \"partial\" and then the whole answer; the oldest answer streams, later ones follow in question order")
+                    .default_value(false)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecEnum::builder_with_default("output-format", OutputFormat::Text)
                     .nick("Output format")
                     .blurb("What the src pad carries: text (each answer's text and a newline) or json (one object a line with the vlm-answer fields, every outcome included)")
@@ -1012,6 +1079,7 @@ impl ObjectImpl for VlmQuery {
             }
             "max-tokens" => s.max_tokens = value.get().unwrap(),
             "exact-tokens" => s.exact_tokens = value.get().unwrap(),
+            "stream-tokens" => s.stream_tokens = value.get().unwrap(),
             "output-format" => s.output_format = value.get().unwrap(),
             "answer-duration" => s.answer_duration = value.get().unwrap(),
             "caption-prompt" => s.caption_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
@@ -1033,6 +1101,7 @@ impl ObjectImpl for VlmQuery {
             "placement" => s.placement.to_value(),
             "max-tokens" => s.max_tokens.to_value(),
             "exact-tokens" => s.exact_tokens.to_value(),
+            "stream-tokens" => s.stream_tokens.to_value(),
             "output-format" => s.output_format.to_value(),
             "answer-duration" => s.answer_duration.to_value(),
             "caption-prompt" => s.caption_prompt.to_value(),
