@@ -11,7 +11,9 @@
 //! sends a sticky custom downstream event `vlm-stream` (`id`, `name`) naming its stream for
 //! `vlmquery`; `vlmcontext` answers `vlmencode`'s `vlm-model` query with its `model`.
 //!
-//! Models load inside READY→PAUSED (`Progress` messages, code `load-model`). Engines are
+//! The model starts loading on a worker thread at NULL→READY, and READY→PAUSED waits for that
+//! load (or loads again if the settings changed meanwhile), with `Progress` messages (code
+//! `load-model`); an application that goes to READY early finds the engines loaded. Engines are
 //! declared by `engines`: `NAME[:cpu|gpu[:THREADS[:CORES]]]` separated by commas, e.g. `cpu,gpu`
 //! or `big:cpu:4:4-7,little:cpu:4:0-3` (CORES: cores and ranges joined by `+`); stream `i` is
 //! resident on engine `i` modulo their number, and `vlmquery`'s placer may answer on any of them.
@@ -79,7 +81,8 @@
 //!
 //! ## Messages
 //!
-//! - `Progress` (`load-model`): start, complete, or error while the model loads.
+//! - `Progress` (`load-model`): start, complete, or error while the model loads (from
+//!   NULL→READY on).
 //! - Element message `vlm-overload` (`stream`, `policy`, `lag-frames`, `lag-ms`, `skipped`), at
 //!   a stream's first skipped frame and every tenth.
 //! - Element message `vlm-history` (`stream`, `policy`, `frame`, `kept`, `dropped`,

@@ -70,6 +70,9 @@
 //!   `backend=gpu`, no RKNN in this build, a projector that does not fit the model); the
 //!   message names the file or the cause, the debug text the element's settings.
 //! - INFO when `backend=auto` falls back from the NPU.
+//! - LATENCY when the slowest encoding so far grows by a quarter or more: the latency query is
+//!   answered with upstream's latency plus the slowest encoding seen (frames leave after it), so
+//!   a live pipeline's sinks do not drop them.
 //!
 //! Debug category: `vlmencode`.
 

@@ -24,7 +24,12 @@
 //! sends GAP events up to the newest frame, so overlays and sinks never wait and a non-live
 //! pipeline prerolls at once. `output-format=text` pushes each answered text and a newline (fit
 //! for `filesink`); `json` pushes one object a line with the `vlm-answer` fields, every outcome
-//! included. EOS leaves after the last accepted question's answer.
+//! included. With `stream-tokens=true` the oldest pending answer's text goes out as it is
+//! generated (live captions): text mode pushes the pieces and then the newline, json mode one
+//! object per piece with `status` `partial`, then the whole answer. Every text buffer carries a
+//! custom meta `VlmAnswerMeta` (`id`, `stream`, `status`: `answered`, `cancelled`, `failed` or
+//! `partial`; `gst_buffer_get_custom_meta (buffer, "VlmAnswerMeta")`). EOS leaves after the last
+//! accepted question's answer.
 //!
 //! A question is refused at once, with a WARNING naming the cause, after EOS or when its `id`
 //! was already used; `ask` is also refused (returns NULL) when its text is empty, while
@@ -51,6 +56,14 @@
 //!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=16 \
 //!     q.video_src ! textoverlay name=o ! videoconvert ! autovideosink \
 //!     q.src ! o.text_sink  filesrc location=pipelines/questions.srt ! subparse ! q.query
+//! ```
+//!
+//! Live captions on stdout, each streamed as it is generated:
+//!
+//! ```sh
+//! gst-launch-1.0 -q videotestsrc is-live=true num-buffers=90 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf \
+//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+//!     ! vlmquery caption-prompt="Describe the scene." caption-interval=1000000000 max-tokens=12 stream-tokens=true ! fdsink
 //! ```
 //!
 //! Periodic captions, one JSON line each, into a file:
@@ -86,6 +99,7 @@
 //! - `placement` (`auto`): the placer decides, or an engine's name forces it.
 //! - `max-tokens` (1-4096, 64): most tokens per answer (a question event's `max-tokens`
 //!   overrides it). `exact-tokens` (false): generate exactly `max-tokens` (measurements).
+//! - `stream-tokens` (false): push each answer's text as it is generated.
 //! - `output-format` (`text`/`json`, `text`); `answer-duration` (ns, 5000000000).
 //! - `caption-prompt` (empty = off); `caption-interval` (ns, 10000000000; 0 = every frame that
 //!   joins the history). A caption that finds `max-questions` pending is skipped.
