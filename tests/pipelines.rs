@@ -243,9 +243,22 @@ fn committed_answers_make_later_questions_see_the_conversation() {
     assert_eq!(plain.len(), 3);
     assert_eq!(committed.len(), 3);
     let text = |a: &gst::Structure| a.get::<String>("text").unwrap();
+    let cells = |a: &gst::Structure| a.get::<u32>("history-cells").unwrap();
     // The first question has no earlier answer to see: the same either way.
     assert_eq!(text(&committed[0]), text(&plain[0]));
-    assert_eq!(committed[1].get::<u64>("frames").unwrap(), plain[1].get::<u64>("frames").unwrap());
+    assert_eq!(cells(&committed[0]), cells(&plain[0]));
+    // Later ones see the same frames plus every earlier question and answer: their histories
+    // are longer by at least the answers' tokens.
+    for i in 1..3 {
+        assert_eq!(committed[i].get::<u64>("frames").unwrap(), plain[i].get::<u64>("frames").unwrap());
+        let answered: u32 = committed[..i].iter().map(|a| a.get::<u32>("tokens").unwrap()).sum();
+        assert!(
+            cells(&committed[i]) >= cells(&plain[i]) + answered,
+            "question {i}: history of {} cells with commits, {} without, {answered} tokens answered before",
+            cells(&committed[i]),
+            cells(&plain[i])
+        );
+    }
 }
 
 #[test]

@@ -175,8 +175,9 @@ impl VlmContext {
             prefix_cache: self.prefix_cache.lock().clone(),
             peers: engines,
         };
-        let stream = Stream::open(&engine, prompt, config)
-            .map_err(|e| gst::error_msg!(gst::ResourceError::Failed, ["{}: {}", pads.sink.name(), e]))?;
+        let stream = Stream::open(&engine, prompt, config).map_err(|e| {
+            gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])
+        })?;
         gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
         *slot = Some(Arc::clone(&stream));
         Ok(stream)
@@ -284,7 +285,12 @@ impl VlmContext {
 
     fn sink_event(&self, pads: &StreamPads, event: gst::Event) -> bool {
         match event.view() {
-            gst::EventView::FlushStart(_) => pads.cancel.store(true, Ordering::Release),
+            gst::EventView::FlushStart(_) => {
+                pads.cancel.store(true, Ordering::Release);
+                if let Some(stream) = pads.stream.lock().as_ref() {
+                    stream.wake();
+                }
+            }
             gst::EventView::FlushStop(_) => pads.cancel.store(false, Ordering::Release),
             gst::EventView::StreamStart(_) => {
                 let forwarded = pads.src.push_event(event);

@@ -71,7 +71,7 @@
 //!   generated at once per engine, each with its own KV sequence of `context-size` cells.
 //! - `max-pending` (1-1024, 2): frames per stream registered but not yet prefilled (the lag
 //!   bound). `overload` (`auto`/`block`/`skip`, `auto`).
-//! - `step-budget-ms` (100): most prefill between two decode steps. `ingest-share` (0-0.9,
+//! - `step-budget-ms` (150): most prefill between two decode steps. `ingest-share` (0-0.9,
 //!   0.25): share of an engine's time ingestion takes while answers are generated.
 //! - `history-policy` (`restart`/`stop`, `restart`), `history-keep` (8).
 //! - `prefix-cache-size` (bytes, 0 = off), `prefix-cache-entries` (16): KV snapshots that let a

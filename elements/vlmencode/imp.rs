@@ -179,7 +179,8 @@ impl VlmEncode {
             ModelQuery::model(&q).ok_or_else(|| {
                 gst::error_msg!(
                     gst::LibraryError::Settings,
-                    ["No language model: set vlmencode's 'model' property or link it to a vlmcontext with 'model' set"]
+                    ("No language model: set vlmencode's 'model' property or link it to a vlmcontext with 'model' set"),
+                    ["vlmencode model is empty and no downstream element answered the vlm-model query"]
                 )
             })?
         } else {

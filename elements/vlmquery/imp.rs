@@ -622,6 +622,9 @@ impl VlmQuery {
             shared.flushing = true;
             for p in &shared.pending {
                 p.cancel.store(true, Ordering::Release);
+                if let Some(stream) = &p.job.stream {
+                    stream.wake();
+                }
             }
             self.changed.notify_all();
             std::mem::take(&mut shared.pending)
@@ -836,6 +839,7 @@ impl VlmQuery {
                     .field("text", &r.text)
                     .field("frames", r.frames)
                     .field("frame", r.frame)
+                    .field("history-cells", r.history_cells)
                     .field("engine", &r.engine)
                     .field("path", r.path.name())
                     .field("ttft-ms", r.ttft_ms)

@@ -110,6 +110,9 @@ pub struct AnswerReport {
     pub frames: u64,
     /// Number of the newest frame of the bound version.
     pub frame: u64,
+    /// KV cells of the bound version's history after the prompt (its frames' rows and any
+    /// committed questions and answers).
+    pub history_cells: u32,
     /// Waiting for the bound version to be published.
     pub wait_ms: f64,
     /// Waiting in the engine's queue.
@@ -400,6 +403,7 @@ impl Answer {
             path,
             frames: version.frames(),
             frame: version.number,
+            history_cells: version.history.iter().map(Entry::cells).sum::<i32>() as u32,
             wait_ms: self.wait_ms,
             queue_ms: ms(self.submitted.elapsed()),
             prepare_ms: 0.0,

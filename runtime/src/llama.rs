@@ -128,9 +128,18 @@ pub(crate) fn stop_workers_before_exit() {
 /// Whether llama.cpp has a GPU device (Vulkan by default; Mesa's lavapipe counts only when
 /// GGML_VK_VISIBLE_DEVICES lists it).
 pub fn gpu_available() -> bool {
+    !gpu_device().is_null()
+}
+
+/// llama.cpp's first discrete GPU, else its first integrated one (an RK3588's Mali is
+/// integrated, as libmtmd also accepts); null when it has neither.
+fn gpu_device() -> sys::ggml_backend_dev_t {
     init_backend();
-    // SAFETY: the backend registry is initialised; the call only looks a device up.
-    unsafe { !sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_GPU).is_null() }
+    // SAFETY: the backend registry is initialised; the calls only look devices up.
+    unsafe {
+        let discrete = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_GPU);
+        if discrete.is_null() { sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_IGPU) } else { discrete }
+    }
 }
 
 /// Pin the calling thread (and the OpenMP workers it starts for llama.cpp, which inherit its
@@ -232,7 +241,7 @@ impl Model {
             match device {
                 Device::Cpu => params.n_gpu_layers = 0,
                 Device::Gpu => {
-                    let gpu = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_GPU);
+                    let gpu = gpu_device();
                     if gpu.is_null() {
                         return Err(Error::Config(
                             "no GPU device: llama.cpp found none (for Mesa's lavapipe set GGML_VK_VISIBLE_DEVICES=0)"

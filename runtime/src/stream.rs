@@ -15,7 +15,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -427,8 +427,8 @@ impl Stream {
     }
 
     /// Register a frame now and prefill it asynchronously. Blocks while `max_pending` entries
-    /// are already waiting for their prefill (backpressure), until `cancel` is set or the stream
-    /// closes.
+    /// are already waiting for their prefill (backpressure), until `cancel` is set (then
+    /// [`Stream::wake`]) or the stream closes.
     pub fn register(self: &Arc<Self>, frame: Arc<Frame>, cancel: &AtomicBool) -> Result<Registration> {
         self.append(Entry::Frame(frame), true, cancel)
     }
@@ -460,7 +460,7 @@ impl Stream {
             if cancel.load(Ordering::Acquire) {
                 return Err(Error::Cancelled);
             }
-            self.changed.wait_for(&mut t, Duration::from_millis(50));
+            self.changed.wait(&mut t);
         }
         if let Some(e) = &t.failed {
             return Err(e.clone());
@@ -577,7 +577,8 @@ impl Stream {
     }
 
     /// Wait until the version of frame `number` is published and pin it. Never returns another
-    /// version: a question that needs a registered frame waits for that frame.
+    /// version: a question that needs a registered frame waits for that frame, until `cancel` is
+    /// set (then [`Stream::wake`]), the stream fails or it closes.
     pub fn wait_version(self: &Arc<Self>, number: u64, cancel: &AtomicBool) -> Result<Version> {
         /// Counts a waiting question in the stream's demand while it lives.
         struct Waiting<'a>(&'a AtomicUsize);
@@ -617,7 +618,7 @@ impl Stream {
             if cancel.load(Ordering::Acquire) {
                 return Err(Error::Cancelled);
             }
-            self.changed.wait_for(&mut t, Duration::from_millis(50));
+            self.changed.wait(&mut t);
         }
     }
 
@@ -640,6 +641,13 @@ impl Stream {
                 history: Arc::clone(&r.history),
             },
         )
+    }
+
+    /// Wake every thread waiting on this stream (for a frame's publication or for room under
+    /// `max_pending`), so that it sees the cancel flag its caller has just set.
+    pub fn wake(&self) {
+        let _timeline = self.timeline.lock();
+        self.changed.notify_all();
     }
 
     /// Stop accepting frames and wake every waiter.
