@@ -101,7 +101,9 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     let never = Arc::new(AtomicBool::new(false));
     let mut opened = vec![];
     for (k, &gs) in streams.iter().enumerate() {
-        let resident = &engines[k % engines.len()];
+        // vlmcontext's choice: where the stream's ingestion costs least (P: one stream per engine
+        // when they are alike).
+        let resident = vlm_runtime::placer::resident_engine(&engines).unwrap_or(&engines[k % engines.len()]);
         let config = StreamConfig {
             retain: spec.config != Config::B0,
             answer_reserve: answer_reserve as i32,

@@ -116,7 +116,8 @@ struct StreamPads {
 
 #[derive(Default)]
 struct State {
-    /// The language engines; stream `i` is resident on engine `i % n`.
+    /// The language engines; a stream lives on the one where its ingestion costs least
+    /// (`placer::resident_engine`).
     engines: Vec<Arc<Engine>>,
     prompt: Option<Arc<Prompt>>,
 }
@@ -146,15 +147,16 @@ impl VlmContext {
         if let Some(s) = slot.as_ref() {
             return Ok(Arc::clone(s));
         }
-        let index = pads.sink.name().trim_start_matches("sink_").parse::<usize>().unwrap_or(0);
         let (engine, engines, prompt) = {
             let st = self.state.lock();
-            match &st.prompt {
-                Some(p) if !st.engines.is_empty() => {
-                    (Arc::clone(&st.engines[index % st.engines.len()]), st.engines.clone(), Arc::clone(p))
-                }
-                _ => return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"])),
-            }
+            let Some(p) = &st.prompt else {
+                return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"]));
+            };
+            // Where its frames are ingested soonest; with every engine full, the first one's
+            // refusal names the limit.
+            let resident = vlm_runtime::placer::resident_engine(&st.engines).or(st.engines.first());
+            let resident = resident.ok_or_else(|| gst::error_msg!(gst::CoreError::StateChange, ["no engine"]))?;
+            (Arc::clone(resident), st.engines.clone(), Arc::clone(p))
         };
         let settings = self.settings.lock().clone();
         let config = StreamConfig {
@@ -546,7 +548,7 @@ impl ObjectImpl for VlmContext {
                     .build(),
                 glib::ParamSpecString::builder("engines")
                     .nick("Engines")
-                    .blurb("Language engines, NAME[:cpu|gpu[:THREADS[:CORES]]] separated by commas (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3); stream i is resident on engine i modulo their number, and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
+                    .blurb("Language engines, NAME[:cpu|gpu[:THREADS[:CORES]]] separated by commas (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3); a stream lives on the engine where its frames are ingested soonest (measured prefill rate x streams already there), and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
                     .default_value(Some("cpu"))
                     .mutable_ready()
                     .build(),

@@ -639,16 +639,22 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
     }
 }
 
-/// Seed the stage rates with a short run on a scratch branch: 32 tokens of prefill, 6 decode
-/// steps, one export and import.
+/// Seed the stage rates with a short run on a scratch branch: 32 tokens of prefill (twice), 6
+/// decode steps, one export and import.
 fn calibrate(w: &mut Worker) {
     let Some(seq) = w.free_branches.last().copied() else { return };
     let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
-    let t = Instant::now();
-    if w.ctx.decode_tokens(&tokens, 0, seq, true).is_err() {
-        return;
+    // The faster of two prefills: a GPU backend builds its pipelines on the first one.
+    let mut fastest = f64::INFINITY;
+    for _ in 0..2 {
+        w.ctx.seq_clear(seq);
+        let t = Instant::now();
+        if w.ctx.decode_tokens(&tokens, 0, seq, true).is_err() {
+            return;
+        }
+        fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
     }
-    w.record(Stage::Prefill, tokens.len(), t.elapsed().as_secs_f64() * 1e3);
+    w.record(Stage::Prefill, tokens.len(), fastest);
     // The fastest of 6 steps: the first builds its graph, and engines starting together slow
     // each other's first steps; a slow seed would make an idle engine look busy to the placer.
     let mut fastest = f64::INFINITY;
@@ -872,6 +878,12 @@ impl Engine {
     pub(crate) fn generate(&self, generation: Box<dyn Generation>, start_ms: f64) -> Result<()> {
         *self.shared.start_backlog.lock() += start_ms;
         self.send(Job::Generate(generation, start_ms)).inspect_err(|_| *self.shared.start_backlog.lock() -= start_ms)
+    }
+
+    /// Streams resident here now, and stream sequences still free.
+    pub fn stream_slots(&self) -> (usize, usize) {
+        let free = self.free_streams.lock().len();
+        (self.config.max_streams as usize - free, free)
     }
 
     /// Reserve a stream sequence.
