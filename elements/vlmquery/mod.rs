@@ -89,7 +89,8 @@
 //! Every accepted question ends in exactly one element message `vlm-answer`: `id`, `question`,
 //! `text`, `status` (`answered`; `cancelled` by a flush or stop, or `failed`, both with a
 //! `reason`), `stream`, `frames` (history length of the bound version), `frame` (its newest
-//! frame), `engine`, `path` (`resident`, `import` or `replay`), `ttft-ms` and `wait-ms` (from the
+//! frame), `history-cells` (KV cells of its history after the prompt: frames and committed
+//! answers; answered questions only), `engine`, `path` (`resident`, `import` or `replay`), `ttft-ms` and `wait-ms` (from the
 //! question's arrival), `queue-ms`, `prepare-ms`, `tokens`, `total-ms`, `estimate-ms` (the
 //! placer's, -1 when none), `lag-frames` and `lag-ms` (the stream's ingestion lag when the
 //! question arrived), `pts`. A failed question also posts a WARNING.
