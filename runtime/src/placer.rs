@@ -122,7 +122,7 @@ fn least_loaded(loads: &[(f64, usize, usize)]) -> Option<usize> {
         .iter()
         .enumerate()
         .filter(|(_, l)| l.2 > 0)
-        .min_by(|(i, a), (j, b)| cost(a).total_cmp(&cost(b)).then(i.cmp(j)))
+        .min_by(|(_, a), (_, b)| cost(a).total_cmp(&cost(b)))
         .map(|(i, _)| i)
 }
 
