@@ -5,6 +5,7 @@ use std::sync::LazyLock;
 
 pub mod events;
 pub mod meta;
+pub mod text;
 pub mod vlmcontext;
 pub mod vlmencode;
 pub mod vlmquery;

@@ -11,6 +11,7 @@ use vlm_runtime::{AnswerReport, Lag, Question, Sampling, Stream};
 
 use crate::events::{QuestionEvent, StreamEvent};
 use crate::meta::VlmFrameMeta;
+use crate::text::{question_text, without_nul};
 
 pub(crate) static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new("vlmquery", gst::DebugColorFlags::empty(), Some("gst-vlm question answering"))
@@ -120,6 +121,9 @@ struct Video {
     frames: VecDeque<(Option<gst::ClockTime>, Option<gst::ClockTime>, u64)>,
     /// Running time of the newest video buffer, registered or not.
     running_time: Option<gst::ClockTime>,
+    /// The newest video buffer had no timestamp: a timed question cannot be matched to the
+    /// video's time and binds to the newest frame instead of waiting for the video to pass it.
+    untimed: bool,
     /// Timestamp (in the video segment) of the newest video buffer, and where it ends.
     pts: Option<gst::ClockTime>,
     end: Option<gst::ClockTime>,
@@ -178,21 +182,6 @@ pub struct VlmQuery {
     shared: Mutex<Shared>,
     changed: Condvar,
     answered: Mutex<u64>,
-}
-
-/// Text of a `pango-markup` buffer: tags removed, entities decoded.
-fn strip_markup(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut in_tag = false;
-    for c in s.chars() {
-        match c {
-            '<' => in_tag = true,
-            '>' if in_tag => in_tag = false,
-            c if !in_tag => out.push(c),
-            _ => (),
-        }
-    }
-    out.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", "\"").replace("&apos;", "'").replace("&amp;", "&")
 }
 
 /// One line of JSON with a message's fields (strings, numbers, the pts in nanoseconds or null).
@@ -401,6 +390,7 @@ impl VlmQuery {
         if rt.is_some() {
             shared.video.running_time = rt;
         }
+        shared.video.untimed = rt.is_none();
         if let Some(pts) = buffer.pts() {
             shared.video.pts = Some(pts);
             shared.video.end = Some(pts + buffer.duration().unwrap_or(gst::ClockTime::ZERO));
@@ -522,13 +512,12 @@ impl VlmQuery {
 
     fn query_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
         let map = buffer.map_readable().map_err(|_| gst::FlowError::Error)?;
-        let Ok(raw) = std::str::from_utf8(&map) else {
+        let mut shared = self.shared.lock();
+        let Ok(text) = question_text(&map, shared.query_markup) else {
+            drop(shared);
             gst::element_imp_warning!(self, gst::StreamError::Format, ["question buffer is not UTF-8; ignored"]);
             return self.flow();
         };
-        let mut shared = self.shared.lock();
-        let text = if shared.query_markup { strip_markup(raw) } else { raw.to_owned() };
-        let text = text.trim().to_owned();
         drop(map);
         if text.is_empty() {
             drop(shared);
@@ -542,6 +531,7 @@ impl VlmQuery {
                 while !shared.flushing
                     && !shared.query_flushing
                     && !shared.video.eos
+                    && !shared.video.untimed
                     && shared.video.running_time.is_none_or(|rt| rt <= t)
                 {
                     self.changed.wait(&mut shared);
@@ -549,7 +539,7 @@ impl VlmQuery {
                 if shared.flushing || shared.query_flushing {
                     return Err(gst::FlowError::Flushing);
                 }
-                shared.video.at(t)
+                if shared.video.untimed { shared.video.newest() } else { shared.video.at(t) }
             }
             None => shared.video.newest(),
         };
@@ -757,7 +747,7 @@ impl VlmQuery {
                         .field("id", &p.job.question.id)
                         .field("stream", p.job.stream.as_ref().map_or("", |s| s.name()))
                         .field("status", "partial")
-                        .field("text", piece)
+                        .field("text", without_nul(&piece).as_ref())
                         .build(),
                 ),
             };
@@ -836,7 +826,7 @@ impl VlmQuery {
                     r.text
                 );
                 msg.field("status", "answered")
-                    .field("text", &r.text)
+                    .field("text", without_nul(&r.text).as_ref())
                     .field("frames", r.frames)
                     .field("frame", r.frame)
                     .field("history-cells", r.history_cells)
@@ -885,7 +875,9 @@ impl VlmQuery {
         // Still flushing until READY->PAUSED starts again: a chain function woken by the flush
         // (the query pad's, waiting for the video) must see it and return, or deactivating its
         // pad would wait for it forever.
-        *self.shared.lock() = Shared { flushing: true, ..Shared::default() };
+        // Generated ids go on counting: an id is unique for the element's whole life.
+        let mut shared = self.shared.lock();
+        *shared = Shared { flushing: true, next_id: shared.next_id, ..Shared::default() };
     }
 }
 
@@ -1178,19 +1170,11 @@ impl ElementImpl for VlmQuery {
         }
         let ret = self.parent_change_state(transition)?;
         if transition == gst::StateChange::ReadyToPaused {
-            *self.shared.lock() = Shared::default();
+            let mut shared = self.shared.lock();
+            *shared = Shared { next_id: shared.next_id, ..Shared::default() };
+            drop(shared);
             self.start_task();
         }
         Ok(ret)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::strip_markup;
-
-    #[test]
-    fn markup_is_stripped() {
-        assert_eq!(strip_markup("<i>Where is</i> the <b>ball</b> &amp; box?"), "Where is the ball & box?");
     }
 }

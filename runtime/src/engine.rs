@@ -123,68 +123,21 @@ impl EngineConfig {
     /// Engines from a list such as `cpu`, `cpu,gpu` or `big:cpu:4:4-7,little:cpu:4:0-3`: each
     /// entry is `NAME[:DEVICE[:THREADS[:CORES]]]`, DEVICE `cpu` or `gpu` (default: `gpu` for a name
     /// starting with "gpu", else `cpu`), THREADS defaulting to `base.threads`, CORES a list of
-    /// cores and ranges joined by `+` (`0-3`, `4+6`). Other fields come from `base`.
+    /// cores and ranges joined by `+` (`0-3`, `4+6`). Other fields come from `base`. The parsing
+    /// itself is [`crate::engine_spec::parse_list`].
     pub fn parse_list(spec: &str, base: &EngineConfig) -> Result<Vec<EngineConfig>> {
-        let mut engines: Vec<EngineConfig> = vec![];
-        for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let bad = |why: &str| {
-                Error::Config(format!("engine \"{entry}\": {why} (expected NAME[:cpu|gpu[:THREADS[:CORES]]])"))
-            };
-            let mut parts = entry.split(':');
-            let name = parts.next().unwrap_or_default();
-            if name.is_empty()
-                || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-                || name == "auto"
-            {
-                return Err(bad("invalid name"));
-            }
-            let device = match parts.next() {
-                None if name.starts_with("gpu") => Device::Gpu,
-                None | Some("cpu") => Device::Cpu,
-                Some("gpu") => Device::Gpu,
-                Some(_) => return Err(bad("unknown device")),
-            };
-            let threads = match parts.next() {
-                None => base.threads,
-                Some(t) => {
-                    t.parse::<i32>().ok().filter(|t| (1..=256).contains(t)).ok_or_else(|| bad("bad thread count"))?
-                }
-            };
-            let cores = match parts.next() {
-                None => Vec::new(),
-                Some(list) => parse_cores(list).ok_or_else(|| bad("bad core list"))?,
-            };
-            if parts.next().is_some() {
-                return Err(bad("too many fields"));
-            }
-            if engines.iter().any(|e| e.name == name) {
-                return Err(bad("duplicate name"));
-            }
-            engines.push(EngineConfig { name: name.into(), device, threads, cores, ..base.clone() });
-        }
-        if engines.is_empty() {
-            return Err(Error::Config("no engine configured".into()));
-        }
-        Ok(engines)
+        let specs = crate::engine_spec::parse_list(spec).map_err(Error::Config)?;
+        Ok(specs
+            .into_iter()
+            .map(|e| EngineConfig {
+                name: e.name,
+                device: if e.gpu { Device::Gpu } else { Device::Cpu },
+                threads: e.threads.unwrap_or(base.threads),
+                cores: e.cores,
+                ..base.clone()
+            })
+            .collect())
     }
-}
-
-/// Cores such as `0-3`, `4+6` or `0-1+4`.
-fn parse_cores(list: &str) -> Option<Vec<usize>> {
-    let mut cores = vec![];
-    for part in list.split('+') {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b) = (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?);
-                if a > b {
-                    return None;
-                }
-                cores.extend(a..=b);
-            }
-            None => cores.push(part.parse().ok()?),
-        }
-    }
-    Some(cores)
 }
 
 /// What a job sees on the engine thread.

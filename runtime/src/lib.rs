@@ -17,6 +17,7 @@ pub mod answer;
 pub mod cache;
 pub mod encoder;
 pub mod engine;
+pub mod engine_spec;
 pub mod error;
 mod gguf;
 pub mod llama;

@@ -1,0 +1,666 @@
+//! Bad input, through real pipelines: each case asserts its defined outcome (an error or a
+//! warning on the bus naming the cause, or a clean answer), and every wait is bounded, so a
+//! crash or a hang fails the test instead of stopping it. docs/reliability.md lists the cases
+//! and their outcomes.
+//!
+//! - media: a resolution change and a format change mid-stream, tiny (2x2) and large (1920x1080)
+//!   frames, buffers without timestamps (a timed question then binds to the newest frame), a
+//!   GAP event and a discontinuity;
+//! - questions: 1 MiB of text, invalid UTF-8 on the query pad, `max-tokens` 1000000, a question
+//!   longer than the context, a burst of 1000 `ask` calls against `max-questions`;
+//! - lifecycle: a flushing seek mid-answer, two pipelines sharing one model file, a history
+//!   that overflows on one stream and an engine fault on one stream while the other answers.
+
+mod common;
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use common::*;
+use gst::prelude::*;
+use gst_video::VideoFormat;
+use gst_vlm_elements::events::QuestionEvent;
+use gst_vlm_elements::meta::VlmFrameMeta;
+
+/// One test at a time: the cases measure nothing, but on a 2-core machine parallel model loads
+/// and answers make every bound below needlessly loose.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Run `f` on another thread; fail if it does not return within `within`.
+fn within<T: Send + 'static>(within: Duration, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(within).unwrap_or_else(|_| panic!("{what} did not return within {within:?}"))
+}
+
+fn set_state(pipeline: &gst::Element, state: gst::State, what: &str) {
+    let p = pipeline.clone();
+    let _ = within(Duration::from_secs(30), &format!("{what}: the change to {state:?}"), move || p.set_state(state));
+}
+
+/// What a pipeline's bus said, gathered as the test goes.
+#[derive(Default, Debug)]
+struct Log {
+    answers: Vec<gst::Structure>,
+    warnings: Vec<String>,
+    /// "source: message (debug)".
+    errors: Vec<String>,
+    eos: bool,
+}
+
+impl Log {
+    fn record(&mut self, msg: &gst::Message) {
+        let src = msg.src().map(|s| s.name().to_string()).unwrap_or_default();
+        match msg.view() {
+            gst::MessageView::Error(e) => self.errors.push(format!("{src}: {} ({:?})", e.error(), e.debug())),
+            gst::MessageView::Warning(w) => self.warnings.push(format!("{src}: {} ({:?})", w.error(), w.debug())),
+            gst::MessageView::Eos(_) => self.eos = true,
+            gst::MessageView::Element(e) => {
+                if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer") {
+                    // Ids are unique per element: keep which one answered.
+                    let mut s = s.to_owned();
+                    s.set("element", src);
+                    self.answers.push(s);
+                }
+            }
+            _ => (),
+        }
+    }
+
+    /// Read `bus` until `done` holds (true) or `limit` has passed (false).
+    fn pump(&mut self, bus: &gst::Bus, limit: Duration, done: impl Fn(&Log) -> bool) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if done(self) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            match bus.timed_pop(gst::ClockTime::from_nseconds(left.as_nanos() as u64)) {
+                Some(msg) => self.record(&msg),
+                None => return done(self),
+            }
+        }
+    }
+
+    fn answers_to(&self, id: &str) -> Vec<&gst::Structure> {
+        self.answers.iter().filter(|a| a.get::<String>("id").ok().as_deref() == Some(id)).collect()
+    }
+
+    /// The answers of element `q` to question `id`.
+    fn answers_of(&self, q: &gst::Element, id: &str) -> Vec<&gst::Structure> {
+        let name = q.name();
+        self.answers_to(id).into_iter().filter(|a| a.get::<String>("element").ok().as_deref() == Some(&*name)).collect()
+    }
+}
+
+fn field<T: for<'a> gst::glib::value::FromValue<'a> + 'static>(a: &gst::Structure, name: &str) -> T {
+    a.get::<T>(name).ok().unwrap_or_else(|| panic!("vlm-answer field {name} missing or mistyped: {a}"))
+}
+
+fn status(a: &gst::Structure) -> String {
+    field::<String>(a, "status")
+}
+
+/// A picture of `format` at `width` x `height`, its bytes varied by `variant`.
+fn picture(format: VideoFormat, width: u32, height: u32, variant: u64) -> gst::Buffer {
+    let info = gst_video::VideoInfo::builder(format, width, height).build().unwrap();
+    let data: Vec<u8> = (0..info.size()).map(|i| ((i as u64 * 31 + variant * 77) % 251) as u8).collect();
+    gst::Buffer::from_mut_slice(data)
+}
+
+fn video_caps(format: VideoFormat, width: u32, height: u32) -> gst::Caps {
+    gst_video::VideoInfo::builder(format, width, height)
+        .fps(gst::Fraction::new(10, 1))
+        .build()
+        .unwrap()
+        .to_caps()
+        .unwrap()
+}
+
+/// The newest frame number seen registered on a pad (by a probe), and a way to wait for one.
+/// (newest frame number, its stream id).
+type Seen = Mutex<(u64, Option<u64>)>;
+
+#[derive(Clone, Default)]
+struct Frames(Arc<(Seen, Condvar)>);
+
+impl Frames {
+    /// Count the registered frames passing `pad` (and remember their stream id). On vlmquery's
+    /// `sink` pad a frame is counted before vlmquery has seen it, on `video_src` after.
+    fn watch(pad: &gst::Pad) -> Frames {
+        let frames = Frames::default();
+        let f = frames.clone();
+        pad.add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+            if let Some((stream, number)) =
+                info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position())
+            {
+                let mut seen = f.0.0.lock().unwrap();
+                *seen = (seen.0.max(number), Some(stream));
+                f.0.1.notify_all();
+            }
+            gst::PadProbeReturn::Ok
+        });
+        frames
+    }
+
+    fn newest(&self) -> u64 {
+        self.0.0.lock().unwrap().0
+    }
+
+    fn stream(&self) -> Option<u64> {
+        self.0.0.lock().unwrap().1
+    }
+
+    /// Wait (bounded) until frame `n` has passed.
+    fn wait(&self, n: u64, what: &str) {
+        let guard = self.0.0.lock().unwrap();
+        let (seen, timeout) = self.0.1.wait_timeout_while(guard, Duration::from_secs(60), |s| s.0 < n).unwrap();
+        assert!(!timeout.timed_out(), "{what}: frame {n} never reached vlmquery (newest {})", seen.0);
+    }
+}
+
+/// An appsrc-fed pipeline: `appsrc ! vlmencode ! vlmcontext ! vlmquery ! fakesink`.
+struct Fed {
+    pipeline: gst::Element,
+    src: gst_app::AppSrc,
+    bin: gst::Bin,
+    q: gst::Element,
+    bus: gst::Bus,
+    frames: Frames,
+    log: Log,
+}
+
+impl Fed {
+    /// `ctx` and `q` are extra properties of vlmcontext and vlmquery; `tail` more of the launch line.
+    fn new(ctx: &str, q: &str, tail: &str) -> Fed {
+        let pipeline = launch(&format!(
+            "appsrc name=src format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf \
+               model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 cache-entries=0 \
+             ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf {ctx} \
+             ! vlmquery name=q max-tokens=4 {q} ! fakesink sync=false async=false \
+             q.video_src ! fakesink sync=false async=false {tail}"
+        ));
+        let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
+        let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
+        src.set_caps(Some(&video_caps(VideoFormat::Rgb, 64, 48)));
+        let q = bin.by_name("q").unwrap();
+        // Counted where vlmquery passes them on: it has seen them then.
+        let frames = Frames::watch(&q.static_pad("video_src").unwrap());
+        let bus = pipeline.bus().unwrap();
+        set_state(&pipeline, gst::State::Playing, "start");
+        Fed { pipeline, src, bin, q, bus, frames, log: Log::default() }
+    }
+
+    fn element(&self, name: &str) -> gst::Element {
+        self.bin.by_name(name).unwrap()
+    }
+
+    /// Push a frame of `format` at `w` x `h` (caps changed in order with the buffers when they
+    /// differ), timestamped at `pts` or not at all.
+    fn push(&self, format: VideoFormat, w: u32, h: u32, variant: u64, pts: Option<gst::ClockTime>) {
+        let caps = video_caps(format, w, h);
+        if self.src.caps().as_ref() != Some(&caps) {
+            self.src.set_caps(Some(&caps));
+        }
+        let mut buffer = picture(format, w, h, variant);
+        buffer.get_mut().unwrap().set_pts(pts);
+        assert_eq!(self.src.push_buffer(buffer), Ok(gst::FlowSuccess::Ok));
+    }
+
+    fn push_frames(&self, n: u64) {
+        let first = self.frames.newest();
+        for i in 0..n {
+            self.push(VideoFormat::Rgb, 64, 48, first + i, Some(gst::ClockTime::from_mseconds(100 * (first + i))));
+        }
+        self.frames.wait(first + n, "push_frames");
+    }
+
+    fn ask(&self, text: &str) -> Option<String> {
+        self.q.emit_by_name::<Option<String>>("ask", &[&text])
+    }
+
+    /// The one `vlm-answer` of question `id` (waits for it, then checks no second one follows).
+    fn answer(&mut self, id: &str, limit: Duration) -> gst::Structure {
+        let bus = self.bus.clone();
+        assert!(self.log.pump(&bus, limit, |l| !l.answers_to(id).is_empty()), "no vlm-answer for {id}: {:?}", self.log);
+        self.log.pump(&bus, Duration::from_millis(200), |_| false);
+        let answers = self.log.answers_to(id);
+        assert_eq!(answers.len(), 1, "question {id} must end in exactly one vlm-answer: {answers:?}");
+        answers[0].clone()
+    }
+
+    /// EOS from the appsrc: the pipeline must drain to EOS and stop.
+    fn finish(mut self) -> Log {
+        assert_eq!(self.src.end_of_stream(), Ok(gst::FlowSuccess::Ok));
+        let bus = self.bus.clone();
+        let eos = self.log.pump(&bus, Duration::from_secs(60), |l| l.eos || !l.errors.is_empty());
+        set_state(&self.pipeline, gst::State::Null, "finish");
+        assert!(eos, "no EOS: {:?}", self.log);
+        std::mem::take(&mut self.log)
+    }
+}
+
+impl Drop for Fed {
+    /// Stop a pipeline a failed assertion left running (bounded: never panics while unwinding).
+    fn drop(&mut self) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = self.pipeline.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(p.set_state(gst::State::Null));
+        });
+        let _ = rx.recv_timeout(Duration::from_secs(30));
+    }
+}
+
+fn assert_clean(log: &Log) {
+    assert!(log.errors.is_empty(), "{:?}", log.errors);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Media
+
+/// Push `frames` (format, width, height), then ask: every frame is encoded at its own caps, joins
+/// the history and the answer covers all of them.
+fn frames_are_all_encoded_and_answered(frames: &[(VideoFormat, u32, u32)]) {
+    let _s = serial();
+    let mut f = Fed::new("", "", "");
+    for (i, &(format, w, h)) in frames.iter().enumerate() {
+        f.push(format, w, h, i as u64, Some(gst::ClockTime::from_mseconds(100 * i as u64)));
+    }
+    let n = frames.len() as u64;
+    f.frames.wait(n, "frames");
+    let id = f.ask("What is in the picture?").expect("accepted");
+    let a = f.answer(&id, Duration::from_secs(60));
+    assert_eq!(status(&a), "answered", "{a}");
+    assert_eq!(field::<u64>(&a, "frames"), n, "{a}");
+    assert_eq!(f.element("enc").property::<u64>("frames-encoded"), n);
+    assert_clean(&f.finish());
+}
+
+#[test]
+fn a_resolution_change_mid_stream_is_encoded_at_each_size() {
+    use VideoFormat::Rgb;
+    frames_are_all_encoded_and_answered(&[(Rgb, 64, 48), (Rgb, 160, 120), (Rgb, 160, 120), (Rgb, 48, 64)]);
+}
+
+#[test]
+fn a_format_change_mid_stream_is_encoded_in_each_format() {
+    use VideoFormat::*;
+    frames_are_all_encoded_and_answered(&[(Rgb, 64, 48), (I420, 64, 48), (Nv12, 64, 48), (Bgrx, 64, 48)]);
+}
+
+#[test]
+fn tiny_frames_are_encoded() {
+    use VideoFormat::*;
+    frames_are_all_encoded_and_answered(&[(Rgb, 2, 2), (I420, 2, 2), (Nv12, 2, 2), (Rgb, 1, 1), (I420, 1, 1)]);
+}
+
+#[test]
+fn large_frames_are_encoded() {
+    use VideoFormat::*;
+    frames_are_all_encoded_and_answered(&[(Rgb, 1920, 1080), (I420, 1920, 1080)]);
+}
+
+#[test]
+fn buffers_without_timestamps_join_the_history_and_timed_questions_bind_to_the_newest() {
+    let _s = serial();
+    let mut f = Fed::new("", "", "appsrc name=questions format=time ! q.query");
+    let questions = f.element("questions").downcast::<gst_app::AppSrc>().unwrap();
+    questions.set_caps(Some(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+    for i in 0..3 {
+        f.push(VideoFormat::Rgb, 64, 48, i, None);
+    }
+    f.frames.wait(3, "untimed frames");
+    // Untimed video cannot be matched to a question's time: the question binds to the newest
+    // frame instead of waiting for video that will never pass its time.
+    let mut q = gst::Buffer::from_slice(b"What is shown?");
+    q.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(2));
+    assert_eq!(questions.push_buffer(q), Ok(gst::FlowSuccess::Ok));
+    let bus = f.bus.clone();
+    assert!(
+        f.log.pump(&bus, Duration::from_secs(60), |l| !l.answers.is_empty()),
+        "a timed question over untimed video was not answered before EOS: {:?}",
+        f.log
+    );
+    let a = f.log.answers[0].clone();
+    assert_eq!((status(&a), field::<u64>(&a, "frames")), ("answered".into(), 3), "{a}");
+    // An ask over untimed frames binds to the newest too.
+    let id = f.ask("And now?").unwrap();
+    assert_eq!(field::<u64>(&f.answer(&id, Duration::from_secs(60)), "frames"), 3);
+    assert_eq!(questions.end_of_stream(), Ok(gst::FlowSuccess::Ok));
+    assert_clean(&f.finish());
+}
+
+#[test]
+fn a_gap_event_and_a_discontinuity_leave_the_stream_answering() {
+    let _s = serial();
+    let mut f = Fed::new("", "", "");
+    f.push_frames(2);
+    // Nothing for a while (a GAP event in order with the buffers), then frames resume 10 s later
+    // with the DISCONT flag.
+    let gap =
+        gst::event::Gap::builder(gst::ClockTime::from_mseconds(200)).duration(gst::ClockTime::from_seconds(10)).build();
+    assert!(f.src.send_event(gap), "appsrc refused the GAP event");
+    for i in 0..2u64 {
+        let mut buffer = picture(VideoFormat::Rgb, 64, 48, 10 + i);
+        let b = buffer.get_mut().unwrap();
+        b.set_pts(gst::ClockTime::from_mseconds(10_200 + 100 * i));
+        if i == 0 {
+            b.set_flags(gst::BufferFlags::DISCONT);
+        }
+        assert_eq!(f.src.push_buffer(buffer), Ok(gst::FlowSuccess::Ok));
+    }
+    f.frames.wait(4, "frames after the gap");
+    let id = f.ask("What happened?").unwrap();
+    let a = f.answer(&id, Duration::from_secs(60));
+    assert_eq!((status(&a), field::<u64>(&a, "frames")), ("answered".into(), 4), "{a}");
+    assert_clean(&f.finish());
+}
+
+// ----------------------------------------------------------------------------------------------
+// Questions
+
+#[test]
+fn a_question_of_one_mebibyte_fails_with_its_length() {
+    let _s = serial();
+    let mut f = Fed::new("", "", "");
+    f.push_frames(1);
+    let huge = "very ".repeat((1 << 20) / 5);
+    let started = Instant::now();
+    let id = f.ask(&huge).expect("accepted: its length is known once it is tokenized");
+    let a = f.answer(&id, Duration::from_secs(120));
+    let reason = field::<String>(&a, "reason");
+    assert_eq!(status(&a), "failed", "{reason}");
+    assert!(reason.contains("tokens") && reason.contains("does not fit"), "the reason must name the length: {reason}");
+    assert!(
+        f.log.warnings.iter().any(|w| w.contains(&id) && w.contains("does not fit")),
+        "no warning naming the question: {:?}",
+        f.log.warnings
+    );
+    eprintln!("1 MiB question failed after {:?}: {reason}", started.elapsed());
+    // The element goes on.
+    let id = f.ask("Still there?").unwrap();
+    assert_eq!(status(&f.answer(&id, Duration::from_secs(60))), "answered");
+    assert_clean(&f.finish());
+}
+
+#[test]
+fn invalid_utf8_on_the_query_pad_is_refused_with_a_warning_and_the_next_question_answered() {
+    let _s = serial();
+    let mut f = Fed::new("", "", "appsrc name=questions format=time ! q.query");
+    let questions = f.element("questions").downcast::<gst_app::AppSrc>().unwrap();
+    questions.set_caps(Some(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+    f.push_frames(1);
+    for bytes in [&b"\xff\xfe What?"[..], b"caf\xc3", b"\xc0\xaf"] {
+        assert_eq!(questions.push_buffer(gst::Buffer::from_slice(bytes)), Ok(gst::FlowSuccess::Ok));
+    }
+    assert_eq!(questions.push_buffer(gst::Buffer::from_slice(b"What is it?")), Ok(gst::FlowSuccess::Ok));
+    // NUL bytes (C terminators some producers leave) are not part of the question.
+    assert_eq!(questions.push_buffer(gst::Buffer::from_slice(b"\0And \0now?\0")), Ok(gst::FlowSuccess::Ok));
+    let bus = f.bus.clone();
+    assert!(f.log.pump(&bus, Duration::from_secs(60), |l| l.answers.len() >= 2), "{:?}", f.log);
+    assert_eq!(questions.end_of_stream(), Ok(gst::FlowSuccess::Ok));
+    let log = f.finish();
+    let refused = log.warnings.iter().filter(|w| w.contains("not UTF-8")).count();
+    assert_eq!(refused, 3, "one warning per invalid buffer: {:?}", log.warnings);
+    assert_eq!(log.answers.len(), 2, "{:?}", log.answers);
+    assert!(log.answers.iter().all(|a| status(a) == "answered"), "{:?}", log.answers);
+    assert_eq!(field::<String>(&log.answers[0], "question"), "What is it?");
+    assert_eq!(field::<String>(&log.answers[1], "question"), "And now?");
+    assert_clean(&log);
+}
+
+/// A question of `n` words (about one token each).
+fn words(n: usize) -> String {
+    format!("Count{}?", " very".repeat(n))
+}
+
+#[test]
+fn a_huge_max_tokens_is_clamped_by_the_context() {
+    let _s = serial();
+    // exact-tokens: the answer goes on past end-of-generation, so only the context stops it.
+    let mut f = Fed::new("context-size=512", "exact-tokens=true", "");
+    f.push_frames(1);
+    let sink = f.q.static_pad("sink").unwrap();
+    assert!(sink.send_event(QuestionEvent::event(&words(350), Some("huge"), Some(1_000_000))));
+    let a = f.answer("huge", Duration::from_secs(60));
+    assert_eq!(status(&a), "answered", "{a}");
+    let tokens = field::<u32>(&a, "tokens");
+    assert!((1..=512 - 350).contains(&tokens), "{tokens} tokens: not clamped to the 512-cell context");
+    eprintln!("max-tokens 1000000 with exact-tokens: {tokens} tokens, the rest of the 512-cell context");
+    assert_clean(&f.finish());
+}
+
+#[test]
+fn a_question_longer_than_the_context_fails_with_the_reason() {
+    let _s = serial();
+    let mut f = Fed::new("context-size=512", "", "");
+    f.push_frames(1);
+    let id = f.ask(&words(600)).unwrap();
+    let a = f.answer(&id, Duration::from_secs(60));
+    let reason = field::<String>(&a, "reason");
+    assert_eq!(status(&a), "failed", "{a}");
+    assert!(reason.contains("does not fit") && reason.contains("512"), "{reason}");
+    assert!(f.log.warnings.iter().any(|w| w.contains(&id)), "{:?}", f.log.warnings);
+    // A question that fits is answered.
+    let id = f.ask("Short?").unwrap();
+    assert_eq!(status(&f.answer(&id, Duration::from_secs(60))), "answered");
+    assert_clean(&f.finish());
+}
+
+#[test]
+fn a_burst_of_1000_asks_is_bounded_by_max_questions_and_each_accepted_one_answered_once() {
+    let _s = serial();
+    let mut f = Fed::new("", "max-tokens=2", "");
+    f.push_frames(1);
+    let max = f.q.property::<u32>("max-questions") as usize;
+    assert_eq!(max, 16);
+    let accepted: Vec<String> = (0..1000).filter_map(|i| f.ask(&format!("Question {i}?"))).collect();
+    // Answers may end during the burst and make room: never fewer than max-questions accepted.
+    assert!(accepted.len() >= max && accepted.len() < 1000, "{} accepted", accepted.len());
+    let bus = f.bus.clone();
+    let all = f.log.pump(&bus, Duration::from_secs(180), |l| accepted.iter().all(|id| !l.answers_to(id).is_empty()));
+    assert!(all, "{} of {} accepted questions answered", f.log.answers.len(), accepted.len());
+    let log = f.finish();
+    let refusals = log.warnings.iter().filter(|w| w.contains("refused") && w.contains("max-questions")).count();
+    assert_eq!(refusals, 1000 - accepted.len(), "one warning per refused ask");
+    for id in &accepted {
+        let answers = log.answers_to(id);
+        assert_eq!(answers.len(), 1, "{id}: {answers:?}");
+        assert_eq!(status(answers[0]), "answered", "{}", answers[0]);
+    }
+    assert_eq!(log.answers.len(), accepted.len(), "an answer to a question that was refused");
+    eprintln!("burst of 1000 asks: {} accepted and answered once each, {refusals} refused", accepted.len());
+    assert_clean(&log);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Lifecycle
+
+#[test]
+fn a_flushing_seek_mid_answer_cancels_it_and_the_pipeline_goes_on() {
+    let _s = serial();
+    let pipeline = launch(
+        "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q max-tokens=300 exact-tokens=true ! fakesink sync=false async=false",
+    );
+    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
+    let q = bin.by_name("q").unwrap();
+    let frames = Frames::watch(&q.static_pad("sink").unwrap());
+    let bus = pipeline.bus().unwrap();
+    let mut log = Log::default();
+    set_state(&pipeline, gst::State::Playing, "start");
+    frames.wait(2, "before the seek");
+    let long = q.emit_by_name::<Option<String>>("ask", &[&"Tell me a long story."]).unwrap();
+    // Mid-answer: 300 tokens take several seconds here.
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(log.answers_to(&long).is_empty());
+    let p = pipeline.clone();
+    let seeked = within(Duration::from_secs(10), "the flushing seek", move || {
+        p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO)
+    });
+    assert!(seeked.is_ok(), "the seek was refused: {seeked:?}");
+    assert!(log.pump(&bus, Duration::from_secs(10), |l| !l.answers_to(&long).is_empty()), "{log:?}");
+    let a = log.answers_to(&long)[0].clone();
+    assert_eq!(status(&a), "cancelled", "{a}");
+    assert!(field::<u32>(&a, "tokens") == 0 && field::<String>(&a, "text").is_empty(), "{a}");
+    // The pipeline goes on: frames after the seek, and a question answered over them.
+    let before = frames.newest();
+    frames.wait(before + 1, "after the seek");
+    let sink = q.static_pad("sink").unwrap();
+    assert!(sink.send_event(QuestionEvent::event("What now?", Some("after-seek"), Some(3))));
+    assert!(log.pump(&bus, Duration::from_secs(30), |l| !l.answers_to("after-seek").is_empty()), "{log:?}");
+    let a = log.answers_to("after-seek")[0].clone();
+    assert_eq!((status(&a), field::<u32>(&a, "tokens")), ("answered".into(), 3), "{a}");
+    assert_eq!(log.answers_to(&long).len(), 1, "the cancelled question was answered again");
+    set_state(&pipeline, gst::State::Null, "stop");
+    assert_clean(&log);
+}
+
+#[test]
+fn two_pipelines_in_one_process_share_one_model_and_both_answer() {
+    let _s = serial();
+    let model = std::path::PathBuf::from(model());
+    let mut one = Fed::new("", "", "");
+    one.push_frames(1);
+    let owners_alone = one.element("ctx").property::<u32>("model-owners");
+    let mut two = Fed::new("", "", "");
+    two.push_frames(1);
+    let owners_both = two.element("ctx").property::<u32>("model-owners");
+    assert_eq!(owners_both, one.element("ctx").property::<u32>("model-owners"), "one copy of the weights");
+    assert!(
+        owners_both > owners_alone,
+        "the second pipeline did not share the loaded weights ({owners_alone} owners, then {owners_both})"
+    );
+    assert_eq!(owners_both as usize, vlm_runtime::models::model_owners(&model, &vlm_runtime::Device::Cpu));
+    eprintln!("model-owners: {owners_alone} with one pipeline, {owners_both} with two");
+    let (a, b) = (one.ask("One?").unwrap(), two.ask("Two?").unwrap());
+    assert_eq!(status(&one.answer(&a, Duration::from_secs(60))), "answered");
+    assert_eq!(status(&two.answer(&b, Duration::from_secs(60))), "answered");
+    assert_clean(&one.finish());
+    assert_clean(&two.finish());
+}
+
+/// Two streams through one vlmcontext (`extra` its properties), one vlmquery each (`q0`, `q1`),
+/// fed by appsrc `src0` and `src1`.
+fn two_streams(extra: &str) -> (gst::Element, gst::Bin, [gst_app::AppSrc; 2], [gst::Element; 2], [Frames; 2]) {
+    let pipeline = launch(&format!(
+        "vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf max-streams=2 {extra} \
+         appsrc name=src0 format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 \
+           ! ctx.sink_0 ctx.src_0 ! vlmquery name=q0 max-tokens=4 ! fakesink sync=false async=false \
+         appsrc name=src1 format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 \
+           ! ctx.sink_1 ctx.src_1 ! vlmquery name=q1 max-tokens=4 ! fakesink sync=false async=false"
+    ));
+    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
+    let src = ["src0", "src1"].map(|n| bin.by_name(n).unwrap().downcast::<gst_app::AppSrc>().unwrap());
+    for s in &src {
+        s.set_caps(Some(&video_caps(VideoFormat::Rgb, 64, 48)));
+    }
+    let q = ["q0", "q1"].map(|n| bin.by_name(n).unwrap());
+    let frames = q.clone().map(|q| Frames::watch(&q.static_pad("sink").unwrap()));
+    set_state(&pipeline, gst::State::Playing, "start");
+    (pipeline, bin, src, q, frames)
+}
+
+fn push_rgb(src: &gst_app::AppSrc, from: u64, n: u64) {
+    for i in from..from + n {
+        let mut buffer = picture(VideoFormat::Rgb, 64, 48, i);
+        buffer.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(100 * i));
+        assert_eq!(src.push_buffer(buffer), Ok(gst::FlowSuccess::Ok));
+    }
+}
+
+fn ask_and_wait(q: &gst::Element, bus: &gst::Bus, log: &mut Log, text: &str) -> gst::Structure {
+    let id = q.emit_by_name::<Option<String>>("ask", &[&text]).expect("accepted");
+    assert!(log.pump(bus, Duration::from_secs(60), |l| !l.answers_of(q, &id).is_empty()), "no answer to {id}: {log:?}");
+    log.pump(bus, Duration::from_millis(200), |_| false);
+    let answers = log.answers_of(q, &id);
+    assert_eq!(answers.len(), 1, "question {id} of {} must end in exactly one vlm-answer", q.name());
+    answers[0].clone()
+}
+
+#[test]
+fn a_full_history_stops_one_stream_while_the_other_keeps_answering() {
+    let _s = serial();
+    // 512 cells, 256 kept for answers: a few 36-row frames fill a stream's history.
+    let (pipeline, bin, src, q, frames) = two_streams("context-size=512 history-policy=stop");
+    let bus = pipeline.bus().unwrap();
+    let mut log = Log::default();
+    push_rgb(&src[0], 0, 12);
+    push_rgb(&src[1], 0, 1);
+    // Every frame passes vlmcontext; the ones past the full history without joining it.
+    let ctx = bin.by_name("ctx").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ctx.property::<u64>("frames-dropped") + frames[0].newest() < 12 && Instant::now() < deadline {
+        log.pump(&bus, Duration::from_millis(100), |_| false);
+    }
+    frames[1].wait(1, "stream 1");
+    let dropped = ctx.property::<u64>("frames-dropped");
+    assert!(dropped > 0 && frames[0].newest() + dropped == 12, "{} joined, {dropped} dropped", frames[0].newest());
+    assert!(
+        log.warnings.iter().any(|w| w.contains("sink_0") && w.contains("history full")),
+        "no warning naming the full stream: {:?}",
+        log.warnings
+    );
+    // The full stream still answers from its history; a question that no longer fits after it
+    // fails with the reason; the other stream answers.
+    let a = ask_and_wait(&q[0], &bus, &mut log, "Still?");
+    assert_eq!((status(&a), field::<u64>(&a, "frames")), ("answered".into(), frames[0].newest()), "{a}");
+    let a = ask_and_wait(&q[0], &bus, &mut log, &words(300));
+    assert_eq!(status(&a), "failed", "{a}");
+    assert!(field::<String>(&a, "reason").contains("does not fit"), "{a}");
+    let a = ask_and_wait(&q[1], &bus, &mut log, "And you?");
+    assert_eq!((status(&a), field::<String>(&a, "stream")), ("answered".into(), "sink_1".into()), "{a}");
+    set_state(&pipeline, gst::State::Null, "stop");
+    assert_clean(&log);
+}
+
+/// An engine fault cannot be provoked through the elements' inputs (a bad file is refused before
+/// an engine starts, bad questions and frames fail only their own work), so the test injects
+/// one through the runtime's API: a panic on the engine thread of stream 0. Its questions and
+/// ingestion then fail with an error naming the stream, and stream 1, on its own engine, keeps
+/// answering; NULL completes.
+#[test]
+fn an_engine_fault_on_one_stream_fails_it_while_the_other_keeps_answering() {
+    let _s = serial();
+    let (pipeline, _bin, src, q, frames) = two_streams("engines=a:cpu:1,b:cpu:1");
+    let bus = pipeline.bus().unwrap();
+    let mut log = Log::default();
+    push_rgb(&src[0], 0, 1);
+    push_rgb(&src[1], 0, 1);
+    frames[0].wait(1, "stream 0");
+    frames[1].wait(1, "stream 1");
+    let stream = vlm_runtime::stream::lookup(frames[0].stream().unwrap()).expect("stream 0 is open");
+    assert_eq!(stream.engine().name(), "a");
+    // call: returns once the engine thread has run the job (here: died of it).
+    let fault = stream.engine().call(|_| -> () { panic!("injected engine fault") });
+    assert!(fault.is_err(), "the engine survived a panic");
+    drop(stream);
+    // Stream 0: a question fails with the reason, a new frame's ingestion fails with an error
+    // naming the stream.
+    let a = ask_and_wait(&q[0], &bus, &mut log, "Are you there?");
+    assert_eq!(status(&a), "failed", "{a}");
+    eprintln!("stream 0 after the fault: {}", field::<String>(&a, "reason"));
+    push_rgb(&src[0], 1, 1);
+    assert!(log.pump(&bus, Duration::from_secs(30), |l| !l.errors.is_empty()), "no error for stream 0: {log:?}");
+    assert!(log.errors.iter().any(|e| e.contains("sink_0")), "the error must name the stream: {:?}", log.errors);
+    // Stream 1 keeps answering, over new frames too.
+    push_rgb(&src[1], 1, 2);
+    frames[1].wait(3, "stream 1 after the fault");
+    for i in 0..2 {
+        let a = ask_and_wait(&q[1], &bus, &mut log, "And you?");
+        assert_eq!(status(&a), "answered", "question {i} on stream 1: {a}");
+        assert_eq!(field::<String>(&a, "engine"), "b", "{a}");
+    }
+    set_state(&pipeline, gst::State::Null, "stop");
+}

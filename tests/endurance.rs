@@ -1,0 +1,252 @@
+//! Endurance: many NULL→PLAYING→NULL cycles of a pipeline with a loaded model, and a long live
+//! run at one frame a second with a question every few seconds. Each reports the process's RSS
+//! (VmRSS) at start (after a warm-up) and at the end, and fails when it grew past
+//! [`RSS_BOUND_MIB`]; every question asked is answered exactly once.
+//!
+//! Short by default (CI): 30 cycles and a 20 s run. `VLM_ENDURANCE=1` runs the full sizes of
+//! issue 10 (1000 cycles, 30 minutes); `VLM_ENDURANCE_CYCLES` and `VLM_ENDURANCE_SECS` set
+//! either size. `cargo test -p gst-plugin-vlm --test endurance -- --nocapture` prints the figures.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use gst::prelude::*;
+use gst_vlm_elements::meta::VlmFrameMeta;
+
+/// Most the RSS may grow from the end of the warm-up to the end of a run.
+const RSS_BOUND_MIB: f64 = 64.0;
+/// Cycles run before the start figure is taken (allocators and llama.cpp's caches settle).
+const WARM_UP_CYCLES: usize = 5;
+
+/// The figures are the whole process's: the two tests never run at once.
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn full() -> bool {
+    std::env::var("VLM_ENDURANCE").is_ok_and(|v| v == "1")
+}
+
+fn size(var: &str, short: u64, long: u64) -> u64 {
+    std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(if full() { long } else { short })
+}
+
+/// The process's resident set (VmRSS), MiB.
+fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kib / 1024.0
+}
+
+unsafe extern "C" {
+    /// glibc: give free heap memory back to the system.
+    fn malloc_trim(pad: usize) -> i32;
+}
+
+/// The RSS once the memory a stopped pipeline frees on other threads (engines, answer threads)
+/// is given back: read until two reads 200 ms apart agree within 1 MiB (at most 5 s), free heap
+/// pages trimmed first (the figure then follows what is still allocated, not how fragmented
+/// the allocator's arenas are).
+fn settled_rss_mib() -> f64 {
+    // SAFETY: malloc_trim only releases free memory of glibc's allocator; any thread may call it.
+    unsafe { malloc_trim(0) };
+    let mut last = rss_mib();
+    for _ in 0..25 {
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: as above.
+        unsafe { malloc_trim(0) };
+        let now = rss_mib();
+        if (now - last).abs() < 1.0 {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
+/// Set `state`, failing if it does not return within `limit`.
+fn set_state(pipeline: &gst::Element, state: gst::State, limit: Duration, what: &str) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = pipeline.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(p.set_state(state));
+    });
+    let result = rx.recv_timeout(limit).unwrap_or_else(|_| panic!("{what}: {state:?} did not return within {limit:?}"));
+    assert!(result.is_ok(), "{what}: the change to {state:?} failed");
+}
+
+/// Count the frames that joined a history at `pad`.
+fn count_frames(pad: &gst::Pad) -> Arc<AtomicU64> {
+    let count = Arc::new(AtomicU64::new(0));
+    let c = Arc::clone(&count);
+    pad.add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        if info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).is_some() {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        gst::PadProbeReturn::Ok
+    });
+    count
+}
+
+/// Read `bus` until `done` or `limit`; errors fail the test, answers are counted per id.
+fn pump(
+    bus: &gst::Bus,
+    answers: &mut std::collections::HashMap<String, Vec<String>>,
+    limit: Duration,
+    done: impl Fn(&std::collections::HashMap<String, Vec<String>>) -> bool,
+) -> bool {
+    let deadline = Instant::now() + limit;
+    while !done(answers) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Some(msg) =
+            (!left.is_zero()).then(|| bus.timed_pop(gst::ClockTime::from_nseconds(left.as_nanos() as u64))).flatten()
+        else {
+            return done(answers);
+        };
+        match msg.view() {
+            gst::MessageView::Error(e) => panic!("error: {} ({:?})", e.error(), e.debug()),
+            gst::MessageView::Element(e) => {
+                if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer") {
+                    let id = s.get::<String>("id").unwrap();
+                    answers.entry(id).or_default().push(s.get::<String>("status").unwrap());
+                }
+            }
+            _ => (),
+        }
+    }
+    true
+}
+
+fn report(what: &str, start: f64, end: f64, detail: &str) {
+    println!(
+        "{{\"endurance\":\"{what}\",{detail},\"rss-start-mib\":{start:.1},\"rss-end-mib\":{end:.1},\"growth-mib\":{:.1},\"bound-mib\":{RSS_BOUND_MIB}}}",
+        end - start
+    );
+    assert!(
+        end <= start + RSS_BOUND_MIB,
+        "{what}: RSS grew from {start:.1} MiB to {end:.1} MiB (bound +{RSS_BOUND_MIB} MiB)"
+    );
+}
+
+const LIVE: &str = "videotestsrc is-live=true pattern=ball ! video/x-raw,width=64,height=48,framerate=FPS ! videoconvert \
+    ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+    ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=4 ! fakesink async=false";
+
+#[test]
+fn null_playing_null_cycles_keep_memory_bounded() {
+    let _alone = alone();
+    let cycles = size("VLM_ENDURANCE_CYCLES", 30, 1000) as usize;
+    let pipeline = launch(&LIVE.replace("FPS", "10/1"));
+    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    let frames = count_frames(&q.static_pad("sink").unwrap());
+    let bus = pipeline.bus().unwrap();
+    let mut answers = std::collections::HashMap::new();
+    let (mut start, mut asked) = (None, 0);
+    let began = Instant::now();
+    for i in 0..cycles {
+        // Both figures are taken in NULL, once settled: after the warm-up and after the last cycle.
+        if i == WARM_UP_CYCLES.min(cycles - 1) {
+            start = Some((settled_rss_mib(), Instant::now()));
+        }
+        let seen = frames.load(Ordering::Relaxed);
+        set_state(&pipeline, gst::State::Playing, Duration::from_secs(60), &format!("cycle {i}"));
+        // The model is loaded and a frame ingested in every cycle; every third one a question is
+        // answered, and every fifth another is cut off by the state change (cancelled).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while frames.load(Ordering::Relaxed) == seen {
+            assert!(Instant::now() < deadline, "cycle {i}: no frame joined the history");
+            pump(&bus, &mut answers, Duration::from_millis(20), |_| false);
+        }
+        if i % 3 == 0 {
+            let id = q.emit_by_name::<Option<String>>("ask", &[&"What is it?"]).expect("accepted");
+            asked += 1;
+            assert!(pump(&bus, &mut answers, Duration::from_secs(60), |a| a.contains_key(&id)), "cycle {i}: no answer");
+            assert_eq!(answers[&id], ["answered"], "cycle {i}");
+        } else if i % 5 == 0 {
+            let id = q.emit_by_name::<Option<String>>("ask", &[&"Stopped?"]).expect("accepted");
+            asked += 1;
+            // Its vlm-answer comes at PAUSED->READY (the pipeline's bus drops what is still
+            // queued at READY->NULL, so it is read in between).
+            set_state(&pipeline, gst::State::Ready, Duration::from_secs(30), &format!("cycle {i}"));
+            assert!(pump(&bus, &mut answers, Duration::from_secs(10), |a| a.contains_key(&id)), "cycle {i}: no answer");
+            assert!(["answered", "cancelled"].contains(&answers[&id][0].as_str()), "cycle {i}: {:?}", answers[&id]);
+        }
+        set_state(&pipeline, gst::State::Null, Duration::from_secs(30), &format!("cycle {i}"));
+        if std::env::var("VLM_ENDURANCE_VERBOSE").is_ok() {
+            eprintln!("cycle {i}: {:.0} s, RSS {:.1} MiB", began.elapsed().as_secs_f64(), rss_mib());
+        }
+    }
+    pump(&bus, &mut answers, Duration::from_millis(500), |_| false);
+    let end = settled_rss_mib();
+    let (start, from) = start.unwrap();
+    assert_eq!(answers.len(), asked, "a question without its one vlm-answer");
+    assert!(answers.values().all(|s| s.len() == 1), "a question answered twice");
+    report(
+        "cycles",
+        start,
+        end,
+        &format!(
+            "\"cycles\":{cycles},\"warm-up\":{WARM_UP_CYCLES},\"seconds\":{:.0},\"seconds-after-warm-up\":{:.0},\"questions\":{asked}",
+            began.elapsed().as_secs_f64(),
+            from.elapsed().as_secs_f64()
+        ),
+    );
+}
+
+#[test]
+fn a_long_live_run_keeps_memory_bounded_and_answers_every_question() {
+    let _alone = alone();
+    let seconds = size("VLM_ENDURANCE_SECS", 20, 1800);
+    let pipeline = launch(&LIVE.replace("FPS", "1/1"));
+    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    let frames = count_frames(&q.static_pad("sink").unwrap());
+    let bus = pipeline.bus().unwrap();
+    let mut answers = std::collections::HashMap::new();
+    set_state(&pipeline, gst::State::Playing, Duration::from_secs(60), "start");
+    // Questions bind to frames: the first is asked once one has reached vlmquery.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while frames.load(Ordering::Relaxed) == 0 {
+        assert!(Instant::now() < deadline, "no frame joined the history");
+        pump(&bus, &mut answers, Duration::from_millis(20), |_| false);
+    }
+    let began = Instant::now();
+    let mut ids = vec![];
+    let mut start = None;
+    // A question every 3 s; the first answer ends the warm-up.
+    while began.elapsed() < Duration::from_secs(seconds) {
+        if let Some(id) = q.emit_by_name::<Option<String>>("ask", &[&"What is moving?"]) {
+            ids.push(id);
+        }
+        let tick = Instant::now();
+        pump(&bus, &mut answers, Duration::from_secs(3), |_| false);
+        std::thread::sleep(Duration::from_secs(3).saturating_sub(tick.elapsed()));
+        if start.is_none() && !answers.is_empty() {
+            start = Some(rss_mib());
+        }
+    }
+    let all = pump(&bus, &mut answers, Duration::from_secs(60), |a| ids.iter().all(|id| a.contains_key(id)));
+    let end = rss_mib();
+    set_state(&pipeline, gst::State::Null, Duration::from_secs(30), "stop");
+    assert!(all, "{} of {} questions answered", answers.len(), ids.len());
+    assert!(ids.len() as u64 >= seconds / 3 - 1, "questions refused: {} asked", ids.len());
+    for id in &ids {
+        assert_eq!(answers[id], ["answered"], "{id}");
+    }
+    let frames = frames.load(Ordering::Relaxed);
+    assert!(frames + 2 >= seconds, "{frames} frames joined the history in {seconds} s at 1 frame/s");
+    report(
+        "live-run",
+        start.expect("no answer in the whole run"),
+        end,
+        &format!("\"seconds\":{seconds},\"frames\":{frames},\"questions\":{}", ids.len()),
+    );
+}
