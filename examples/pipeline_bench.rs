@@ -6,7 +6,7 @@
 //!       --rounds 3 --json docs/benchmarks/pipeline.json
 //!
 //! Each stream is `videotestsrc is-live=true` at `--fps` (320x240) into its own `vlmencode`
-//! (every frame encoded), one `vlmcontext` for both streams (its defaults, as B1), and one
+//! (every frame encoded, one thread, as the runtime benchmark's encoder), one `vlmcontext` for both streams (its defaults, as B1), and one
 //! `vlmquery` per stream (`exact-tokens=true`); when the 2nd, 4th, 6th or 8th frame of a stream
 //! leaves `vlmcontext`, the question is asked there with `ask`, as the runtime benchmark asks
 //! right after registering that frame. Models load in READY (the `load-model` Progress message), before
@@ -77,7 +77,7 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
     for (s, pattern) in [(0, "ball"), (1, "smpte")] {
         description += &format!(
             "videotestsrc is-live=true pattern={pattern} num-buffers={} ! video/x-raw,width=320,height=240,framerate={}/1 \
-             ! videoconvert ! vlmencode mmproj={} model={} interval=0 ! ctx.sink_{s} \
+             ! videoconvert ! vlmencode mmproj={} model={} interval=0 threads=1 ! ctx.sink_{s} \
              ctx.src_{s} ! vlmquery name=q{s} max-tokens={} exact-tokens=true ! fakesink sync=false async=false ",
             a.frames, a.fps, a.mmproj, a.model, a.tokens
         );
