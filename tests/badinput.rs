@@ -633,7 +633,8 @@ fn a_full_history_stops_one_stream_while_the_other_keeps_answering() {
 #[test]
 fn an_engine_fault_on_one_stream_fails_it_while_the_other_keeps_answering() {
     let _s = serial();
-    let (pipeline, _bin, src, q, frames) = two_streams("engines=a:cpu:1,b:cpu:1");
+    // One stream per engine: each lives on its own.
+    let (pipeline, _bin, src, q, frames) = two_streams("engines=a:cpu:1,b:cpu:1 max-streams=1");
     let bus = pipeline.bus().unwrap();
     let mut log = Log::default();
     push_rgb(&src[0], 0, 1);
@@ -641,7 +642,10 @@ fn an_engine_fault_on_one_stream_fails_it_while_the_other_keeps_answering() {
     frames[0].wait(1, "stream 0");
     frames[1].wait(1, "stream 1");
     let stream = vlm_runtime::stream::lookup(frames[0].stream().unwrap()).expect("stream 0 is open");
-    assert_eq!(stream.engine().name(), "a");
+    let other = vlm_runtime::stream::lookup(frames[1].stream().unwrap()).expect("stream 1 is open");
+    let healthy = other.engine().name().to_owned();
+    assert_ne!(stream.engine().name(), healthy, "one stream per engine");
+    drop(other);
     // call: returns once the engine thread has run the job (here: died of it).
     let fault = stream.engine().call(|_| -> () { panic!("injected engine fault") });
     assert!(fault.is_err(), "the engine survived a panic");
@@ -660,7 +664,7 @@ fn an_engine_fault_on_one_stream_fails_it_while_the_other_keeps_answering() {
     for i in 0..2 {
         let a = ask_and_wait(&q[1], &bus, &mut log, "And you?");
         assert_eq!(status(&a), "answered", "question {i} on stream 1: {a}");
-        assert_eq!(field::<String>(&a, "engine"), "b", "{a}");
+        assert_eq!(field::<String>(&a, "engine"), healthy, "{a}");
     }
     set_state(&pipeline, gst::State::Null, "stop");
 }
