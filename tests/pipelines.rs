@@ -148,6 +148,30 @@ fn a_missing_model_is_an_error_naming_the_file() {
 }
 
 #[test]
+fn a_truncated_model_or_malformed_engines_is_an_error_naming_the_cause() {
+    init();
+    // The first MiB of the real model: a GGUF header whose tensors end early.
+    let truncated = std::env::temp_dir().join(format!("vlm-truncated-{}.gguf", std::process::id()));
+    let bytes = std::fs::read(model()).unwrap();
+    std::fs::write(&truncated, &bytes[..1 << 20]).unwrap();
+    let e = error_of(&format!(
+        "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf model={model} \
+         ! vlmcontext model={} ! vlmquery ! fakesink",
+        truncated.display(),
+        model = model()
+    ));
+    let _ = std::fs::remove_file(&truncated);
+    assert!(e.contains(&truncated.display().to_string()), "{e}");
+    for engines in ["a:tpu", "a,a", "a:cpu:0", "a:cpu:1:3-2"] {
+        let e = error_of(&format!(
+            "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf \
+             ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf engines={engines} ! vlmquery ! fakesink"
+        ));
+        assert!(e.contains(&format!("engine \"{}\"", engines.split(',').next().unwrap())), "{engines}: {e}");
+    }
+}
+
+#[test]
 fn a_missing_or_wrong_mmproj_is_an_error_naming_the_file() {
     let e = error_of(
         "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=/nonexistent/proj.gguf ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! fakesink",
