@@ -605,15 +605,7 @@ impl Stream {
                 let r = t.versions.iter().rev().find(|r| r.number == number).ok_or_else(|| {
                     Error::BadInput(format!("version {number} of stream {} is no longer retained", self.name()))
                 })?;
-                return Ok(Version {
-                    stream: Arc::clone(self),
-                    number,
-                    epoch: r.epoch,
-                    end: r.end,
-                    cells: r.cells,
-                    key: r.key,
-                    history: Arc::clone(&r.history),
-                });
+                return Ok(self.pin(r));
             }
             if cancel.load(Ordering::Acquire) {
                 return Err(Error::Cancelled);
@@ -630,17 +622,21 @@ impl Stream {
     pub fn pending_version(self: &Arc<Self>, number: u64) -> Option<Version> {
         let t = self.timeline.lock();
         let r = &t.tail;
-        (t.failed.is_none() && !t.closed && number > t.published && r.number == number && t.registered == number).then(
-            || Version {
-                stream: Arc::clone(self),
-                number,
-                epoch: r.epoch,
-                end: r.end,
-                cells: r.cells,
-                key: r.key,
-                history: Arc::clone(&r.history),
-            },
-        )
+        (t.failed.is_none() && !t.closed && number > t.published && r.number == number && t.registered == number)
+            .then(|| self.pin(r))
+    }
+
+    /// A reader's view of `record`.
+    fn pin(self: &Arc<Self>, r: &Record) -> Version {
+        Version {
+            stream: Arc::clone(self),
+            number: r.number,
+            epoch: r.epoch,
+            end: r.end,
+            cells: r.cells,
+            key: r.key,
+            history: Arc::clone(&r.history),
+        }
     }
 
     /// Wake every thread waiting on this stream (for a frame's publication or for room under
