@@ -6,10 +6,8 @@
 /// dropped: GLib strings cannot hold them. With `markup` (caps `format=pango-markup`), tags are
 /// removed and entities decoded.
 pub fn question_text(bytes: &[u8], markup: bool) -> Result<String, std::str::Utf8Error> {
-    let raw = std::str::from_utf8(bytes)?;
-    let raw = if raw.contains('\0') { raw.replace('\0', "") } else { raw.to_owned() };
-    let text = if markup { strip_markup(&raw) } else { raw };
-    Ok(text.trim().to_owned())
+    let raw = without_nul(std::str::from_utf8(bytes)?);
+    Ok(if markup { strip_markup(&raw).trim().to_owned() } else { raw.trim().to_owned() })
 }
 
 /// `s` without NUL characters, fit for a GLib string (a message field): GLib would cut the
