@@ -100,10 +100,10 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     let prompt = Arc::new(Prompt::new(engines[0].model(), DEFAULT_SYSTEM_PROMPT)?);
     let never = Arc::new(AtomicBool::new(false));
     let mut opened = vec![];
-    for (k, &gs) in streams.iter().enumerate() {
+    for &gs in &streams {
         // vlmcontext's choice: where the stream's ingestion costs least (P: one stream per engine
         // when they are alike).
-        let resident = vlm_runtime::placer::resident_engine(&engines).unwrap_or(&engines[k % engines.len()]);
+        let resident = vlm_runtime::placer::resident_engine(&engines).expect("at least one engine");
         let config = StreamConfig {
             retain: spec.config != Config::B0,
             answer_reserve: answer_reserve as i32,

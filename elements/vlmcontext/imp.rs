@@ -152,10 +152,9 @@ impl VlmContext {
             let Some(p) = &st.prompt else {
                 return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"]));
             };
-            // Where its frames are ingested soonest; with every engine full, the first one's
-            // refusal names the limit.
-            let resident = vlm_runtime::placer::resident_engine(&st.engines).or(st.engines.first());
-            let resident = resident.ok_or_else(|| gst::error_msg!(gst::CoreError::StateChange, ["no engine"]))?;
+            // Where its frames are ingested soonest.
+            let resident = vlm_runtime::placer::resident_engine(&st.engines)
+                .ok_or_else(|| gst::error_msg!(gst::CoreError::StateChange, ["no engine"]))?;
             (Arc::clone(resident), st.engines.clone(), Arc::clone(p))
         };
         let settings = self.settings.lock().clone();

@@ -99,7 +99,8 @@ pub fn estimate(
 
 /// The engine a new stream should live on (have its frames ingested on): the one where its
 /// ingestion would cost least with the streams already resident there, by measured prefill rate
-/// x (resident streams + 1), among engines with a free stream sequence. Dealing streams out in
+/// x (resident streams + 1), among engines with a free stream sequence (with none free, the
+/// first engine, whose refusal then names the limit; `None` only for no engines). Dealing streams out in
 /// turn would leave half of them on an engine several times slower than another (the RK3588's
 /// CPU beside its GPU, a GPU host's cores beside the GPU); engines of equal speed still share the
 /// streams evenly.
@@ -111,7 +112,7 @@ pub fn resident_engine(engines: &[Arc<Engine>]) -> Option<&Arc<Engine>> {
             (e.rates().prefill_ms_per_token, open, free)
         })
         .collect();
-    least_loaded(&loads).map(|i| &engines[i])
+    least_loaded(&loads).map(|i| &engines[i]).or(engines.first())
 }
 
 /// Index of the cheapest `(prefill ms per token, streams open, free slots)` with a free slot;
