@@ -20,7 +20,7 @@ packages=(
 )
 missing=()
 for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == *"install ok installed"* ]] || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]}"
@@ -40,7 +40,7 @@ if [ ! -f "$sdk/include/vulkan/vulkan_core.h" ]; then
   awk 'BEGIN{RS="";ORS="\n\n"} /Suites:[^\n]*bookworm( |$|\n)/ && !/security/' /etc/apt/sources.list.d/debian.sources 2>/dev/null \
     | sed -E 's/^Suites:.*/Suites: trixie/' > "$tmp/parts/trixie.sources"
   if [ ! -s "$tmp/parts/trixie.sources" ]; then
-    grep -E '^deb .* bookworm ' /etc/apt/sources.list | head -1 | sed 's/ bookworm / trixie /' > "$tmp/parts/trixie.list"
+    awk '/^deb .* bookworm / {sub(/ bookworm /, " trixie "); print; exit}' /etc/apt/sources.list > "$tmp/parts/trixie.list"
   fi
   opts=(-o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$tmp/parts"
         -o "Dir::State::Lists=$tmp/lists" -o "Dir::Cache=$tmp/cache" -o APT::Sandbox::User=root)
@@ -49,7 +49,7 @@ if [ ! -f "$sdk/include/vulkan/vulkan_core.h" ]; then
   dpkg -x "$tmp"/libvulkan-dev_*.deb "$tmp/x"
   rm -rf "$sdk" && mkdir -p "$sdk/lib" "$sdk/bin"
   cp -r "$tmp/x/usr/include" "$sdk/"
-  ln -sf "$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64|libvulkan\.so\.1 /{print $NF; exit}')" "$sdk/lib/libvulkan.so"
+  ln -sf "$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64|libvulkan\.so\.1 /&& !f {print $NF; f=1}')" "$sdk/lib/libvulkan.so"
   ln -sf "$(command -v glslc)" "$sdk/bin/glslc"
   rm -rf "$tmp"
 fi

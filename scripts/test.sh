@@ -18,6 +18,8 @@ GST_PLUGIN_PATH="$target_dir/debug" /usr/bin/python3 examples/ask.py
 prefix=$(mktemp -d)
 meson setup --prefix="$prefix" --libdir=lib "$prefix/build" >/dev/null
 meson install -C "$prefix/build" >/dev/null
-GST_PLUGIN_PATH="$prefix/lib/gstreamer-1.0" gst-inspect-1.0 vlm | grep -q "vlmquery"
+# (Output captured first: `grep -q` closing the pipe early would kill gst-inspect with SIGPIPE.)
+inspect=$(GST_PLUGIN_PATH="$prefix/lib/gstreamer-1.0" gst-inspect-1.0 vlm)
+grep -q "vlmquery" <<<"$inspect"
 rm -rf "$prefix"
 echo "[test] meson install: gst-inspect-1.0 finds the plugin under its prefix"
