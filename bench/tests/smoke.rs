@@ -5,8 +5,13 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn model_file(var: &str, default: &str) -> PathBuf {
-    std::env::var_os(var)
-        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models").join(default), PathBuf::from)
+    std::env::var_os(var).map_or_else(|| manifest_dir().join("../models").join(default), PathBuf::from)
+}
+
+/// This package's directory, as cargo names it when it runs the test (the one compiled in is
+/// only a fallback: a target directory shared by two checkouts may hold a binary built in the other).
+fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
 }
 
 #[test]

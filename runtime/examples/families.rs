@@ -117,7 +117,9 @@ fn run_family(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     if !FAMILIES.contains(&family) {
         return Err(format!("unknown family {family:?} (expected all, {})", FAMILIES.join(", ")).into());
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+        .join("..");
     let lm = args.model.clone().unwrap_or_else(|| root.join(format!("models/test-{family}-lm.gguf")));
     let mmproj = args.mmproj.clone().unwrap_or_else(|| root.join(format!("models/test-{family}-mmproj.gguf")));
     let verbose = args.verbose;

@@ -6,8 +6,9 @@
 //! of the thread's loop:
 //! 1. decodes the next token of every active answer in one batch;
 //! 2. prefills at most `step_budget_ms` of input: the next chunk of an answer that is starting
-//!    (its replayed history and question suffix) or else the next chunk of frame ingestion, in
-//!    arrival order, so a decode step never waits longer than the budget behind prefill (chunked
+//!    (its replayed history and question suffix) or else the next chunk of frame ingestion (in
+//!    arrival order, except that a stream whose frames a question waits for goes before streams
+//!    nobody waits on: earliest deadline first), so a decode step never waits longer than the budget behind prefill (chunked
 //!    prefill, as in vLLM and Sarathi-Serve); with no answer decoding, a chunk may take a few
 //!    budgets (larger chunks cost less per input);
 //! 3. while answers are decoding, ingestion earns credit at `ingest_share` of the engine's time
@@ -252,8 +253,8 @@ enum Job {
     Generate(Box<dyn Generation>, f64),
 }
 
-/// Ordered work: ingestion and plain jobs, first come first served (ingestion of different
-/// streams at the front shares batches).
+/// Ordered work: ingestion and plain jobs, first come first served, except that a stream whose
+/// frames a question waits for goes before other streams' ingestion (`Scheduler::promote_demanded`).
 enum Ordered {
     Run(Work),
     Ingest(Ingestion),
@@ -420,6 +421,7 @@ impl Scheduler {
     /// per-sequence KV), a batch of two streams' chunks took several times as long as the two
     /// chunks one after the other, and whole frames even less.
     fn ingest(&mut self, w: &mut Worker, shared: &Shared, allowed_ms: f64) -> f64 {
+        self.promote_demanded();
         let started = Instant::now();
         let elapsed = || started.elapsed().as_secs_f64() * 1e3;
         let ended = match self.ordered.front_mut() {
@@ -468,6 +470,19 @@ impl Scheduler {
     /// whole ~130 ms), so the limit is `IDLE_CHUNK_FACTOR` budgets.
     fn chunk_budget_ms(&self) -> f64 {
         if self.active.is_empty() { self.budget_ms * IDLE_CHUNK_FACTOR } else { self.budget_ms }
+    }
+
+    /// Earliest deadline first among the ingestions at the front: the first ingestion of a stream
+    /// whose frames a question waits for goes before those of streams nobody waits on. A stream's
+    /// own ingestions keep their order (demand is per stream, so the first demanded one is that
+    /// stream's earliest), and nothing passes a plain job.
+    fn promote_demanded(&mut self) {
+        let demanded = |o: &Ordered| matches!(o, Ordered::Ingest(i) if i.demand.load(Ordering::Acquire) > 0);
+        let mut leading = self.ordered.iter().take_while(|o| matches!(o, Ordered::Ingest(_)));
+        if let Some(index) = leading.position(demanded).filter(|&i| i > 0) {
+            let ingestion = self.ordered.remove(index).expect("in range");
+            self.ordered.push_front(ingestion);
+        }
     }
 
     /// Whether a question waits for frames still being ingested.

@@ -42,7 +42,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 /// The family's generated pair, or `None` (with a message) when a file is missing.
 fn pair(family: &str) -> Option<(PathBuf, PathBuf)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let dir = common::models_dir();
     let (lm, mmproj) = (dir.join(format!("test-{family}-lm.gguf")), dir.join(format!("test-{family}-mmproj.gguf")));
     for f in [&lm, &mmproj] {
         if !f.is_file() {

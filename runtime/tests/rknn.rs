@@ -74,7 +74,7 @@ fn a_bad_npu_model_is_an_error_not_a_crash() {
 /// why), and rows that reach the model anyway are refused before llama.cpp sees them.
 #[test]
 fn the_npu_encoder_is_refused_for_an_mrope_model() {
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let dir = models_dir();
     let (lm, mmproj) = (dir.join("test-qwen2vl-lm.gguf"), dir.join("test-qwen2vl-mmproj.gguf"));
     if !lm.is_file() || !mmproj.is_file() {
         eprintln!("SKIPPED: the qwen2vl test pair is missing (run scripts/setup.sh)");

@@ -249,3 +249,31 @@ fn a_panic_on_one_engine_fails_its_waiters_and_another_engine_keeps_answering() 
     t.register(frame(&enc, 1), &never).unwrap();
     assert_eq!(ask_exact(&t, 1, 4).tokens, 4, "the other engine keeps answering");
 }
+
+/// A question waiting for a frame of one stream does not wait behind another stream's backlog on
+/// the same engine: the waited-for stream's frames are ingested first (earliest deadline first),
+/// while the other stream keeps its order and catches up after.
+#[test]
+fn a_waited_for_frame_goes_before_another_streams_backlog() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let open_deep = |name: &str| {
+        let prompt = Arc::new(
+            vlm_runtime::prompt::Prompt::new(engine.model(), vlm_runtime::prompt::DEFAULT_SYSTEM_PROMPT).unwrap(),
+        );
+        Stream::open(&engine, prompt, StreamConfig { max_pending: 16, ..StreamConfig::new(name) }).unwrap()
+    };
+    let (busy, asked) = (open_deep("busy"), open_deep("asked"));
+    const BACKLOG: u64 = 10;
+    for v in 0..BACKLOG {
+        busy.register(frame(&enc, v as u32 % 5), &never).unwrap();
+    }
+    asked.register(frame(&enc, 7), &never).unwrap();
+    asked.wait_version(1, &never).unwrap();
+    let busy_done = busy.published();
+    eprintln!("the asked stream's frame was published after {busy_done} of the busy stream's {BACKLOG}");
+    assert!(busy_done < BACKLOG, "the waited-for frame was ingested after the whole backlog of another stream");
+    assert_eq!(busy.wait_version(BACKLOG, &never).unwrap().frames(), BACKLOG);
+}

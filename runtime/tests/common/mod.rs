@@ -13,16 +13,23 @@ use vlm_runtime::{
     Device, Engine, EngineConfig, Frame, HistoryPolicy, Question, Sampling, Stream, StreamConfig, models,
 };
 
+/// The repository's models/: found from the package directory cargo names when it runs the
+/// test (the one compiled in is only a fallback: a target directory shared by two checkouts
+/// may hold a test binary built in the other).
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+        .join("../models")
+}
+
 pub fn model_path() -> PathBuf {
     std::env::var_os("VLM_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .unwrap_or_else(|| models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"))
 }
 
 pub fn mmproj_path() -> PathBuf {
-    std::env::var_os("VLM_MMPROJ")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/test-mmproj-mlp.gguf"))
+    std::env::var_os("VLM_MMPROJ").map(PathBuf::from).unwrap_or_else(|| models_dir().join("test-mmproj-mlp.gguf"))
 }
 
 pub fn engine(name: &str) -> Arc<Engine> {
