@@ -199,7 +199,9 @@ fn a_question_behind_a_lagging_engine_replays_its_frames_on_an_idle_one() {
     assert!(s.pending_version(1).is_none());
     let resident = answer_on(&published, &q, &a, PreparePath::Resident, &never(), |_| {}).unwrap();
     assert_eq!(resident.text, moved.text);
-    // Nothing queued: the question stays resident.
+    // Nothing queued (the waited-for frame went before the other stream's backlog: let that
+    // finish too): the question stays resident.
+    busy.wait_version(6, &never()).unwrap();
     let idle = answer_frame(&s, 1, &q, "auto", &never(), |_| {}).unwrap();
     assert_eq!((idle.engine.as_str(), idle.path), ("a", PreparePath::Resident), "{idle:?}");
 }
