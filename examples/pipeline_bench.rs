@@ -12,6 +12,8 @@
 //! right after registering that frame. Models load in READY (the `load-model` Progress message), before
 //! the window, as the runtime benchmark's warm-up does. TTFT and wait come from each `vlm-answer`
 //! (measured from the `ask`); throughput is answers over the window (PLAYING to the last answer).
+//! With `--peer`, llama.cpp's `llama-server` (vlm-bench's PEER configuration, in the same
+//! vlm-bench run as B1) is a third level, so the pipeline is compared with the server directly.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -51,6 +53,9 @@ struct Args {
     vlm_bench: Option<PathBuf>,
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also run llama-server (vlm-bench's PEER; built by scripts/build-llama-server.sh).
+    #[arg(long)]
+    peer: bool,
 }
 
 /// One round of one level.
@@ -140,12 +145,22 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
     Ok(round)
 }
 
-/// The same workload through the runtime alone: one B1 round of `vlm-bench`.
-fn runtime_round(a: &Args, bench: &PathBuf) -> Result<Round, BoxError> {
+/// The same workload through the runtime alone: one round of `vlm-bench`, B1 (and the peer with
+/// `--peer`), in that order.
+fn runtime_round(a: &Args, bench: &PathBuf) -> Result<Vec<Round>, BoxError> {
     let json = std::env::temp_dir().join(format!("vlm-pipeline-bench-{}.json", std::process::id()));
     let asked: Vec<String> = a.ask_after.iter().map(u64::to_string).collect();
     let status = Command::new(bench)
-        .args(["--configs", "B1", "--rounds", "1", "--streams", "2", "--questions", &a.ask_after.len().to_string()])
+        .args([
+            "--configs",
+            if a.peer { "B1,PEER" } else { "B1" },
+            "--rounds",
+            "1",
+            "--streams",
+            "2",
+            "--questions",
+            &a.ask_after.len().to_string(),
+        ])
         .args(["--fps", &a.fps.to_string(), "--frames", &a.frames.to_string(), "--tokens", &a.tokens.to_string()])
         .args(["--ask-after", &asked.join(","), "--model", &a.model, "--mmproj", &a.mmproj])
         .arg("--json")
@@ -157,15 +172,19 @@ fn runtime_round(a: &Args, bench: &PathBuf) -> Result<Round, BoxError> {
     }
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json)?)?;
     let _ = std::fs::remove_file(&json);
-    let run = &report["runs"][0];
-    let answered: Vec<&serde_json::Value> =
-        run["answers"].as_array().ok_or("no answers")?.iter().filter(|x| x["error"].is_null()).collect();
-    Ok(Round {
-        expected: 2 * a.ask_after.len(),
-        ttft_ms: answered.iter().filter_map(|x| x["ttft_ms"].as_f64()).collect(),
-        wait_ms: answered.iter().filter_map(|x| x["wait_ms"].as_f64()).collect(),
-        window_ms: run["window_ms"].as_f64().ok_or("no window")?,
-    })
+    let round = |config: &str| -> Result<Round, BoxError> {
+        let runs = report["runs"].as_array().ok_or("no runs")?;
+        let run = runs.iter().find(|r| r["config"] == config).ok_or_else(|| format!("no {config} run"))?;
+        let answered: Vec<&serde_json::Value> =
+            run["answers"].as_array().ok_or("no answers")?.iter().filter(|x| x["error"].is_null()).collect();
+        Ok(Round {
+            expected: 2 * a.ask_after.len(),
+            ttft_ms: answered.iter().filter_map(|x| x["ttft_ms"].as_f64()).collect(),
+            wait_ms: answered.iter().filter_map(|x| x["wait_ms"].as_f64()).collect(),
+            window_ms: run["window_ms"].as_f64().ok_or("no window")?,
+        })
+    };
+    if a.peer { Ok(vec![round("B1")?, round("PEER")?]) } else { Ok(vec![round("B1")?]) }
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -187,20 +206,31 @@ fn main() -> Result<(), BoxError> {
         Some(b) => b.clone(),
         None => std::env::current_exe()?.parent().and_then(|p| p.parent()).ok_or("no target folder")?.join("vlm-bench"),
     };
-    let (mut pipeline, mut runtime) = (vec![], vec![]);
+    let (mut pipeline, mut runtime, mut peer) = (vec![], vec![], vec![]);
     for r in 0..a.rounds {
         // Alternate which level goes first, so the machine's drift hits both alike.
         for level in if r % 2 == 0 { ["pipeline", "runtime"] } else { ["runtime", "pipeline"] } {
-            let round = if level == "pipeline" { pipeline_round(&a)? } else { runtime_round(&a, &bench)? };
-            eprintln!(
-                "round {} {level:8}: {}/{} answers, mean TTFT {:.0} ms, {:.3} answers/s",
-                r + 1,
-                round.ttft_ms.len(),
-                round.expected,
-                mean(&round.ttft_ms),
-                round.throughput()
-            );
-            if level == "pipeline" { &mut pipeline } else { &mut runtime }.push(round);
+            let rounds = if level == "pipeline" {
+                vec![("pipeline", pipeline_round(&a)?)]
+            } else {
+                ["runtime", "peer"].into_iter().zip(runtime_round(&a, &bench)?).collect()
+            };
+            for (level, round) in rounds {
+                eprintln!(
+                    "round {} {level:8}: {}/{} answers, mean TTFT {:.0} ms, {:.3} answers/s",
+                    r + 1,
+                    round.ttft_ms.len(),
+                    round.expected,
+                    mean(&round.ttft_ms),
+                    round.throughput()
+                );
+                match level {
+                    "pipeline" => &mut pipeline,
+                    "runtime" => &mut runtime,
+                    _ => &mut peer,
+                }
+                .push(round);
+            }
         }
     }
     let summary = |rounds: &[Round]| {
@@ -212,26 +242,33 @@ fn main() -> Result<(), BoxError> {
             "ttft_mean_ms": mean(&ttft),
             "ttft_p50_ms": percentile(&ttft, 50.0),
             "ttft_p95_ms": percentile(&ttft, 95.0),
-            "wait_mean_ms": mean(&wait),
+            "wait_mean_ms": (!wait.is_empty()).then(|| mean(&wait)),
             "throughput": mean(&rounds.iter().map(Round::throughput).collect::<Vec<_>>()),
             "ttft_mean_rounds": rounds.iter().map(|r| mean(&r.ttft_ms)).collect::<Vec<_>>(),
         })
     };
-    let (p, rt) = (summary(&pipeline), summary(&runtime));
-    let ratio = |key: &str| p[key].as_f64().unwrap_or(f64::NAN) / rt[key].as_f64().unwrap_or(f64::NAN);
+    let (p, rt, server) = (summary(&pipeline), summary(&runtime), summary(&peer));
+    let over = |a: &serde_json::Value, b: &serde_json::Value, key: &str| {
+        a[key].as_f64().unwrap_or(f64::NAN) / b[key].as_f64().unwrap_or(f64::NAN)
+    };
+    let ratio = |key: &str| over(&p, &rt, key);
     let mut table = String::from(
         "| level | answers | answers/s | TTFT mean | p50 | p95 | wait mean |\n|---|---:|---:|---:|---:|---:|---:|\n",
     );
-    for (name, s) in [("pipeline (vlmencode ! vlmcontext ! vlmquery)", &p), ("runtime alone (vlm-bench B1)", &rt)] {
+    let mut levels = vec![("pipeline (vlmencode ! vlmcontext ! vlmquery)", &p), ("runtime alone (vlm-bench B1)", &rt)];
+    if a.peer {
+        levels.push(("llama-server (vlm-bench PEER)", &server));
+    }
+    for (name, s) in levels {
         table += &format!(
-            "| {name} | {}/{} | {:.3} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms |\n",
+            "| {name} | {}/{} | {:.3} | {:.0} ms | {:.0} ms | {:.0} ms | {} |\n",
             s["answered"],
             s["expected"],
             s["throughput"].as_f64().unwrap_or(0.0),
             s["ttft_mean_ms"].as_f64().unwrap_or(0.0),
             s["ttft_p50_ms"].as_f64().unwrap_or(0.0),
             s["ttft_p95_ms"].as_f64().unwrap_or(0.0),
-            s["wait_mean_ms"].as_f64().unwrap_or(0.0)
+            s["wait_mean_ms"].as_f64().map_or("-".into(), |w| format!("{w:.0} ms"))
         );
     }
     println!("{table}");
@@ -240,23 +277,33 @@ fn main() -> Result<(), BoxError> {
         ratio("ttft_mean_ms"),
         ratio("throughput")
     );
+    if a.peer {
+        println!(
+            "pipeline / llama-server: TTFT {:.2}, throughput {:.2}",
+            over(&p, &server, "ttft_mean_ms"),
+            over(&p, &server, "throughput")
+        );
+    }
     let report = serde_json::json!({
         "benchmark": "pipeline-bench",
         "date": std::process::Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]).output().ok()
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()),
         "workload": { "streams": 2, "fps": a.fps, "frames": a.frames, "ask_after": a.ask_after, "tokens": a.tokens,
                       "model": a.model, "mmproj": a.mmproj, "rounds": a.rounds },
-        "pipeline": p, "runtime": rt,
-        "ratios": { "ttft_mean": ratio("ttft_mean_ms"), "throughput": ratio("throughput") },
+        "pipeline": p, "runtime": rt, "peer": a.peer.then_some(&server),
+        "ratios": { "ttft_mean": ratio("ttft_mean_ms"), "throughput": ratio("throughput"),
+                    "pipeline_over_peer_ttft_mean": a.peer.then(|| over(&p, &server, "ttft_mean_ms")),
+                    "pipeline_over_peer_throughput": a.peer.then(|| over(&p, &server, "throughput")) },
         "rounds": { "pipeline": pipeline.iter().map(Round::json).collect::<Vec<_>>(),
-                    "runtime": runtime.iter().map(Round::json).collect::<Vec<_>>() },
+                    "runtime": runtime.iter().map(Round::json).collect::<Vec<_>>(),
+                    "peer": peer.iter().map(Round::json).collect::<Vec<_>>() },
         "markdown_table": table,
     });
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")?;
     }
     println!("{report}");
-    let short = pipeline.iter().chain(&runtime).any(|r| r.ttft_ms.len() < r.expected);
+    let short = pipeline.iter().chain(&runtime).chain(&peer).any(|r| r.ttft_ms.len() < r.expected);
     if short {
         return Err("some questions were not answered".into());
     }
