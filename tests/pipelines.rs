@@ -377,3 +377,35 @@ fn vlmencode_reports_its_slowest_encoding_as_latency() {
     assert!(added_ms >= mean_ms, "latency adds {added_ms:.2} ms, mean encoding {mean_ms:.2} ms");
     assert!(latency_messages >= 1, "no latency message as encoding times became known");
 }
+
+/// The three VLM families of models/test-<family>-* (SmolVLM's idefics3: several image chunks a
+/// frame; Qwen2-VL: M-RoPE positions; Gemma 3: non-causal image attention) through the elements,
+/// the language model named once on vlmcontext: every timed question answered over the frames
+/// before its time, and the retained history answers as its full re-prefill does, token for token.
+#[test]
+fn every_vlm_family_answers_through_the_elements_as_its_replay_does() {
+    for family in ["idefics3", "qwen2vl", "gemma3"] {
+        let answers = |retain: bool| {
+            let run = run(&launch(&format!(
+                "videotestsrc pattern=ball num-buffers=330 ! video/x-raw,width=160,height=120,framerate=30/1 \
+                 ! videoconvert ! vlmencode mmproj=models/test-{family}-mmproj.gguf interval=1000000000 \
+                 ! vlmcontext model=models/test-{family}-lm.gguf retain={retain} \
+                 ! vlmquery name=q max-tokens=8 ! fakesink sync=false \
+                 filesrc location=pipelines/questions.srt ! subparse ! q.query"
+            )));
+            assert!(run.errors.is_empty(), "{family} retain={retain}: {:?}", run.errors);
+            run.answers.iter().for_each(check_answer);
+            let get = |a: &gst::Structure| {
+                (a.get::<u64>("frames").unwrap(), a.get::<String>("path").unwrap(), a.get::<String>("text").unwrap())
+            };
+            run.answers.iter().map(get).collect::<Vec<_>>()
+        };
+        let (retained, replayed) = (answers(true), answers(false));
+        let frames: Vec<u64> = retained.iter().map(|a| a.0).collect();
+        assert_eq!(frames, vec![3, 6, 10], "{family}: questions bind to the frames before their time");
+        assert!(retained.iter().all(|a| a.1 == "resident") && replayed.iter().all(|a| a.1 == "replay"), "{family}");
+        let texts = |v: &[(u64, String, String)]| v.iter().map(|a| a.2.clone()).collect::<Vec<_>>();
+        assert_eq!(texts(&retained), texts(&replayed), "{family}: retained vs full re-prefill");
+        assert!(retained.iter().any(|a| !a.2.is_empty()), "{family}: no text at all");
+    }
+}
