@@ -91,4 +91,10 @@ for family in idefics3 qwen2vl gemma3; do
     "$venv/bin/python" scripts/make_test_family.py "$family" --lm "$lm" --mmproj "$proj" --smollm2 "$model" >/dev/null
   fi
 done
-say "ready: $model, $mmproj, models/test-{idefics3,qwen2vl,gemma3}-{lm,mmproj}.gguf"
+# A language model without a chat template (the qwen2vl pair's, template removed): the ChatML
+# fallback test.
+notemplate="models/test-notemplate-lm.gguf"
+if [ ! -s "$notemplate" ] || [ models/test-qwen2vl-lm.gguf -nt "$notemplate" ]; then
+  "$venv/bin/gguf-new-metadata" --force --remove-metadata tokenizer.chat_template models/test-qwen2vl-lm.gguf "$notemplate" >/dev/null 2>&1
+fi
+say "ready: $model, $mmproj, models/test-{idefics3,qwen2vl,gemma3}-{lm,mmproj}.gguf, $notemplate"

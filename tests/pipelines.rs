@@ -145,6 +145,32 @@ fn a_missing_model_is_an_error_naming_the_file() {
         "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf ! vlmcontext model=/nonexistent/lm.gguf ! vlmquery ! fakesink",
     );
     assert!(e.contains("/nonexistent/lm.gguf"), "{e}");
+    // A path that is there but cannot be read as a file.
+    let e = error_of(
+        "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf ! vlmcontext model=models ! vlmquery ! fakesink",
+    );
+    assert!(e.contains("models") && e.contains("not a regular file"), "{e}");
+}
+
+/// A language model without a chat template answers, its prompt laid out in ChatML (as llama.cpp
+/// does), and a warning says so.
+#[test]
+fn a_model_without_a_chat_template_answers_in_chatml_with_a_warning() {
+    let run = run(&launch(
+        "videotestsrc num-buffers=90 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-qwen2vl-mmproj.gguf interval=1000000000 \
+         ! vlmcontext model=models/test-notemplate-lm.gguf ! vlmquery name=q max-tokens=4 ! fakesink sync=false \
+         filesrc location=pipelines/questions.srt ! subparse ! q.query",
+    ));
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(
+        run.warnings.iter().any(|w| w.contains("test-notemplate-lm.gguf") && w.contains("no chat template")),
+        "{:?}",
+        run.warnings
+    );
+    assert_eq!(run.answers.len(), 3);
+    run.answers.iter().for_each(check_answer);
+    assert!(run.answers.iter().all(|a| a.get::<String>("status").unwrap() == "answered"));
 }
 
 #[test]

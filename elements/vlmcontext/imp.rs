@@ -397,6 +397,13 @@ impl VlmContext {
         }
         let prompt = Prompt::new(engines[0].model(), &s.system_prompt)
             .map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ("{}", e), ["vlmcontext model={}", s.model]))?;
+        if !engines[0].model().has_chat_template() {
+            gst::element_imp_warning!(
+                self,
+                gst::LibraryError::Settings,
+                ("{} has no chat template: questions are laid out in ChatML, as llama.cpp does", s.model)
+            );
+        }
         self.progress(gst::ProgressType::Complete, &format!("{} loaded", s.model));
         Ok((engines, Arc::new(prompt)))
     }

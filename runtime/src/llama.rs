@@ -354,6 +354,20 @@ impl Model {
     }
 
     /// Render a conversation with the model's own chat template (ChatML when it has none).
+    /// The GGUF's own chat template, if it has one.
+    fn chat_template(&self) -> Option<*const std::ffi::c_char> {
+        // SAFETY: valid model pointer; a null name asks for the default template, which may be
+        // null; a non-null one lives as long as the model.
+        let tmpl = unsafe { sys::llama_model_chat_template(self.ptr.as_ptr(), std::ptr::null()) };
+        (!tmpl.is_null()).then_some(tmpl)
+    }
+
+    /// Whether the GGUF carries a chat template; without one, prompts use ChatML (as llama.cpp's
+    /// own tools do).
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template().is_some()
+    }
+
     pub fn apply_chat_template(&self, messages: &[(&str, &str)], add_assistant: bool) -> Result<String> {
         let owned: Vec<(CString, CString)> = messages
             .iter()
@@ -362,10 +376,7 @@ impl Model {
             .map_err(|_| Error::BadInput("message contains a NUL byte".into()))?;
         let chat: Vec<sys::llama_chat_message> =
             owned.iter().map(|(r, c)| sys::llama_chat_message { role: r.as_ptr(), content: c.as_ptr() }).collect();
-        // SAFETY: valid model pointer; a null name asks for the default template, which may be null.
-        let tmpl = unsafe { sys::llama_model_chat_template(self.ptr.as_ptr(), std::ptr::null()) };
-        let chatml = c"chatml";
-        let tmpl = if tmpl.is_null() { chatml.as_ptr() } else { tmpl };
+        let tmpl = self.chat_template().unwrap_or(c"chatml".as_ptr());
         let mut buf = vec![0u8; 1024];
         for _ in 0..2 {
             // SAFETY: chat points at owned.len() messages whose strings live in `owned`; buf/len
