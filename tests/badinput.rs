@@ -482,6 +482,55 @@ fn a_burst_of_1000_asks_is_bounded_by_max_questions_and_each_accepted_one_answer
     assert_clean(&log);
 }
 
+#[test]
+fn question_events_past_max_questions_are_refused_not_waited_for() {
+    let _s = serial();
+    // The video's thread must never wait for answers (an overlay may hold them until the video
+    // passes their time): question events past max-questions are refused with a warning each.
+    let mut f = Fed::new("", "max-tokens=2 max-questions=2", "");
+    f.push_frames(1);
+    let sink = f.q.static_pad("sink").unwrap();
+    let started = Instant::now();
+    for i in 0..20 {
+        assert!(sink.send_event(QuestionEvent::event(&format!("Event {i}?"), Some(&format!("e{i}")), None)));
+    }
+    eprintln!("20 question events sent in {:?}", started.elapsed());
+    let bus = f.bus.clone();
+    f.log.pump(&bus, Duration::from_secs(120), |l| l.answers.len() + l.warnings.len() >= 20);
+    let log = f.finish();
+    let refused = log.warnings.iter().filter(|w| w.contains("refused") && w.contains("max-questions")).count();
+    assert!(refused > 0, "no question event was refused: {:?}", log.warnings);
+    assert_eq!(log.answers.len() + refused, 20, "every event answered once or refused: {:?}", log.answers);
+    assert!(log.answers.iter().all(|a| status(a) == "answered"));
+    assert_clean(&log);
+}
+
+#[test]
+fn ask_before_the_element_starts_is_refused() {
+    init();
+    // Nothing would answer it: READY->PAUSED starts the element afresh.
+    let q = gst::ElementFactory::make("vlmquery").build().unwrap();
+    assert_eq!(q.emit_by_name::<Option<String>>("ask", &[&"Anyone there?"]), None);
+    q.set_state(gst::State::Ready).unwrap();
+    assert_eq!(q.emit_by_name::<Option<String>>("ask", &[&"Anyone there?"]), None);
+    q.set_state(gst::State::Null).unwrap();
+}
+
+#[test]
+fn answers_go_to_the_bus_when_only_the_video_of_vlmquery_is_linked() {
+    let _s = serial();
+    // The text pad is left unlinked: its NOT_LINKED is no error while video_src is linked.
+    let run = run(&launch(
+        "videotestsrc num-buffers=90 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=1000000000 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=4 \
+         q.video_src ! fakesink sync=false filesrc location=pipelines/questions.srt ! subparse ! q.query",
+    ));
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert_eq!(run.answers.len(), 3, "{:?} {:?}", run.answers, run.warnings);
+    assert!(run.answers.iter().all(|a| status(a) == "answered"), "{:?}", run.answers);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Lifecycle
 

@@ -210,6 +210,44 @@ fn video_leaves_vlmquery_and_textoverlay_draws_answers_with_its_defaults() {
 }
 
 #[test]
+fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
+    // A question longer than the 512-cell context fails: nothing is drawn, but the text pad
+    // still covers the answer's display time (5 s, past the 2 s of video) with a GAP, so
+    // textoverlay (wait-text=true) lets every frame and EOS through instead of waiting for text.
+    // The video plays in real time (sync=true), so the failure comes while frames still flow.
+    let long: &'static str = Box::leak(format!("Count{}?", " very".repeat(600)).into_boxed_str());
+    let pipeline = launch(&format!(
+        "{SOURCE} context-size=512 ! vlmquery name=q max-tokens=6 \
+         q.video_src ! queue ! o.video_sink q.src ! queue ! o.text_sink \
+         textoverlay name=o ! fakesink name=out sync=true"
+    ));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let frames = Arc::new(Mutex::new(0u32));
+    let f2 = Arc::clone(&frames);
+    bin.by_name("out").unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        *f2.lock().unwrap() += 1;
+        gst::PadProbeReturn::Ok
+    });
+    let gaps = Arc::new(Mutex::new(vec![]));
+    let g2 = Arc::clone(&gaps);
+    let src = bin.by_name("q").unwrap().static_pad("src").unwrap();
+    src.add_probe(gst::PadProbeType::EVENT_DOWNSTREAM, move |_, info| {
+        if let Some(gst::EventView::Gap(g)) = info.event().map(|e| e.view()) {
+            g2.lock().unwrap().push(g.get().1);
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let (run, ids) = run_asking(&pipeline, move |n| if n == 3 { vec![long] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(ids.lock().unwrap()[0].is_some());
+    assert_eq!(run.answers.len(), 1);
+    assert_eq!(run.answers[0].get::<String>("status").unwrap(), "failed", "{}", run.answers[0]);
+    let answer_duration = Some(gst::ClockTime::from_seconds(5));
+    assert!(gaps.lock().unwrap().contains(&answer_duration), "no GAP for the failed answer's time: {gaps:?}");
+    assert_eq!(*frames.lock().unwrap(), 60, "every video frame went through textoverlay");
+}
+
+#[test]
 fn periodic_captions_ask_the_prompt_at_the_interval() {
     // 8 frames 250 ms apart, a caption every 500 ms of running time: frames 1, 3, 5, 7.
     let run = run(&launch(&format!(

@@ -191,6 +191,10 @@ impl VlmContext {
     }
 
     fn sink_chain(&self, pads: &StreamPads, mut buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        // Flushing, stopping (PAUSED->READY runs before the pads deactivate) or released.
+        if pads.cancel.load(Ordering::Acquire) {
+            return Err(gst::FlowError::Flushing);
+        }
         let frame = buffer.meta::<VlmFrameMeta>().and_then(|m| m.frame().cloned());
         if let Some(frame) = frame {
             let stream = self.stream(pads).map_err(|e| {
@@ -683,9 +687,10 @@ impl ElementImpl for VlmContext {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || Err(gst::FlowError::Error),
+                    // A pad being released: upstream stops quietly.
                     |imp| match imp.pads_of(pad.upcast_ref()) {
                         Some(p) => imp.sink_chain(&p, buffer),
-                        None => Err(gst::FlowError::NotLinked),
+                        None => Err(gst::FlowError::Flushing),
                     },
                 )
             })

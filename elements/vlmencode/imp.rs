@@ -240,7 +240,7 @@ impl VlmEncode {
         let mut state = self.state.lock();
         let due = match (time, state.last_encoded) {
             (_, None) | (None, _) => true,
-            (Some(t), Some(last)) => interval.is_zero() || t < last || t >= last + interval,
+            (Some(t), Some(last)) => interval.is_zero() || t < last || t >= last.saturating_add(interval),
         };
         if !due {
             return false;
@@ -341,6 +341,8 @@ impl VlmEncode {
             EventView::Segment(seg) => {
                 self.state.lock().segment = seg.segment().downcast_ref::<gst::ClockTime>().cloned();
             }
+            // A new stream after EOS (which paused the task) may bring data again.
+            EventView::StreamStart(_) => self.start_task(),
             _ => (),
         }
         if event.is_serialized() {
@@ -353,10 +355,21 @@ impl VlmEncode {
     fn set_flushing(&self, flushing: bool) {
         let mut q = self.queue.lock();
         q.flushing = flushing;
-        q.items.clear();
+        let dropped: Vec<Item> = q.items.drain(..).collect();
         q.pending = 0;
         q.flow = None;
         self.changed.notify_all();
+        drop(q);
+        // Sticky events still queued (caps, tags, stream-start) stay on the pad, as `queue`
+        // keeps them: upstream does not send them again after the flush.
+        for item in dropped {
+            if let Item::Event(e) = item
+                && e.is_sticky()
+                && !matches!(e.type_(), gst::EventType::Segment | gst::EventType::Eos)
+            {
+                let _ = self.srcpad.store_sticky_event(&e);
+            }
+        }
     }
 
     fn start_task(&self) {
@@ -577,6 +590,7 @@ impl ObjectImpl for VlmEncode {
                 glib::ParamSpecUInt64::builder("interval")
                     .nick("Interval")
                     .blurb("Stream time between encoded frames in ns (0 = every frame); other frames pass without embeddings")
+                    .maximum(gst::ClockTime::MAX.nseconds())
                     .default_value(DEFAULT_INTERVAL)
                     .mutable_playing()
                     .build(),

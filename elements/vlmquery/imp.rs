@@ -160,8 +160,12 @@ struct Shared {
     pending: VecDeque<Arc<Pending>>,
     /// Every input has ended: later questions are refused, EOS follows the last answer.
     eos: bool,
+    /// The text pad's task has posted every answer and reached EOS.
+    all_answered: bool,
     flushing: bool,
     src_started: bool,
+    /// The text pad has sent the video's current segment.
+    segment_sent: bool,
     /// The last flow return of the source pad: errors travel upstream from the sink pads.
     srcresult: Option<gst::FlowError>,
     /// How far the text pad has told downstream about (answers and GAP events), in the video
@@ -257,6 +261,10 @@ impl VlmQuery {
             if !block {
                 return Err(Refusal::Full(max));
             }
+            // The query pad's flush, or a text pad that stopped (the queue will not drain).
+            if shared.query_flushing || shared.srcresult.is_some() {
+                return Err(Refusal::Flushing);
+            }
             self.changed.wait(shared);
         }
         if shared.recent_ids.contains(&job.question.id) {
@@ -292,7 +300,15 @@ impl VlmQuery {
         let this = self.ref_counted();
         let p = Arc::clone(&pending);
         let thread = std::thread::Builder::new().name(format!("vlmquery-{id}")).spawn(move || {
-            let outcome = this.generate(&p, previous.as_deref(), &placement, ordered);
+            // A panic fails this question (its one vlm-answer says so); the queue goes on.
+            let generate = std::panic::AssertUnwindSafe(|| this.generate(&p, previous.as_deref(), &placement, ordered));
+            let outcome = std::panic::catch_unwind(generate).unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned());
+                Outcome::Failed(format!("panic while answering: {}", what.unwrap_or_default()))
+            });
             *p.outcome.lock() = Some(outcome);
             p.finished.store(true, Ordering::Release);
             let _guard = this.shared.lock();
@@ -393,7 +409,7 @@ impl VlmQuery {
         shared.video.untimed = rt.is_none();
         if let Some(pts) = buffer.pts() {
             shared.video.pts = Some(pts);
-            shared.video.end = Some(pts + buffer.duration().unwrap_or(gst::ClockTime::ZERO));
+            shared.video.end = Some(pts.saturating_add(buffer.duration().unwrap_or(gst::ClockTime::ZERO)));
         }
         // The text pad's task sends a GAP up to this frame before it goes on, so an overlay
         // that waits for text at this frame's time is never stuck.
@@ -419,7 +435,7 @@ impl VlmQuery {
             (s.caption_prompt.clone(), gst::ClockTime::from_nseconds(s.caption_interval))
         };
         let due = match (rt, shared.video.last_caption) {
-            (Some(rt), Some(last)) => rt >= last + interval || rt < last,
+            (Some(rt), Some(last)) => rt >= last.saturating_add(interval) || rt < last,
             _ => true,
         };
         if prompt.trim().is_empty() || !due {
@@ -455,7 +471,10 @@ impl VlmQuery {
                     let (frames, pts) = shared.video.newest();
                     let stream = shared.video.stream.clone();
                     let text = question.text.clone();
-                    let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, true);
+                    // Refused, not waited for, when the queue is full: the video's thread must not
+                    // wait for answers that may wait for the video (an overlay holds them until
+                    // the video passes their time).
+                    let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, false);
                     drop(shared);
                     return match accepted {
                         Ok(_) => true,
@@ -477,8 +496,14 @@ impl VlmQuery {
             return true;
         }
         match event.view() {
+            // A new segment without a flush (concat, a non-flushing seek): the text pad follows
+            // it, and its position starts again in the new segment's time.
             EventView::Segment(s) => {
-                self.shared.lock().video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
+                let mut shared = self.shared.lock();
+                shared.video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
+                shared.segment_sent = false;
+                shared.text_position = None;
+                drop(shared);
                 self.video_srcpad.push_event(event);
                 true
             }
@@ -487,19 +512,37 @@ impl VlmQuery {
                 shared.video.eos = true;
                 self.maybe_finish(&mut shared);
                 self.changed.notify_all();
+                // With no text pad linked the answers only go to the bus: the video's EOS waits
+                // for them, or the pipeline would end (and cancel them) first. (A linked text
+                // pad carries its own EOS after the last answer; the video must go on to EOS
+                // then, as an overlay holds answers until the video passes their time.)
+                if !self.srcpad.is_linked() {
+                    while !shared.flushing && !shared.all_answered && shared.srcresult.is_none() {
+                        self.changed.wait(&mut shared);
+                    }
+                }
                 drop(shared);
                 self.video_srcpad.push_event(event);
                 true
             }
+            // As in gst-plugins-rs: flushing first, downstream told (a push blocked there returns),
+            // then the task paused; on stop, state reset and downstream told under the task's
+            // stream lock before the task starts again.
             EventView::FlushStart(_) => {
                 self.flush_start("flush");
                 self.video_srcpad.push_event(event.clone());
-                self.srcpad.push_event(event)
+                let pushed = self.srcpad.push_event(event);
+                let _ = self.srcpad.pause_task();
+                pushed
             }
             EventView::FlushStop(_) => {
+                let task_lock = self.srcpad.stream_lock();
                 self.flush_stop();
                 self.video_srcpad.push_event(event.clone());
-                self.srcpad.push_event(event)
+                let pushed = self.srcpad.push_event(event);
+                drop(task_lock);
+                self.start_task();
+                pushed
             }
             // The video's own events go on with it; the text pad makes its own.
             _ if event.is_serialized() || event.is_sticky() => {
@@ -548,7 +591,7 @@ impl VlmQuery {
         drop(shared);
         match accepted {
             Ok(_) => (),
-            Err(Refusal::Flushing) => return Err(gst::FlowError::Flushing),
+            Err(Refusal::Flushing) => return self.flow().and(Err(gst::FlowError::Flushing)),
             Err(why) => self.refused(&text, why),
         }
         self.flow()
@@ -624,17 +667,22 @@ impl VlmQuery {
         }
     }
 
+    /// Reset what the flush made void; the query pad's own state (its caps, segment and EOS,
+    /// sent once) stays.
     fn flush_stop(&self) {
         let mut shared = self.shared.lock();
         let stream = shared.video.stream.take();
+        let old = std::mem::take(&mut *shared);
         *shared = Shared {
             video: Video { stream, ..Video::default() },
-            next_id: shared.next_id,
-            recent_ids: std::mem::take(&mut shared.recent_ids),
+            query_segment: old.query_segment,
+            query_markup: old.query_markup,
+            query_eos: old.query_eos,
+            query_flushing: old.query_flushing,
+            next_id: old.next_id,
+            recent_ids: old.recent_ids,
             ..Shared::default()
         };
-        drop(shared);
-        self.start_task();
     }
 
     fn start_task(&self) {
@@ -665,7 +713,8 @@ impl VlmQuery {
                 let shown_at = |shared: &mut Shared, p: &Pending| {
                     let at = shared.video.end.or(p.job.pts);
                     if let Some(at) = at {
-                        let end = at + gst::ClockTime::from_nseconds(self.settings.lock().answer_duration);
+                        let end =
+                            at.saturating_add(gst::ClockTime::from_nseconds(self.settings.lock().answer_duration));
                         shared.text_position = shared.text_position.max(Some(end));
                     }
                     at
@@ -681,7 +730,10 @@ impl VlmQuery {
                         let at = shown_at(&mut shared, &p);
                         break Next::Partial(p, at);
                     }
-                    None if shared.eos => break Next::Eos,
+                    None if shared.eos => {
+                        shared.all_answered = true;
+                        break Next::Eos;
+                    }
                     _ => (),
                 }
                 // Nothing to say up to the newest frame: tell downstream, so it never waits.
@@ -724,11 +776,22 @@ impl VlmQuery {
         let answered = matches!(outcome, Outcome::Answered(_));
         let message = self.post_answer(&p, outcome);
         let status = message.get::<String>("status").unwrap_or_default();
-        let line = match self.settings.lock().output_format {
+        let (format, duration) = {
+            let s = self.settings.lock();
+            (s.output_format, gst::ClockTime::from_nseconds(s.answer_duration))
+        };
+        let line = match format {
             // Streamed text ends with the newline alone, so the text pad's bytes are the same.
             OutputFormat::Text if streamed => "\n".to_owned(),
             OutputFormat::Text if answered => message.get::<String>("text").unwrap_or_default() + "\n",
-            OutputFormat::Text => return,
+            // Nothing to show: say so for the time the answer would have taken, so an overlay
+            // waiting for text goes on.
+            OutputFormat::Text => {
+                if let Some(at) = at {
+                    self.srcpad.push_event(gst::event::Gap::builder(at).duration(duration).build());
+                }
+                return;
+            }
             OutputFormat::Json => json_line(&message),
         };
         *self.answered.lock() += 1;
@@ -769,8 +832,13 @@ impl VlmQuery {
             let stream = p.job.stream.as_ref().map_or("", |s| s.name());
             crate::meta::add_answer_meta(buffer, &p.job.question.id, stream, status);
         }
-        if let Err(e) = self.srcpad.push(buffer) {
-            self.flow_error(e);
+        match self.srcpad.push(buffer) {
+            // Answers read from the bus, the video shown: an unlinked text pad is fine.
+            Err(gst::FlowError::NotLinked) if self.video_srcpad.is_linked() => {
+                gst::log!(CAT, imp = self, "text pad not linked; answer {} on the bus only", p.job.question.id)
+            }
+            Err(e) => self.flow_error(e),
+            Ok(_) => (),
         }
     }
 
@@ -778,24 +846,32 @@ impl VlmQuery {
     /// (as gst-plugins-rs elements do), and pause.
     fn flow_error(&self, e: gst::FlowError) {
         gst::debug!(CAT, imp = self, "answer push: {e:?}");
-        self.shared.lock().srcresult = Some(e);
+        // Flushing ends with the flush (the task starts again); anything else travels upstream.
+        if e != gst::FlowError::Flushing {
+            self.shared.lock().srcresult = Some(e);
+            self.changed.notify_all();
+        }
         crate::post_flow_error(self.obj().upcast_ref(), e);
         let _ = self.srcpad.pause_task();
     }
 
+    /// Stream start and caps once, then the video's segment whenever it changed.
     fn ensure_src_started(&self) {
-        let segment = {
+        let (start, segment) = {
             let mut shared = self.shared.lock();
-            if shared.src_started {
+            if shared.src_started && shared.segment_sent {
                 return;
             }
-            shared.src_started = true;
-            shared.video.segment.clone().unwrap_or_default()
+            let start = !shared.src_started;
+            (shared.src_started, shared.segment_sent) = (true, true);
+            (start, shared.video.segment.clone().unwrap_or_default())
         };
-        let stream_id = format!("{}/answers", self.obj().name());
-        self.srcpad.push_event(gst::event::StreamStart::new(&stream_id));
-        self.srcpad
-            .push_event(gst::event::Caps::new(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+        if start {
+            let stream_id = format!("{}/answers", self.obj().name());
+            self.srcpad.push_event(gst::event::StreamStart::new(&stream_id));
+            self.srcpad
+                .push_event(gst::event::Caps::new(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+        }
         self.srcpad.push_event(gst::event::Segment::new(&segment));
     }
 
@@ -922,7 +998,8 @@ impl ObjectSubclass for VlmQuery {
             srcpad,
             video_srcpad,
             settings: Mutex::new(Settings::default()),
-            shared: Mutex::new(Shared::default()),
+            // Refusing until READY->PAUSED: a question accepted before would be dropped there.
+            shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
             changed: Condvar::new(),
             answered: Mutex::new(0),
         }
@@ -977,6 +1054,7 @@ impl ObjectImpl for VlmQuery {
                 glib::ParamSpecUInt64::builder("answer-duration")
                     .nick("Answer duration")
                     .blurb("Display duration (ns) set on each answer buffer, e.g. for textoverlay")
+                    .maximum(gst::ClockTime::MAX.nseconds())
                     .default_value(DEFAULT_ANSWER_DURATION)
                     .mutable_playing()
                     .build(),
@@ -988,12 +1066,13 @@ impl ObjectImpl for VlmQuery {
                 glib::ParamSpecUInt64::builder("caption-interval")
                     .nick("Caption interval")
                     .blurb("Running time (ns) between periodic captions; 0 = at every frame that joins the history")
+                    .maximum(gst::ClockTime::MAX.nseconds())
                     .default_value(DEFAULT_CAPTION_INTERVAL)
                     .mutable_playing()
                     .build(),
                 glib::ParamSpecUInt::builder("max-questions")
                     .nick("Max questions")
-                    .blurb("Questions pending (being answered or waiting to be pushed) before the query pad and question events block and ask is refused")
+                    .blurb("Questions pending (being answered or waiting to be pushed) before the query pad blocks and question events and ask are refused")
                     .minimum(1)
                     .maximum(1024)
                     .default_value(DEFAULT_MAX_QUESTIONS)

@@ -29,12 +29,15 @@
 //! object per piece with `status` `partial`, then the whole answer. Every text buffer carries a
 //! custom meta `VlmAnswerMeta` (`id`, `stream`, `status`: `answered`, `cancelled`, `failed` or
 //! `partial`; `gst_buffer_get_custom_meta (buffer, "VlmAnswerMeta")`). EOS leaves after the last
-//! accepted question's answer.
+//! accepted question's answer; with `src` unlinked (answers read from the bus), `video_src`'s EOS
+//! waits for it too. With both linked (textoverlay), the video ends when it ends, and answers
+//! still being generated then are cancelled.
 //!
 //! A question is refused at once, with a WARNING naming the cause, after EOS or when its `id`
-//! was already used; `ask` is also refused (returns NULL) when its text is empty, while
-//! flushing, or when `max-questions` are pending, where the `query` pad and question events
-//! block instead. A malformed `vlm-question` (no `text`, a `max-tokens` that is not a positive
+//! was already used; `ask` and `vlm-question` events are also refused (`ask` returns NULL) while
+//! flushing, before the element starts, or when `max-questions` are pending (`ask` also for
+//! empty text), where the `query` pad blocks instead (the video's own thread never waits for
+//! answers, which an overlay may hold until the video passes their time). A malformed `vlm-question` (no `text`, a `max-tokens` that is not a positive
 //! integer) is a WARNING.
 //!
 //! ## Example pipelines
