@@ -14,6 +14,17 @@ use gst_vlm_elements::meta::VlmFrameMeta;
 const SOURCE: &str = "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
     ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// The number of buffers that reach the sink pad of element `name`, counted as they come.
+fn count_buffers(bin: &gst::Bin, name: &str) -> Arc<Mutex<u32>> {
+    let count = Arc::new(Mutex::new(0u32));
+    let c2 = Arc::clone(&count);
+    bin.by_name(name).unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        *c2.lock().unwrap() += 1;
+        gst::PadProbeReturn::Ok
+    });
+    count
+}
+
 /// Run `pipeline`, calling `ask` on vlmquery `q` with each frame number that leaves vlmcontext;
 /// returns the run and the ids `ask` returned (None: refused).
 fn run_asking(
@@ -184,12 +195,7 @@ fn video_leaves_vlmquery_and_textoverlay_draws_answers_with_its_defaults() {
          textoverlay name=o ! fakesink name=out sync=false"
     ));
     let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
-    let frames = Arc::new(Mutex::new(0u32));
-    let f2 = Arc::clone(&frames);
-    bin.by_name("out").unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
-        *f2.lock().unwrap() += 1;
-        gst::PadProbeReturn::Ok
-    });
+    let frames = count_buffers(bin, "out");
     let texts = Arc::new(Mutex::new(vec![]));
     let t2 = Arc::clone(&texts);
     bin.by_name("o").unwrap().static_pad("text_sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
@@ -222,12 +228,7 @@ fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
          textoverlay name=o ! fakesink name=out sync=true"
     ));
     let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
-    let frames = Arc::new(Mutex::new(0u32));
-    let f2 = Arc::clone(&frames);
-    bin.by_name("out").unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
-        *f2.lock().unwrap() += 1;
-        gst::PadProbeReturn::Ok
-    });
+    let frames = count_buffers(bin, "out");
     let gaps = Arc::new(Mutex::new(vec![]));
     let g2 = Arc::clone(&gaps);
     let src = bin.by_name("q").unwrap().static_pad("src").unwrap();
