@@ -137,13 +137,10 @@ const MOVE_FACTOR: f64 = 0.8;
 pub fn before_publication(pending: &Version, suffix_tokens: usize, expected_tokens: u32) -> Option<PathEstimate> {
     let resident = pending.stream.engine();
     let rates = resident.rates();
-    // The frame is the newest registered: at worst the last of the resident's queue, but a
-    // waited-for stream's frames go before other streams' (the engine's earliest-deadline
-    // order), so its own unpublished cells and the chunk in progress (a budget) bound it; then
-    // the question's suffix and its decode there.
-    let own_ms =
-        pending.stream.unpublished_cells() as f64 * rates.prefill_ms_per_token + resident.config().step_budget_ms;
-    let there_ms = resident.ingest_backlog_ms().min(own_ms)
+    // The frame is the newest registered, so at worst the last of the resident's queue (the
+    // engine takes a waited-for stream's frames first, but answers decoding there and other
+    // streams' waited-for frames still go between); then the question's suffix and its decode.
+    let there_ms = resident.ingest_backlog_ms()
         + suffix_tokens as f64 * rates.prefill_ms_per_token
         + expected_tokens as f64 * rates.decode_ms_per_step;
     estimate(pending, suffix_tokens, expected_tokens, false)

@@ -369,14 +369,6 @@ impl Stream {
         }
     }
 
-    /// KV cells registered but not yet ingested on the resident engine: the newest registered
-    /// version's past the newest published one (all of it after a restart of the history).
-    pub fn unpublished_cells(&self) -> i32 {
-        let t = self.timeline.lock();
-        let published = t.versions.back().filter(|r| r.epoch == t.tail.epoch).map_or(0, |r| r.cells);
-        t.tail.cells - published
-    }
-
     /// Frames the overload policy skipped.
     pub fn skipped(&self) -> u64 {
         self.timeline.lock().skipped
