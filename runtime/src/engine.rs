@@ -8,9 +8,9 @@
 //! 2. prefills at most `step_budget_ms` of input: the next chunk of an answer that is starting
 //!    (its replayed history and question suffix) or else the next chunk of frame ingestion (in
 //!    arrival order, except that a stream whose frames a question waits for goes before streams
-//!    nobody waits on: earliest deadline first), so a decode step never waits longer than the budget behind prefill (chunked
-//!    prefill, as in vLLM and Sarathi-Serve); with no answer decoding, a chunk may take a few
-//!    budgets (larger chunks cost less per input);
+//!    nobody waits on: earliest deadline first), so a decode step never waits longer than the
+//!    budget behind prefill (chunked prefill, as in vLLM and Sarathi-Serve); with no answer
+//!    decoding, a chunk may take a few budgets (larger chunks cost less per input);
 //! 3. while answers are decoding, ingestion earns credit at `ingest_share` of the engine's time
 //!    and runs a chunk when it has a budget's worth, so answers keep `1 - ingest_share` of their
 //!    idle decode rate; while a question waits for frames still being ingested, ingestion gets a
