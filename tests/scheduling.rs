@@ -249,6 +249,35 @@ fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
 }
 
 #[test]
+fn the_text_pad_follows_a_new_video_segment_without_a_flush() {
+    // concat starts a second segment (a later base) without flushing: the text pad's GAPs and
+    // answers must be read in that segment, so it sends it too.
+    let pipeline = launch(
+        "concat name=c ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q ! fakesink sync=false \
+         videotestsrc num-buffers=15 ! video/x-raw,width=160,height=120,framerate=30/1 ! c. \
+         videotestsrc num-buffers=15 ! video/x-raw,width=160,height=120,framerate=30/1 ! c.",
+    );
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let bases = Arc::new(Mutex::new(vec![]));
+    let b2 = Arc::clone(&bases);
+    bin.by_name("q").unwrap().static_pad("src").unwrap().add_probe(
+        gst::PadProbeType::EVENT_DOWNSTREAM,
+        move |_, info| {
+            if let Some(gst::EventView::Segment(s)) = info.event().map(|e| e.view()) {
+                b2.lock().unwrap().push(s.segment().base().value());
+            }
+            gst::PadProbeReturn::Ok
+        },
+    );
+    let run = run(&pipeline);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let bases = bases.lock().unwrap();
+    assert_eq!(bases.len(), 2, "one segment per video segment on the text pad: {bases:?}");
+    assert!(bases[1] > bases[0], "the second segment starts later: {bases:?}");
+}
+
+#[test]
 fn periodic_captions_ask_the_prompt_at_the_interval() {
     // 8 frames 250 ms apart, a caption every 500 ms of running time: frames 1, 3, 5, 7.
     let run = run(&launch(&format!(
