@@ -303,11 +303,7 @@ impl VlmQuery {
             // A panic fails this question (its one vlm-answer says so); the queue goes on.
             let generate = std::panic::AssertUnwindSafe(|| this.generate(&p, previous.as_deref(), &placement, ordered));
             let outcome = std::panic::catch_unwind(generate).unwrap_or_else(|panic| {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned());
-                Outcome::Failed(format!("panic while answering: {}", what.unwrap_or_default()))
+                Outcome::Failed(format!("panic while answering: {}", vlm_runtime::error::panic_message(panic.as_ref())))
             });
             *p.outcome.lock() = Some(outcome);
             p.finished.store(true, Ordering::Release);
@@ -671,10 +667,9 @@ impl VlmQuery {
     /// sent once) stays.
     fn flush_stop(&self) {
         let mut shared = self.shared.lock();
-        let stream = shared.video.stream.take();
         let old = std::mem::take(&mut *shared);
         *shared = Shared {
-            video: Video { stream, ..Video::default() },
+            video: Video { stream: old.video.stream, ..Video::default() },
             query_segment: old.query_segment,
             query_markup: old.query_markup,
             query_eos: old.query_eos,

@@ -596,11 +596,7 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
             s.step(&mut w, &shared);
         }));
         if let Err(panic) = stepped {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let what = crate::error::panic_message(panic.as_ref());
             crate::llama::log(crate::llama::LogLevel::Error, &format!("engine {}: panic: {what}", config.name));
             return;
         }
