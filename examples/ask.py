@@ -7,6 +7,7 @@ with a `vlm-question` event, read every answer from the bus (`vlm-answer`) and f
 Run from the repository root (scripts/test.sh runs it); Debian's python3-gi and the GStreamer
 typelibs are needed (scripts/setup.sh installs them). Exits 1 unless both questions are answered.
 """
+import os
 import sys
 
 import gi
@@ -15,8 +16,8 @@ gi.require_version("Gst", "1.0")
 gi.require_version("GstApp", "1.0")
 from gi.repository import GLib, Gst  # noqa: E402
 
-model = sys.argv[1] if len(sys.argv) > 1 else "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-mmproj = sys.argv[2] if len(sys.argv) > 2 else "models/test-mmproj-mlp.gguf"
+model = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("VLM_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+mmproj = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("VLM_MMPROJ", "models/test-mmproj-mlp.gguf")
 
 Gst.init(None)
 pipeline = Gst.parse_launch(

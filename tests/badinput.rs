@@ -541,19 +541,28 @@ fn a_flushing_seek_mid_answer_cancels_it_and_the_pipeline_goes_on() {
         "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
          ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
          ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
-         ! vlmquery name=q max-tokens=300 exact-tokens=true ! fakesink sync=false async=false",
+         ! vlmquery name=q max-tokens=300 exact-tokens=true stream-tokens=true ! fakesink sync=false async=false",
     );
     let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
     let q = bin.by_name("q").unwrap();
     let frames = Frames::watch(&q.static_pad("sink").unwrap());
+    // The answer's first streamed piece says it is being generated.
+    let (first_piece, generating) = std::sync::mpsc::sync_channel(1);
+    q.static_pad("src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        let _ = first_piece.try_send(());
+        gst::PadProbeReturn::Ok
+    });
     let bus = pipeline.bus().unwrap();
     let mut log = Log::default();
     set_state(&pipeline, gst::State::Playing, "start");
     frames.wait(2, "before the seek");
     let long = q.emit_by_name::<Option<String>>("ask", &[&"Tell me a long story."]).unwrap();
-    // Mid-answer: 300 tokens take several seconds here.
-    std::thread::sleep(Duration::from_millis(800));
-    assert!(log.answers_to(&long).is_empty());
+    generating.recv_timeout(Duration::from_secs(60)).expect("the long answer is being generated");
+    // Mid-answer: 300 tokens take several seconds here; what the bus has so far is no answer.
+    while let Some(msg) = bus.pop() {
+        log.record(&msg);
+    }
+    assert!(log.answers_to(&long).is_empty(), "{log:?}");
     let p = pipeline.clone();
     let seeked = within(Duration::from_secs(10), "the flushing seek", move || {
         p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO)
@@ -591,9 +600,10 @@ fn two_pipelines_in_one_process_share_one_model_and_both_answer() {
         owners_both > owners_alone,
         "the second pipeline did not share the loaded weights ({owners_alone} owners, then {owners_both})"
     );
-    assert_eq!(owners_both as usize, vlm_runtime::models::model_owners(&model, &vlm_runtime::Device::Cpu));
+    assert_eq!(owners_both as usize, vlm_runtime::models::model_owners(&model));
     eprintln!("model-owners: {owners_alone} with one pipeline, {owners_both} with two");
     let (a, b) = (one.ask("One?").unwrap(), two.ask("Two?").unwrap());
+    assert_ne!(a, b, "generated question ids are unique in the process, across vlmquery elements");
     assert_eq!(status(&one.answer(&a, Duration::from_secs(60))), "answered");
     assert_eq!(status(&two.answer(&b, Duration::from_secs(60))), "answered");
     assert_clean(&one.finish());

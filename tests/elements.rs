@@ -343,7 +343,11 @@ fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
     let number = stream.register(Arc::clone(&f), &never).unwrap().number;
 
     let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
-    h.element().unwrap().set_property("max-tokens", 200u32);
+    let element = h.element().unwrap();
+    element.set_property("max-tokens", 200u32);
+    element.set_property("exact-tokens", true);
+    // Its first piece tells when the answer is being generated.
+    element.set_property("stream-tokens", true);
     h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
     h.play();
     assert!(h.push_event(StreamEvent::event(stream.id(), "flush")));
@@ -351,12 +355,16 @@ fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
     VlmFrameMeta::add(buf.get_mut().unwrap(), f).set_position(stream.id(), number);
     assert_eq!(h.push(buf), Ok(gst::FlowSuccess::Ok));
     assert!(h.push_event(QuestionEvent::event("Tell me a long story about the picture.", Some("long"), None)));
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    h.pull().expect("the long answer's first piece");
     let started = std::time::Instant::now();
     assert!(h.push_event(gst::event::FlushStart::new()));
     assert!(h.push_event(gst::event::FlushStop::new(true)));
     assert!(started.elapsed() < std::time::Duration::from_secs(5), "a flush must not wait for a 200-token answer");
     assert_eq!(h.element().unwrap().property::<u64>("answers"), 0, "the flushed answer is not pushed");
+    // Pieces pushed before the flush; none of the cancelled answer comes after it.
+    while h.try_pull().is_some() {}
+    element.set_property("stream-tokens", false);
+    element.set_property("exact-tokens", false);
     // After the flush the element answers again.
     assert!(h.push_event(StreamEvent::event(stream.id(), "flush")));
     assert!(h.push_event(QuestionEvent::event("What is shown?", Some("after"), Some(4))));

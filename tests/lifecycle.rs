@@ -154,3 +154,45 @@ fn releasing_a_stream_pad_during_ingestion_leaves_the_rest_running_and_null_comp
         set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), &format!("run {i}"));
     }
 }
+
+/// A load still running when the pipeline goes back to NULL (an error elsewhere right after
+/// start, or a quick stop) is abandoned, not waited for: NULL returns before the load would
+/// have completed, and the engines' calibration stops at its next computation.
+#[test]
+fn null_does_not_wait_for_a_load_in_progress() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let pipeline = launch(
+        "videotestsrc num-buffers=20 ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf engines=a:cpu:1,b:cpu:1,c:cpu:1 \
+         ! vlmquery name=q ! fakesink",
+    );
+    let bus = pipeline.bus().unwrap();
+    // (kind, whether NULL had returned) of every load-model Progress message, as it is posted.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let null_returned = Arc::new(AtomicBool::new(false));
+    let (started_tx, started) = mpsc::channel();
+    {
+        let (seen, null_returned) = (Arc::clone(&seen), Arc::clone(&null_returned));
+        bus.set_sync_handler(move |_, msg| {
+            if let gst::MessageView::Progress(p) = msg.view() {
+                let (kind, code, _) = p.get();
+                if code == "load-model" {
+                    seen.lock().unwrap().push((kind, null_returned.load(Ordering::Acquire)));
+                    let _ = started_tx.send(());
+                }
+            }
+            gst::BusSyncReply::Pass
+        });
+    }
+    set_state_within(&pipeline, gst::State::Ready, Duration::from_secs(10), "NULL->READY");
+    started.recv_timeout(Duration::from_secs(30)).expect("the load started");
+    set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), "READY->NULL during the load");
+    null_returned.store(true, Ordering::Release);
+    let before_null: Vec<_> = seen.lock().unwrap().iter().filter(|(_, after)| !after).map(|(k, _)| *k).collect();
+    assert!(
+        !before_null.contains(&gst::ProgressType::Complete),
+        "NULL waited for the load to complete: {before_null:?}"
+    );
+}

@@ -21,6 +21,8 @@ fn check_answer(a: &gst::Structure) {
     assert!(0.0 <= wait && wait <= ttft && ttft <= total, "inconsistent timings: {a}");
     // The model may end an answer at once (0 tokens); then its text is empty.
     assert_eq!(a.get::<u32>("tokens").unwrap() == 0, a.get::<String>("text").unwrap().is_empty(), "{a}");
+    // ... and says so.
+    assert_eq!(a.get::<u32>("tokens").unwrap() == 0, a.has_field("reason"), "{a}");
 }
 
 #[test]
@@ -309,6 +311,77 @@ fn committed_answers_make_later_questions_see_the_conversation() {
             cells(&plain[i])
         );
     }
+}
+
+/// Questions asked at the same moment, with ordered commits: each sees every earlier answer,
+/// although those were committed after frames newer than its own (the source runs ahead while
+/// the first answer is generated).
+#[test]
+fn questions_asked_together_with_ordered_commits_see_each_others_answers() {
+    let srt = std::env::temp_dir().join(format!("vlm-together-{}.srt", std::process::id()));
+    let cue = |i: usize, q: &str| format!("{i}\n00:00:02,500 --> 00:00:04,000\n{q}\n\n");
+    let text: String = ["What do you see?", "Is it moving?", "What colour is it?"]
+        .iter()
+        .enumerate()
+        .map(|(i, q)| cue(i + 1, q))
+        .collect();
+    std::fs::write(&srt, text).unwrap();
+    let run = run(&launch(&format!(
+        "{SOURCE} ! vlmquery name=q max-tokens=6 commit-answers=ordered ! fakesink sync=false \
+         filesrc location={} ! subparse ! q.query",
+        srt.display()
+    )));
+    std::fs::remove_file(&srt).unwrap();
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert_eq!(run.answers.len(), 3);
+    let cells = |a: &gst::Structure| a.get::<u32>("history-cells").unwrap();
+    for i in 1..3 {
+        let (before, now) = (&run.answers[i - 1], &run.answers[i]);
+        let tokens = before.get::<u32>("tokens").unwrap();
+        assert!(
+            cells(now) >= cells(before) + tokens,
+            "question {i}: {} cells, the previous question's {} and its {tokens} answered tokens",
+            cells(now),
+            cells(before)
+        );
+    }
+}
+
+/// A question source that stays open (an appsrc that never sends EOS) does not hold the
+/// pipeline's EOS: the video's EOS ends the answers after a short grace, with the text pad
+/// linked or not, and the question asked before is answered.
+#[test]
+fn the_videos_eos_ends_the_stream_while_the_question_source_stays_open() {
+    for text_sink in ["q.src ! fakesink sync=false", ""] {
+        let pipeline = launch(&format!(
+            "{SOURCE} ! vlmquery name=q max-tokens=4 q.video_src ! fakesink sync=false {text_sink} \
+             appsrc name=questions caps=text/x-raw,format=utf8 format=time ! q.query"
+        ));
+        let bus_pipeline = pipeline.downcast_ref::<gst::Bin>().unwrap();
+        let src = bus_pipeline.by_name("questions").unwrap().downcast::<gst_app::AppSrc>().unwrap();
+        let mut question = gst::Buffer::from_slice(b"What do you see?".to_vec());
+        question.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(500));
+        src.push_buffer(question).unwrap();
+        let run = run_for(&pipeline, 120);
+        assert!(run.errors.is_empty(), "text sink {text_sink:?}: {:?}", run.errors);
+        assert_eq!(run.answers.len(), 1, "{text_sink:?}");
+        assert_eq!(run.answers[0].get::<String>("status").unwrap(), "answered");
+    }
+}
+
+/// A stream named on its pad from the launch line (`sink_0::stream-name=door`) is reported by
+/// that name; an unnamed one by its pad's.
+#[test]
+fn a_stream_named_on_its_pad_is_reported_by_that_name() {
+    let text = std::fs::read_to_string(root().join("pipelines/two-streams.pipeline")).unwrap();
+    let named = text.replacen("vlmcontext name=ctx", "vlmcontext name=ctx sink_0::stream-name=door", 1);
+    assert_ne!(named, text);
+    let run = run(&launch(&named));
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let mut streams: Vec<String> = run.answers.iter().map(|a| a.get::<String>("stream").unwrap()).collect();
+    streams.sort();
+    streams.dedup();
+    assert_eq!(streams, ["door", "sink_1"]);
 }
 
 #[test]

@@ -123,6 +123,13 @@ struct State {
 }
 
 /// Engines and prompt loaded for some settings.
+/// A load of the engines running on its own thread (see `VlmContext::preload`).
+struct Loading {
+    settings: Settings,
+    handle: std::thread::JoinHandle<Loaded>,
+    cancel: Arc<AtomicBool>,
+}
+
 type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
 
 #[derive(Default)]
@@ -130,7 +137,7 @@ pub struct VlmContext {
     settings: Mutex<Settings>,
     state: Mutex<State>,
     /// The load started at NULL→READY on a worker thread, with the settings it used.
-    loading: Mutex<Option<(Settings, std::thread::JoinHandle<Loaded>)>>,
+    loading: Mutex<Option<Loading>>,
     pads: Mutex<Vec<Arc<StreamPads>>>,
     /// Kept across sessions (state changes), so a new session with the same history reuses KV.
     prefix_cache: Mutex<Option<Arc<PrefixCache>>>,
@@ -142,9 +149,12 @@ impl VlmContext {
     }
 
     /// The runtime stream of `pads`, opened on first use.
+    ///
+    /// Locks are taken one at a time, none held across the upstream latency query or the
+    /// stream's opening (`stop` takes the pads and then a pad's stream; `property` takes no
+    /// other lock with the settings).
     fn stream(&self, pads: &StreamPads) -> Result<Arc<Stream>, gst::ErrorMessage> {
-        let mut slot = pads.stream.lock();
-        if let Some(s) = slot.as_ref() {
+        if let Some(s) = pads.stream.lock().as_ref() {
             return Ok(Arc::clone(s));
         }
         let (engine, engines, prompt) = {
@@ -158,8 +168,9 @@ impl VlmContext {
             (Arc::clone(resident), st.engines.clone(), Arc::clone(p))
         };
         let settings = self.settings.lock().clone();
+        let name = pads.sink.downcast_ref::<super::VlmContextSinkPad>().map(|p| p.stream_name());
         let config = StreamConfig {
-            name: pads.sink.name().to_string(),
+            name: name.unwrap_or_else(|| pads.sink.name().to_string()),
             retain: settings.retain,
             max_pending: settings.max_pending as usize,
             overload: match settings.overload {
@@ -179,6 +190,12 @@ impl VlmContext {
         let stream = Stream::open(&engine, prompt, config).map_err(|e| {
             gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])
         })?;
+        let mut slot = pads.stream.lock();
+        if let Some(opened) = slot.as_ref() {
+            // Opened meanwhile by another of the pad's threads: keep that one.
+            stream.close();
+            return Ok(Arc::clone(opened));
+        }
         gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
         *slot = Some(Arc::clone(&stream));
         Ok(stream)
@@ -226,11 +243,11 @@ impl VlmContext {
                         gst::element_imp_warning!(
                             self,
                             gst::ResourceError::NoSpaceLeft,
-                            [
+                            (
                                 "{}: {}; later frames pass without joining the history (raise context-size)",
                                 pads.sink.name(),
                                 e
-                            ]
+                            )
                         );
                     }
                     *dropped += 1;
@@ -239,7 +256,7 @@ impl VlmContext {
                     gst::element_imp_error!(
                         self,
                         gst::StreamError::Failed,
-                        ["{}: prefill failed: {}", pads.sink.name(), e]
+                        ("{}: frame not taken into the history: {}", pads.sink.name(), e)
                     );
                     return Err(gst::FlowError::Error);
                 }
@@ -329,8 +346,10 @@ impl VlmContext {
         }
         let this = self.ref_counted();
         let settings = s.clone();
-        match std::thread::Builder::new().name("vlmcontext-load".into()).spawn(move || this.load(&settings)) {
-            Ok(handle) => *self.loading.lock() = Some((s, handle)),
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&cancel);
+        match std::thread::Builder::new().name("vlmcontext-load".into()).spawn(move || this.load(&settings, &flag)) {
+            Ok(handle) => *self.loading.lock() = Some(Loading { settings: s, handle, cancel }),
             Err(e) => gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading at READY->PAUSED"),
         }
     }
@@ -338,16 +357,24 @@ impl VlmContext {
     /// The preloaded engines if they were loaded with the current settings (else they are
     /// dropped), waiting for the load to end.
     fn take_preloaded(&self) -> Option<Loaded> {
-        let (settings, handle) = self.loading.lock().take()?;
-        let loaded = handle.join().ok()?;
-        (settings == *self.settings.lock()).then_some(loaded)
+        let loading = self.loading.lock().take()?;
+        let loaded = loading.handle.join().ok()?;
+        (loading.settings == *self.settings.lock()).then_some(loaded)
+    }
+
+    /// Abandon a load still running, without waiting for it: its engines stop their
+    /// calibration run at its next computation and are dropped on the loading thread.
+    fn abandon_preload(&self) {
+        if let Some(loading) = self.loading.lock().take() {
+            loading.cancel.store(true, Ordering::Release);
+        }
     }
 
     fn start(&self) -> Result<(), gst::ErrorMessage> {
         let s = self.settings.lock().clone();
         let (engines, prompt) = match self.take_preloaded() {
             Some(loaded) => loaded?,
-            None => self.load(&s)?,
+            None => self.load(&s, &Arc::new(AtomicBool::new(false)))?,
         };
         let mut cache = self.prefix_cache.lock();
         let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
@@ -359,11 +386,13 @@ impl VlmContext {
         Ok(())
     }
 
-    /// Load the model on every engine `s` names, with `Progress` messages.
-    fn load(&self, s: &Settings) -> Loaded {
+    /// Load the model on every engine `s` names, with `Progress` messages; `cancel` abandons it.
+    fn load(&self, s: &Settings, cancel: &Arc<AtomicBool>) -> Loaded {
         // The message names the cause (the file, the property); the debug text the details.
         let fail = |e: Error| {
-            self.progress(gst::ProgressType::Error, &format!("loading {} failed", s.model));
+            if !matches!(e, Error::Cancelled) {
+                self.progress(gst::ProgressType::Error, &format!("loading {} failed", s.model));
+            }
             match e {
                 Error::File { .. } => {
                     gst::error_msg!(gst::ResourceError::OpenRead, ("{}", e), ["vlmcontext model={}", s.model])
@@ -386,14 +415,14 @@ impl VlmContext {
         };
         let mut engines = vec![];
         for config in EngineConfig::parse_list(&s.engines, &base).map_err(fail)? {
-            let engine = Engine::start(&PathBuf::from(&s.model), config).map_err(fail)?;
+            let engine = Engine::start_cancellable(&PathBuf::from(&s.model), config, cancel).map_err(fail)?;
             gst::info!(
                 CAT,
                 imp = self,
                 "engine {} ready: {} ({} owners of its weights), {} cells per sequence, rates {:?}",
                 engine.name(),
                 s.model,
-                models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu),
+                models::model_owners(&PathBuf::from(&s.model)),
                 engine.n_ctx_per_seq(),
                 engine.rates()
             );
@@ -435,6 +464,18 @@ impl ObjectSubclass for VlmContext {
     const NAME: &'static str = "GstVlmContext";
     type Type = super::VlmContext;
     type ParentType = gst::Element;
+    type Interfaces = (gst::ChildProxy,);
+}
+
+/// The sink pads as children, so a launch line sets their properties (`sink_0::stream-name=...`).
+impl ChildProxyImpl for VlmContext {
+    fn child_by_index(&self, index: u32) -> Option<glib::Object> {
+        self.pads.lock().get(index as usize).map(|p| p.sink.clone().upcast())
+    }
+
+    fn children_count(&self) -> u32 {
+        self.pads.lock().len() as u32
+    }
 }
 
 impl ObjectImpl for VlmContext {
@@ -609,7 +650,24 @@ impl ObjectImpl for VlmContext {
     }
 
     fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
-        let s = self.settings.lock();
+        // Statistics first, without the settings lock: one lock at a time here (pads, then a
+        // pad's counters), never settings with another (see `stream`).
+        let sum = |count: fn(&StreamPads) -> u64| self.pads.lock().iter().map(|p| count(p)).sum::<u64>().to_value();
+        let cache = |stat: fn(vlm_runtime::cache::CacheStats) -> u64| {
+            self.prefix_cache.lock().as_ref().map_or(0, |c| stat(c.stats())).to_value()
+        };
+        match pspec.name() {
+            "frames-skipped" => return sum(|p| *p.skipped.lock()),
+            "history-restarts" => return sum(|p| *p.restarts.lock()),
+            "frames-dropped" => return sum(|p| *p.dropped.lock()),
+            "max-lag-ms" => {
+                return self.pads.lock().iter().map(|p| *p.max_lag_ms.lock()).fold(0.0, f64::max).to_value();
+            }
+            "prefix-cache-hits" => return cache(|s| s.hits),
+            "prefix-cache-misses" => return cache(|s| s.misses),
+            _ => (),
+        }
+        let s = self.settings.lock().clone();
         match pspec.name() {
             "model" => s.model.to_value(),
             "retain" => s.retain.to_value(),
@@ -623,19 +681,11 @@ impl ObjectImpl for VlmContext {
             "step-budget-ms" => s.step_budget_ms.to_value(),
             "ingest-share" => s.ingest_share.to_value(),
             "max-answers" => s.max_answers.to_value(),
-            "frames-skipped" => self.pads.lock().iter().map(|p| *p.skipped.lock()).sum::<u64>().to_value(),
-            "max-lag-ms" => self.pads.lock().iter().map(|p| *p.max_lag_ms.lock()).fold(0.0, f64::max).to_value(),
             "prefix-cache-size" => s.prefix_cache_size.to_value(),
             "prefix-cache-entries" => s.prefix_cache_entries.to_value(),
-            "prefix-cache-hits" => self.prefix_cache.lock().as_ref().map_or(0, |c| c.stats().hits).to_value(),
-            "prefix-cache-misses" => self.prefix_cache.lock().as_ref().map_or(0, |c| c.stats().misses).to_value(),
-            "history-restarts" => self.pads.lock().iter().map(|p| *p.restarts.lock()).sum::<u64>().to_value(),
             "engines" => s.engines.to_value(),
             "threads" => s.threads.to_value(),
-            "model-owners" => {
-                (models::model_owners(&PathBuf::from(&s.model), &vlm_runtime::Device::Cpu) as u32).to_value()
-            }
-            "frames-dropped" => self.pads.lock().iter().map(|p| *p.dropped.lock()).sum::<u64>().to_value(),
+            "model-owners" => (models::model_owners(&PathBuf::from(&s.model)) as u32).to_value(),
             _ => unreachable!(),
         }
     }
@@ -660,7 +710,14 @@ impl ElementImpl for VlmContext {
         static TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
             let caps = gst::Caps::builder("video/x-raw").any_features().build();
             vec![
-                gst::PadTemplate::new("sink_%u", gst::PadDirection::Sink, gst::PadPresence::Request, &caps).unwrap(),
+                gst::PadTemplate::with_gtype(
+                    "sink_%u",
+                    gst::PadDirection::Sink,
+                    gst::PadPresence::Request,
+                    &caps,
+                    super::VlmContextSinkPad::static_type(),
+                )
+                .unwrap(),
                 gst::PadTemplate::new("src_%u", gst::PadDirection::Src, gst::PadPresence::Sometimes, &caps).unwrap(),
             ]
         });
@@ -681,7 +738,7 @@ impl ElementImpl for VlmContext {
         if pads.iter().any(|p| p.sink.name() == format!("sink_{index}")) {
             return None;
         }
-        let sink = gst::Pad::builder_from_template(templ)
+        let sink = gst::PadBuilder::<super::VlmContextSinkPad>::from_template(templ)
             .name(format!("sink_{index}"))
             .chain_function(|pad, parent, buffer| {
                 VlmContext::catch_panic_pad_function(
@@ -709,7 +766,8 @@ impl ElementImpl for VlmContext {
                 )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
-            .build();
+            .build()
+            .upcast::<gst::Pad>();
         let src_templ = self.obj().pad_template("src_%u").unwrap();
         let src = gst::Pad::builder_from_template(&src_templ)
             .name(format!("src_{index}"))
@@ -741,13 +799,26 @@ impl ElementImpl for VlmContext {
         });
         pads.push(entry);
         drop(pads);
-        if self.obj().current_state() > gst::State::Ready {
-            sink.set_active(true).ok()?;
-            src.set_active(true).ok()?;
+        let added = (|| {
+            if self.obj().current_state() > gst::State::Ready {
+                sink.set_active(true).ok()?;
+                src.set_active(true).ok()?;
+            }
+            self.obj().add_pad(&sink).ok()?;
+            if self.obj().add_pad(&src).is_err() {
+                let _ = self.obj().remove_pad(&sink);
+                return None;
+            }
+            // For `sink_0::stream-name=...` on a launch line, set once the pad exists.
+            self.obj().child_added(&sink, &sink.name());
+            Some(())
+        })();
+        if added.is_none() {
+            // Not a pad of this element after all: forget it, or its name stays taken.
+            self.pads.lock().retain(|p| p.sink != sink);
+            gst::warning!(CAT, imp = self, "could not add the pads of {}", sink.name());
         }
-        self.obj().add_pad(&sink).ok()?;
-        self.obj().add_pad(&src).ok()?;
-        Some(sink)
+        added.map(|()| sink)
     }
 
     fn release_pad(&self, pad: &gst::Pad) {
@@ -763,6 +834,7 @@ impl ElementImpl for VlmContext {
         let _ = entry.sink.set_active(false);
         let _ = self.obj().remove_pad(&entry.src);
         let _ = self.obj().remove_pad(&entry.sink);
+        self.obj().child_removed(&entry.sink, &entry.sink.name());
     }
 
     fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
@@ -778,8 +850,9 @@ impl ElementImpl for VlmContext {
                 }
             }
             gst::StateChange::PausedToReady => self.stop(),
-            // A load still running is waited for and dropped (its engines stop).
-            gst::StateChange::ReadyToNull => drop(self.take_preloaded()),
+            // A load still running is abandoned, not waited for (an error elsewhere in the
+            // pipeline, or a stop, ends the process's wait at once).
+            gst::StateChange::ReadyToNull => self.abandon_preload(),
             _ => (),
         }
         self.parent_change_state(transition)

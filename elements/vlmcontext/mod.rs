@@ -76,6 +76,8 @@
 //! - `history-policy` (`restart`/`stop`, `restart`), `history-keep` (8).
 //! - `prefix-cache-size` (bytes, 0 = off), `prefix-cache-entries` (16): KV snapshots that let a
 //!   stream or a new session with an identical history import it instead of prefilling.
+//! - Pad property `stream-name` on each `sink_%u` (`vlmcontext name=ctx sink_0::stream-name=door`
+//!   from `gst-launch-1.0`): the stream's name in `vlm-answer` and JSON (default: the pad's name).
 //! - Read-only: `frames-skipped`, `max-lag-ms`, `frames-dropped`, `history-restarts`,
 //!   `prefix-cache-hits`, `prefix-cache-misses`, `model-owners`.
 //!
@@ -97,13 +99,17 @@ use gst::glib;
 use gst::prelude::*;
 
 mod imp;
+mod pad;
+
+pub use pad::VlmContextSinkPad;
 
 glib::wrapper! {
-    pub struct VlmContext(ObjectSubclass<imp::VlmContext>) @extends gst::Element, gst::Object;
+    pub struct VlmContext(ObjectSubclass<imp::VlmContext>) @extends gst::Element, gst::Object, @implements gst::ChildProxy;
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     // The debug category exists from plugin load on (`gst-launch-1.0 --gst-debug-help` lists it).
     std::sync::LazyLock::force(&imp::CAT);
+    VlmContextSinkPad::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
     gst::Element::register(Some(plugin), "vlmcontext", gst::Rank::NONE, VlmContext::static_type())
 }

@@ -194,7 +194,12 @@ impl VlmEncode {
                 ["vlmencode mmproj={} model={} backend={:?}", settings.mmproj, model_path, settings.backend]
             )
         };
-        let model = models::model(&PathBuf::from(&model_path), &Device::Cpu).map_err(fail)?;
+        // The projector needs the model's vocabulary and width only: bind it to the copy the
+        // engines loaded (on the GPU when every engine is there), or load one on the CPU.
+        let model = match models::any_loaded(&PathBuf::from(&model_path)) {
+            Some(model) => model,
+            None => models::model(&PathBuf::from(&model_path), &Device::Cpu).map_err(fail)?,
+        };
         let backend = match settings.backend {
             Backend::Auto => EncoderBackend::Auto,
             Backend::Cpu => EncoderBackend::Cpu,
@@ -231,13 +236,15 @@ impl VlmEncode {
     }
 
     /// Whether the frame at running time `time` is due for encoding under `interval` and
-    /// `max-rate` (counting the frames max-rate skips).
+    /// `max-rate` (counting the frames max-rate skips). Nothing is spent: the interval starts
+    /// again only when a frame is handed to the encoder ([`VlmEncode::encoding`]), so a frame a
+    /// leaky encoder lets pass leaves the next one due.
     fn due(&self, time: Option<gst::ClockTime>) -> bool {
         let (interval, max_rate) = {
             let s = self.settings.lock();
             (gst::ClockTime::from_nseconds(s.interval), s.max_rate)
         };
-        let mut state = self.state.lock();
+        let state = self.state.lock();
         let due = match (time, state.last_encoded) {
             (_, None) | (None, _) => true,
             (Some(t), Some(last)) => interval.is_zero() || t < last || t >= last.saturating_add(interval),
@@ -245,17 +252,19 @@ impl VlmEncode {
         if !due {
             return false;
         }
-        let now = Instant::now();
-        if max_rate > 0.0
-            && state.last_encoded_at.is_some_and(|at| now.duration_since(at).as_secs_f64() < 1.0 / max_rate)
-        {
+        if max_rate > 0.0 && state.last_encoded_at.is_some_and(|at| at.elapsed().as_secs_f64() < 1.0 / max_rate) {
             drop(state);
             self.stats.lock().skipped += 1;
             return false;
         }
-        state.last_encoded = time;
-        state.last_encoded_at = Some(now);
         true
+    }
+
+    /// The frame at running time `time` goes to the encoder: the interval starts from it.
+    fn encoding(&self, time: Option<gst::ClockTime>) {
+        let mut state = self.state.lock();
+        state.last_encoded = time;
+        state.last_encoded_at = Some(Instant::now());
     }
 }
 
@@ -310,6 +319,7 @@ impl VlmEncode {
             gst::debug!(CAT, imp = self, "encoder busy: frame {:?} passes without embeddings (leaky)", buffer.pts());
             return self.enqueue(Item::Frame(buffer, None), false);
         }
+        self.encoding(running_time);
         self.enqueue(Item::Frame(buffer, Some(info)), true)
     }
 
@@ -334,7 +344,7 @@ impl VlmEncode {
                     self.state.lock().info = Some(info);
                 }
                 _ => {
-                    gst::element_imp_error!(self, gst::StreamError::Format, ["unsupported video caps {}", c.caps()]);
+                    gst::element_imp_error!(self, gst::StreamError::Format, ("unsupported video caps {}", c.caps()));
                     return false;
                 }
             },
@@ -438,7 +448,7 @@ impl VlmEncode {
         let started = Instant::now();
         let (frame, hit) = {
             let vframe = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer.as_ref(), info).map_err(|_| {
-                gst::element_imp_error!(self, gst::StreamError::Format, ["cannot map a video frame of {:?}", info]);
+                gst::element_imp_error!(self, gst::StreamError::Format, ("cannot map a video frame of {:?}", info));
                 gst::FlowError::Error
             })?;
             let plane = |i: u32| if i < vframe.n_planes() { vframe.plane_data(i).unwrap_or(&[]) } else { &[] };
@@ -451,7 +461,7 @@ impl VlmEncode {
                 format,
             };
             encoder.encode(&picture).map_err(|e| {
-                gst::element_imp_error!(self, gst::StreamError::Decode, ["vision encoding failed: {}", e]);
+                gst::element_imp_error!(self, gst::StreamError::Decode, ("vision encoding failed: {}", e));
                 gst::FlowError::Error
             })?
         };

@@ -108,6 +108,8 @@ struct Pending {
     streamed: AtomicBool,
     /// Set once the answering thread has its outcome (and, with ordered commits, committed).
     finished: AtomicBool,
+    /// With ordered commits: the frame after which its answer was committed to the history.
+    committed_after: Mutex<Option<u64>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The lag of the question's stream when it was accepted.
     lag: Lag,
@@ -154,6 +156,10 @@ struct Shared {
     query_segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     query_markup: bool,
     query_eos: bool,
+    /// Question buffers being handled on the query pad now.
+    query_busy: usize,
+    /// When the query pad last finished handling a buffer, or the video reached EOS.
+    query_quiet_since: Option<Instant>,
     /// The query pad alone is flushing: a question waiting there gives up; answers go on.
     query_flushing: bool,
     /// Accepted questions, in question order.
@@ -171,7 +177,6 @@ struct Shared {
     /// How far the text pad has told downstream about (answers and GAP events), in the video
     /// segment's time.
     text_position: Option<gst::ClockTime>,
-    next_id: u64,
     /// Ids of the most recent accepted questions: an id is answered once.
     recent_ids: VecDeque<String>,
 }
@@ -188,6 +193,11 @@ pub struct VlmQuery {
     answered: Mutex<u64>,
 }
 
+/// Fields of `vlm-answer` that hold a clock time. A `GstClockTime` field is a plain `guint64`
+/// in a structure (no type of its own to tell it by), so they are known by name: untimed
+/// (`GST_CLOCK_TIME_NONE`) is `null` in JSON, not 18446744073709551615.
+const CLOCK_TIME_FIELDS: [&str; 1] = ["pts"];
+
 /// One line of JSON with a message's fields (strings, numbers, the pts in nanoseconds or null).
 fn json_line(s: &gst::StructureRef) -> String {
     let mut object = serde_json::Map::new();
@@ -196,12 +206,14 @@ fn json_line(s: &gst::StructureRef) -> String {
             serde_json::Value::from(v)
         } else if let Ok(v) = value.get::<f64>() {
             serde_json::Value::from(v)
+        } else if CLOCK_TIME_FIELDS.contains(&name.as_str())
+            && let Ok(v) = value.get::<Option<gst::ClockTime>>()
+        {
+            v.map_or(serde_json::Value::Null, |t| t.nseconds().into())
         } else if let Ok(v) = value.get::<u64>() {
             serde_json::Value::from(v)
         } else if let Ok(v) = value.get::<u32>() {
             serde_json::Value::from(v)
-        } else if let Ok(v) = value.get::<Option<gst::ClockTime>>() {
-            v.map_or(serde_json::Value::Null, |t| t.nseconds().into())
         } else {
             serde_json::Value::from(value.serialize().map(|s| s.to_string()).unwrap_or_default())
         };
@@ -209,6 +221,9 @@ fn json_line(s: &gst::StructureRef) -> String {
     }
     serde_json::Value::Object(object).to_string() + "\n"
 }
+
+/// Name of the details structure of a warning about one question.
+pub const QUESTION_DETAILS: &str = "vlm-question";
 
 /// Why a question cannot be accepted now.
 enum Refusal {
@@ -218,15 +233,22 @@ enum Refusal {
     Duplicate(String),
 }
 
+/// How long the question pad may stay quiet after the video's EOS before the answers end
+/// without its EOS (see `VlmQuery::maybe_finish`).
+const QUERY_EOS_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Generated question ids (`q1`, `q2`, ...) count across every `vlmquery` of the process: unique
+/// in a pipeline of several cameras and over the element's whole life.
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// Accepted question ids remembered to refuse a repeated one.
 const RECENT_IDS: usize = 4096;
 
 impl VlmQuery {
-    fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>, shared: &mut Shared) -> Question {
+    fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>) -> Question {
         let settings = self.settings.lock();
-        shared.next_id += 1;
         Question {
-            id: id.unwrap_or_else(|| format!("q{}", shared.next_id)),
+            id: id.unwrap_or_else(|| format!("q{}", NEXT_ID.fetch_add(1, Ordering::Relaxed))),
             text: text.trim().to_owned(),
             max_tokens: max_tokens.unwrap_or(settings.max_tokens),
             ignore_eos: settings.exact_tokens,
@@ -292,6 +314,7 @@ impl VlmQuery {
             partial: Mutex::new(String::new()),
             streamed: AtomicBool::new(false),
             finished: AtomicBool::new(false),
+            committed_after: Mutex::new(None),
             thread: Mutex::new(None),
         });
         // With ordered commits a question sees the answers before it: it waits for them.
@@ -326,17 +349,24 @@ impl VlmQuery {
     /// the placer decides), then generate.
     fn generate(&self, p: &Pending, previous: Option<&Pending>, placement: &str, commit: bool) -> Outcome {
         let q = &p.job.question;
+        let mut frame = p.job.frames;
         if let Some(previous) = previous {
             let mut shared = self.shared.lock();
             while !previous.finished.load(Ordering::Acquire) && !p.cancel.load(Ordering::Acquire) {
                 self.changed.wait(&mut shared);
+            }
+            // It sees the conversation so far: the newest version at or after the previous
+            // answer's commit, which is appended after the newest frame registered then (so it
+            // may hold frames newer than the question's own).
+            if let Some(after) = *previous.committed_after.lock() {
+                frame = frame.max(after);
             }
         }
         let Some(stream) = p.job.stream.clone() else {
             return Outcome::Failed("no video stream has reached vlmquery yet".into());
         };
         let stream_tokens = self.settings.lock().stream_tokens;
-        let result = vlm_runtime::answer_frame(&stream, p.job.frames, q, placement, &p.cancel, |piece| {
+        let result = vlm_runtime::answer_frame(&stream, frame, q, placement, &p.cancel, |piece| {
             if stream_tokens {
                 p.partial.lock().push_str(piece);
                 let _shared = self.shared.lock();
@@ -345,8 +375,15 @@ impl VlmQuery {
         });
         match result {
             Ok(report) if !report.cancelled => {
-                if commit && let Err(e) = stream.commit(&q.text, &report.token_ids, &p.cancel) {
-                    gst::element_imp_warning!(self, gst::StreamError::Failed, ["answer {} not committed: {}", q.id, e]);
+                if commit {
+                    match stream.commit(&q.text, &report.token_ids, &p.cancel) {
+                        Ok(r) => *p.committed_after.lock() = Some(r.number),
+                        Err(e) => self.warn_question(
+                            gst::StreamError::Failed,
+                            Some(&q.id),
+                            &format!("answer {} not committed: {e}", q.id),
+                        ),
+                    }
                 }
                 Outcome::Answered(report)
             }
@@ -356,22 +393,45 @@ impl VlmQuery {
     }
 
     /// Warn about a question that was not accepted.
-    fn refused(&self, text: &str, why: Refusal) {
+    fn refused(&self, question: &Question, why: Refusal) {
         let why = match why {
             Refusal::Flushing => "the element is flushing".to_string(),
             Refusal::Ended => "the streams have ended (after EOS)".to_string(),
             Refusal::Full(n) => format!("{n} questions are already pending (max-questions)"),
             Refusal::Duplicate(id) => format!("id {id:?} was already taken by an earlier question"),
         };
-        gst::element_imp_warning!(self, gst::StreamError::Failed, ["question {:?} refused: {}", text, why]);
+        let message = format!("question {} {:?} refused: {why}", question.id, question.text);
+        self.warn_question(gst::StreamError::Failed, Some(&question.id), &message);
     }
 
-    fn maybe_finish(&self, shared: &mut Shared) {
-        let query_done = shared.query_eos || !self.querypad.is_linked();
-        if shared.video.eos && query_done && !shared.eos {
+    /// A warning about one question (refused, malformed, not answered): the message says why,
+    /// and its details (a `vlm-question` structure with `id` and `reason`) tell an application
+    /// which question it was.
+    fn warn_question(&self, domain: impl gst::MessageErrorDomain, id: Option<&str>, message: &str) {
+        let details = gst::Structure::builder(QUESTION_DETAILS).field("id", id).field("reason", message).build();
+        gst::warning!(CAT, imp = self, "{message}");
+        let warning = gst::message::Warning::builder(domain, message).details(details).src(&*self.obj()).build();
+        let _ = self.obj().post_message(warning);
+    }
+
+    /// After the video's EOS, the answers end (what is pending is answered, then the text pad
+    /// gets its EOS) once the question pad has sent EOS too, is unlinked, or has been quiet for
+    /// `QUERY_EOS_GRACE`: a question file read by `subparse` delivers its remaining questions
+    /// back to back and then its EOS, while a question source that stays open (an appsrc, a
+    /// live feed) never holds the pipeline's EOS (the question pad is sparse, as textoverlay's
+    /// text pad is). A question arriving after that is refused with a warning. Returns how long
+    /// to wait before asking again, if the answer is not yet.
+    fn maybe_finish(&self, shared: &mut Shared) -> Option<std::time::Duration> {
+        if !shared.video.eos || shared.eos {
+            return None;
+        }
+        let quiet = shared.query_quiet_since.map_or(QUERY_EOS_GRACE, |t| t.elapsed());
+        if shared.query_eos || !self.querypad.is_linked() || (shared.query_busy == 0 && quiet >= QUERY_EOS_GRACE) {
             shared.eos = true;
             self.changed.notify_all();
+            return None;
         }
+        Some(QUERY_EOS_GRACE.saturating_sub(quiet).max(std::time::Duration::from_millis(10)))
     }
 
     /// The flow return the sink pads give upstream.
@@ -438,7 +498,7 @@ impl VlmQuery {
             return;
         }
         shared.video.last_caption = rt;
-        let question = self.question(&prompt, None, None, shared);
+        let question = self.question(&prompt, None, None);
         let stream = shared.video.stream.clone();
         if self.accept(shared, Job { question, stream, frames: number, pts }, false).is_err() {
             gst::debug!(CAT, imp = self, "caption at frame {number} skipped: the question queue is full");
@@ -463,10 +523,10 @@ impl VlmQuery {
             match parsed {
                 Ok(q) => {
                     let mut shared = self.shared.lock();
-                    let question = self.question(&q.text, q.id, q.max_tokens, &mut shared);
+                    let question = self.question(&q.text, q.id, q.max_tokens);
                     let (frames, pts) = shared.video.newest();
                     let stream = shared.video.stream.clone();
-                    let text = question.text.clone();
+                    let refusal = question.clone();
                     // Refused, not waited for, when the queue is full: the video's thread must not
                     // wait for answers that may wait for the video (an overlay holds them until
                     // the video passes their time).
@@ -476,13 +536,18 @@ impl VlmQuery {
                         Ok(_) => true,
                         Err(Refusal::Flushing) => false,
                         Err(why) => {
-                            self.refused(&text, why);
+                            self.refused(&refusal, why);
                             true
                         }
                     };
                 }
                 Err(reason) => {
-                    gst::element_imp_warning!(self, gst::StreamError::Format, ["malformed question: {}", reason]);
+                    let id = event.structure().and_then(|s| s.get::<String>("id").ok());
+                    let message = match &id {
+                        Some(id) => format!("malformed question {id}: {reason}"),
+                        None => format!("malformed question: {reason}"),
+                    };
+                    self.warn_question(gst::StreamError::Format, id.as_deref(), &message);
                     return true;
                 }
             }
@@ -506,6 +571,7 @@ impl VlmQuery {
             EventView::Eos(_) => {
                 let mut shared = self.shared.lock();
                 shared.video.eos = true;
+                shared.query_quiet_since = Some(Instant::now());
                 self.maybe_finish(&mut shared);
                 self.changed.notify_all();
                 // With no text pad linked the answers only go to the bus: the video's EOS waits
@@ -550,19 +616,31 @@ impl VlmQuery {
     }
 
     fn query_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        self.shared.lock().query_busy += 1;
+        let flow = self.take_question(buffer);
+        let mut shared = self.shared.lock();
+        // (A stop resets the count while a question is in here.)
+        shared.query_busy = shared.query_busy.saturating_sub(1);
+        shared.query_quiet_since = Some(Instant::now());
+        self.maybe_finish(&mut shared);
+        flow
+    }
+
+    /// One question buffer: wait for the video to reach its time, then accept it.
+    fn take_question(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
         let map = buffer.map_readable().map_err(|_| gst::FlowError::Error)?;
         let mut shared = self.shared.lock();
         let Ok(text) = question_text(&map, shared.query_markup) else {
             drop(shared);
-            gst::element_imp_warning!(self, gst::StreamError::Format, ["question buffer is not UTF-8; ignored"]);
-            return self.flow();
+            gst::element_imp_warning!(self, gst::StreamError::Format, ("question buffer is not UTF-8; ignored"));
+            return self.query_flow();
         };
         drop(map);
         if text.is_empty() {
             drop(shared);
-            return self.flow();
+            return self.query_flow();
         }
-        let question = self.question(&text, None, None, &mut shared);
+        let question = self.question(&text, None, None);
         let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
         let (frames, pts) = match t {
             Some(t) => {
@@ -575,22 +653,38 @@ impl VlmQuery {
                 {
                     self.changed.wait(&mut shared);
                 }
-                if shared.flushing || shared.query_flushing {
+                if shared.query_flushing {
                     return Err(gst::FlowError::Flushing);
+                }
+                if shared.flushing {
+                    drop(shared);
+                    self.refused(&question, Refusal::Flushing);
+                    return self.query_flow();
                 }
                 if shared.video.untimed { shared.video.newest() } else { shared.video.at(t) }
             }
             None => shared.video.newest(),
         };
         let stream = shared.video.stream.clone();
+        let refusal = question.clone();
         let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, true);
         drop(shared);
-        match accepted {
-            Ok(_) => (),
-            Err(Refusal::Flushing) => return self.flow().and(Err(gst::FlowError::Flushing)),
-            Err(why) => self.refused(&text, why),
+        if let Err(why) = accepted {
+            self.refused(&refusal, why);
         }
-        self.flow()
+        self.query_flow()
+    }
+
+    /// The flow return of the query pad: FLUSHING only while the query pad itself flushes. A
+    /// flush of the video refuses the questions that arrive meanwhile (with a warning) but does
+    /// not pause the question source's task, which would never start again.
+    fn query_flow(&self) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let shared = self.shared.lock();
+        match shared.srcresult {
+            _ if shared.query_flushing => Err(gst::FlowError::Flushing),
+            Some(e) if e != gst::FlowError::Flushing => Err(e),
+            _ => Ok(gst::FlowSuccess::Ok),
+        }
     }
 
     fn query_event(&self, event: gst::Event) -> bool {
@@ -630,17 +724,18 @@ impl VlmQuery {
     /// after EOS, while flushing, or when `max-questions` are pending.
     fn ask(&self, text: &str) -> Option<String> {
         if text.trim().is_empty() {
-            gst::element_imp_warning!(self, gst::LibraryError::Settings, ["ask: empty question ignored"]);
+            gst::element_imp_warning!(self, gst::LibraryError::Settings, ("ask: empty question ignored"));
             return None;
         }
         let mut shared = self.shared.lock();
-        let question = self.question(text, None, None, &mut shared);
+        let question = self.question(text, None, None);
         let stream = shared.video.stream.clone();
         let frames = stream.as_ref().map_or(0, |s| s.registered());
         let pts = shared.video.frames.iter().rev().find(|f| f.2 <= frames).and_then(|f| f.1);
+        let refusal = question.clone();
         let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, false);
         drop(shared);
-        accepted.map_err(|why| self.refused(text, why)).ok()
+        accepted.map_err(|why| self.refused(&refusal, why)).ok()
     }
 
     /// Cancel every pending question (each still gets its `vlm-answer`, `cancelled`) and stop
@@ -673,8 +768,8 @@ impl VlmQuery {
             query_segment: old.query_segment,
             query_markup: old.query_markup,
             query_eos: old.query_eos,
+            query_busy: old.query_busy,
             query_flushing: old.query_flushing,
-            next_id: old.next_id,
             recent_ids: old.recent_ids,
             ..Shared::default()
         };
@@ -731,6 +826,7 @@ impl VlmQuery {
                     }
                     _ => (),
                 }
+                let recheck = self.maybe_finish(&mut shared);
                 // Nothing to say up to the newest frame: tell downstream, so it never waits.
                 if let Some(end) = shared.video.end
                     && shared.text_position.is_none_or(|t| t < end)
@@ -739,7 +835,12 @@ impl VlmQuery {
                     shared.text_position = Some(end);
                     break Next::Gap(start, end - start);
                 }
-                self.changed.wait(&mut shared);
+                match recheck {
+                    Some(after) => {
+                        self.changed.wait_for(&mut shared, after);
+                    }
+                    None => self.changed.wait(&mut shared),
+                }
             }
         };
         self.changed.notify_all();
@@ -896,7 +997,8 @@ impl VlmQuery {
                     r.total_ms,
                     r.text
                 );
-                msg.field("status", "answered")
+                let answered = msg
+                    .field("status", "answered")
                     .field("text", without_nul(&r.text).as_ref())
                     .field("frames", r.frames)
                     .field("frame", r.frame)
@@ -909,23 +1011,29 @@ impl VlmQuery {
                     .field("prepare-ms", r.prepare_ms)
                     .field("tokens", r.tokens)
                     .field("total-ms", r.total_ms)
-                    .field("estimate-ms", r.estimate_ms.unwrap_or(-1.0))
+                    .field("estimate-ms", r.estimate_ms.unwrap_or(-1.0));
+                // Answered, but with nothing to show: said, so an application can tell it from
+                // an answer it missed.
+                if r.tokens == 0 {
+                    answered.field("reason", "empty: the model ended its answer before any token")
+                } else {
+                    answered
+                }
             }
             Outcome::Cancelled(reason) | Outcome::Failed(reason) => {
                 let status = if matches!(outcome, Outcome::Failed(_)) { "failed" } else { "cancelled" };
                 gst::debug!(CAT, imp = self, "question {} {status}: {reason}", q.id);
                 if status == "failed" {
-                    gst::element_imp_warning!(
-                        self,
-                        gst::StreamError::Failed,
-                        ["question {} not answered: {}", q.id, reason]
-                    );
+                    let message = format!("question {} not answered: {reason}", q.id);
+                    self.warn_question(gst::StreamError::Failed, Some(&q.id), &message);
                 }
                 let total = q.arrival.elapsed().as_secs_f64() * 1e3;
+                // No version was bound: its history length is unknown (0), the frame it waited
+                // for is `frame`.
                 msg.field("status", status)
                     .field("reason", reason)
                     .field("text", "")
-                    .field("frames", p.job.frames)
+                    .field("frames", 0u64)
                     .field("frame", p.job.frames)
                     .field("engine", "")
                     .field("path", "")
@@ -946,9 +1054,7 @@ impl VlmQuery {
         // Still flushing until READY->PAUSED starts again: a chain function woken by the flush
         // (the query pad's, waiting for the video) must see it and return, or deactivating its
         // pad would wait for it forever.
-        // Generated ids go on counting: an id is unique for the element's whole life.
-        let mut shared = self.shared.lock();
-        *shared = Shared { flushing: true, next_id: shared.next_id, ..Shared::default() };
+        *self.shared.lock() = Shared { flushing: true, ..Shared::default() };
     }
 }
 
@@ -1075,7 +1181,7 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("commit-answers", CommitAnswers::None)
                     .nick("Commit answers")
-                    .blurb("Whether each question and its answer become part of the stream's history (in question order), so later questions see the conversation")
+                    .blurb("Whether each question and its answer become part of the stream's history (in question order), so later questions see the conversation: a question waits for the previous answer's commit and binds the newest version at or after it (which may hold frames newer than the question's own)")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecFloat::builder("temp")
@@ -1131,18 +1237,14 @@ impl ObjectImpl for VlmQuery {
             "placement" => {
                 let p = value.get::<Option<String>>().unwrap().unwrap_or_default();
                 if p.is_empty() || !p.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-                    gst::error!(
-                        CAT,
-                        imp = self,
-                        "invalid placement {p:?}: use auto or an engine name; keeping {}",
-                        s.placement
-                    );
+                    let message =
+                        format!("invalid placement {p:?}: use auto or an engine's name; keeping {}", s.placement);
                     drop(s);
-                    gst::element_imp_warning!(
-                        self,
-                        gst::LibraryError::Settings,
-                        ["invalid placement {:?}: use auto or an engine's name", p]
-                    );
+                    // As GLib reports an invalid property value: on stderr, where gst-launch-1.0
+                    // shows it (an element being configured from a launch line has no bus yet),
+                    // and on the bus for an application that sets it later.
+                    glib::g_warning!("vlmquery", "{}: {message}", self.obj().name());
+                    gst::element_imp_warning!(self, gst::LibraryError::Settings, ("{}", message));
                     return;
                 }
                 s.placement = p;
@@ -1244,11 +1346,33 @@ impl ElementImpl for VlmQuery {
         }
         let ret = self.parent_change_state(transition)?;
         if transition == gst::StateChange::ReadyToPaused {
-            let mut shared = self.shared.lock();
-            *shared = Shared { next_id: shared.next_id, ..Shared::default() };
-            drop(shared);
+            *self.shared.lock() = Shared::default();
             self.start_task();
         }
         Ok(ret)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_pts_of_an_untimed_question_is_null_and_counts_stay_numbers() {
+        gst::init().unwrap();
+        let line = |pts: Option<gst::ClockTime>| {
+            let s = gst::Structure::builder("vlm-answer")
+                .field("id", "q1")
+                .field("lag-frames", u64::MAX - 1)
+                .field("tokens", 3u32)
+                .field("pts", pts)
+                .build();
+            serde_json::from_str::<serde_json::Value>(&json_line(&s)).unwrap()
+        };
+        let untimed = line(None);
+        assert_eq!(untimed["pts"], serde_json::Value::Null, "{untimed}");
+        assert_eq!(untimed["lag-frames"], u64::MAX - 1);
+        assert_eq!(untimed["tokens"], 3);
+        assert_eq!(line(Some(gst::ClockTime::from_mseconds(1500)))["pts"], 1_500_000_000u64);
     }
 }

@@ -162,6 +162,12 @@ impl Worker {
         }
     }
 
+    /// Set a stage's rate (ms per unit) outright, as if measured: for tests and for callers that
+    /// know an engine's rates better than its calibration run.
+    pub fn set_rate(&self, stage: Stage, ms_per_unit: f64) {
+        *self.rates.lock().slot(stage) = ms_per_unit;
+    }
+
     fn prefill_ms_per_token(&self) -> f64 {
         self.rates.lock().prefill_ms_per_token.max(0.01)
     }
@@ -275,6 +281,10 @@ struct Active {
 
 /// What the engine thread and the engine's handles share.
 struct Shared {
+    /// Set by the caller of `start_cancellable` to abandon the calibration run.
+    cancel: Arc<AtomicBool>,
+    /// Set by `Engine::stop`, with the same effect.
+    stopping: AtomicBool,
     widest: AtomicUsize,
     rates: Arc<Mutex<StageRates>>,
     /// Estimated milliseconds of queued ingestion (and other ordered work).
@@ -527,7 +537,8 @@ const IDLE_CHUNK_FACTOR: f64 = 4.0;
 /// per input and that would feed back into the measured rate (smaller chunks, dearer inputs).
 const MIN_CHUNK: usize = 8;
 
-/// Decode the next chunk of `prefill`: about `tokens` inputs (`chunk_len` decides), or an image
+/// Decode the next chunk of `prefill`: about `tokens` inputs (`chunk_len` decides), never more
+/// than one `llama_decode` takes (`n_batch`: a fast measured rate asks for more), or an image
 /// that must go whole.
 fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result<()> {
     let Some(next) = prefill.next() else { return Ok(()) };
@@ -536,7 +547,7 @@ fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result
     match next {
         Next::Whole => prefill.decode_whole(&mut w.ctx)?,
         Next::Tokens(available) | Next::Rows(available) => {
-            let n = chunk_len(available, tokens);
+            let n = chunk_len(available, tokens.min(w.ctx.n_batch() as usize));
             let mut batch = match next {
                 Next::Tokens(_) => Batch::tokens(n),
                 _ => Batch::embeddings(n, w.ctx.model().n_embd()),
@@ -562,7 +573,9 @@ pub struct Engine {
 
 /// The engine thread's loop.
 fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &EngineConfig) {
-    calibrate(&mut w);
+    calibrate(&mut w, &|| {
+        shared.cancel.load(Ordering::Acquire) || shared.stopping.load(Ordering::Acquire) || crate::llama::exiting()
+    });
     crate::llama::stop_workers_before_exit();
     let mut s = Scheduler {
         budget_ms: config.step_budget_ms,
@@ -604,13 +617,18 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
 }
 
 /// Seed the stage rates with a short run on a scratch branch: 32 tokens of prefill (twice), 6
-/// decode steps, one export and import.
-fn calibrate(w: &mut Worker) {
+/// decode steps, one export and import. `cancelled` is asked before each computation: a stop,
+/// an error elsewhere in the pipeline or the process's exit never waits for more than the one
+/// running (seconds under heavy CPU contention, where the whole run took a minute).
+fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
     let Some(seq) = w.free_branches.last().copied() else { return };
     let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
     // The faster of two prefills: a GPU backend builds its pipelines on the first one.
     let mut fastest = f64::INFINITY;
     for _ in 0..2 {
+        if cancelled() {
+            return;
+        }
         w.ctx.seq_clear(seq);
         let t = Instant::now();
         if w.ctx.decode_tokens(&tokens, 0, seq, true).is_err() {
@@ -623,6 +641,9 @@ fn calibrate(w: &mut Worker) {
     // each other's first steps; a slow seed would make an idle engine look busy to the placer.
     let mut fastest = f64::INFINITY;
     for pos in 32..38 {
+        if cancelled() {
+            break;
+        }
         let t = Instant::now();
         if w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
             break;
@@ -633,7 +654,7 @@ fn calibrate(w: &mut Worker) {
         w.record(Stage::DecodeStep, 1, fastest);
     }
     let t = Instant::now();
-    if let Ok(snapshot) = w.ctx.seq_snapshot(seq) {
+    if let Some(snapshot) = (!cancelled()).then(|| w.ctx.seq_snapshot(seq).ok()).flatten() {
         w.record(Stage::Export, 38, t.elapsed().as_secs_f64() * 1e3);
         let t = Instant::now();
         if w.ctx.seq_restore(seq, &snapshot).is_ok() {
@@ -657,6 +678,16 @@ pub struct DecodeRates {
 impl Engine {
     /// Load (or share) the model, start the engine thread and wait for its calibration run.
     pub fn start(model_path: &std::path::Path, config: EngineConfig) -> Result<Arc<Engine>> {
+        Engine::start_cancellable(model_path, config, &Arc::new(AtomicBool::new(false)))
+    }
+
+    /// [`Engine::start`] that gives up with [`Error::Cancelled`] soon after `cancel` is set
+    /// (during the calibration run: between two of its computations).
+    pub fn start_cancellable(
+        model_path: &std::path::Path,
+        config: EngineConfig,
+        cancel: &Arc<AtomicBool>,
+    ) -> Result<Arc<Engine>> {
         if config.max_streams == 0 || config.max_branches == 0 || config.context_per_sequence < 64 {
             return Err(Error::Config(
                 "an engine needs at least one stream, one branch and 64 cells per sequence".into(),
@@ -696,6 +727,8 @@ impl Engine {
         };
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared {
+            cancel: Arc::clone(cancel),
+            stopping: AtomicBool::new(false),
             widest: AtomicUsize::new(0),
             rates,
             ingest_backlog: Mutex::new((0, 0.0)),
@@ -730,6 +763,9 @@ impl Engine {
         // Return once the calibration run has measured the stage rates: work queued or placed
         // before would be estimated at zero cost.
         engine.call(|_| ())?;
+        if cancel.load(Ordering::Acquire) {
+            return Err(Error::Cancelled);
+        }
         Ok(engine)
     }
 
@@ -748,7 +784,7 @@ impl Engine {
     /// Which stored KV this engine can consume.
     pub fn compat_tag(&self) -> CompatTag {
         CompatTag {
-            model: self.model.identity(),
+            model: self.model.identity().to_owned(),
             backend: self.config.device.name().into(),
             kv_dtype: "f16",
             layout: format!(
@@ -869,8 +905,10 @@ impl Engine {
         self.free_streams.lock().push_back(seq);
     }
 
-    /// Stop accepting jobs and wait for the queued ones to finish.
+    /// Stop accepting jobs and wait for the queued ones to finish (a calibration run still going
+    /// is abandoned).
     pub fn stop(&self) {
+        self.shared.stopping.store(true, Ordering::Release);
         self.jobs.lock().take();
         // The last owner may be a job on the engine thread itself: it cannot join itself; the
         // thread then ends on its own once the queue is drained.

@@ -221,6 +221,9 @@ pub struct Model {
     ptr: NonNull<sys::llama_model>,
     path: PathBuf,
     device: Device,
+    /// [`Model::identity`], fixed at load: a file replaced on disk while it runs changes neither
+    /// prefix keys nor compatibility tags mid-run (the weights in memory are the loaded ones).
+    identity: String,
 }
 
 // SAFETY: a llama_model is not mutated after llama_model_load_from_file returns; llama.cpp's
@@ -261,7 +264,11 @@ impl Model {
                 "llama.cpp could not load it as a language model (not a GGUF model, or an unsupported architecture)"
                     .into(),
         })?;
-        Ok(Model { ptr, path: path.to_path_buf(), device: device.clone() })
+        let mut model = Model { ptr, path: path.to_path_buf(), device: device.clone(), identity: String::new() };
+        let size = std::fs::metadata(path).map_or(0, |m| m.len());
+        let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        model.identity = format!("{name} {} bytes={size} n_embd={}", model.description(), model.n_embd());
+        Ok(model)
     }
 
     pub fn path(&self) -> &Path {
@@ -439,11 +446,10 @@ impl Model {
         None
     }
 
-    /// What makes two loaded models the same model: part of every prefix key.
-    pub fn identity(&self) -> String {
-        let size = std::fs::metadata(&self.path).map_or(0, |m| m.len());
-        let name = self.path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-        format!("{} {} bytes={size} n_embd={}", name, self.description(), self.n_embd())
+    /// What makes two loaded models the same model: part of every prefix key. Read from the
+    /// file once, at load.
+    pub fn identity(&self) -> &str {
+        &self.identity
     }
 
     fn as_ptr(&self) -> *mut sys::llama_model {
@@ -621,6 +627,11 @@ impl Context {
         &self.model
     }
 
+    /// Most inputs one `llama_decode` takes.
+    pub fn n_batch(&self) -> u32 {
+        self.n_batch
+    }
+
     /// KV cells available to one sequence.
     pub fn n_ctx_per_seq(&self) -> u32 {
         self.n_ctx_per_seq
@@ -704,20 +715,19 @@ impl Context {
                 self.model.path().display()
             )));
         }
-        let ctx = projector.ctx.lock();
         let mut next = 0;
         // SAFETY: the chunk was produced by mtmd_input_chunk_save for this projector; `load`
         // returns null on malformed bytes. The helper only reads `encoded_embd` (it stores the
         // pointer in a view used for llama_decode), so passing the shared slice as *mut is sound,
-        // and its length is rows*width as the chunk declares. The projector mutex serialises all
-        // use of the mtmd context.
+        // and its length is rows*width as the chunk declares. The mtmd context is used without
+        // the projector's mutex (see [`DecodeView`]): an encode may run meanwhile.
         let rc = unsafe {
             let chunk = sys::mtmd_input_chunk_load(chunk.as_ptr().cast(), chunk.len());
             if chunk.is_null() {
                 return Err(Error::BadInput("malformed image chunk metadata".into()));
             }
             let rc = sys::mtmd_helper_decode_image_chunk(
-                ctx.0.as_ptr(),
+                projector.decode_view.0.as_ptr(),
                 self.ptr.as_ptr(),
                 chunk,
                 image.data.as_ptr() as *mut f32,
@@ -854,13 +864,28 @@ impl Drop for Context {
 }
 
 struct MtmdPtr(NonNull<sys::mtmd_context>);
-// SAFETY: the mtmd context is only touched under the Projector's mutex.
+// SAFETY: the mtmd context is only touched under the Projector's mutex (except through
+// [`DecodeView`]).
 unsafe impl Send for MtmdPtr {}
+
+/// The projector's mtmd context as `mtmd_helper_decode_image_chunk` uses it while a language
+/// context decodes an image: it reads only what `mtmd_init_from_file` fixed (the position type
+/// for M-RoPE, the projector type and width for the attention rule: `mtmd_decode_use_mrope`,
+/// `mtmd_decode_use_non_causal`) and never the encoder's state. So a decode does not take the
+/// projector's mutex, and an answer's decode steps never wait behind a vision encode that holds
+/// it for its whole run.
+struct DecodeView(NonNull<sys::mtmd_context>);
+// SAFETY: only the load-time fields above are read through it, which nothing writes after
+// `mtmd_init_from_file`; the context outlives the view (both are the Projector's, freed in its
+// Drop).
+unsafe impl Send for DecodeView {}
+unsafe impl Sync for DecodeView {}
 
 /// A loaded libmtmd projector (vision tower + projector), bound to the language model whose
 /// vocabulary and embedding width it uses.
 pub struct Projector {
     ctx: Mutex<MtmdPtr>,
+    decode_view: DecodeView,
     path: PathBuf,
     model: Arc<Model>,
     marker: CString,
@@ -911,6 +936,15 @@ impl ImageEmbeddings {
         Ok(ImageEmbeddings { data, rows, width, n_pos: rows as i32, causal_rows: true, source: ImageSource::Plain })
     }
 
+    /// The language model whose vocabulary and width a libmtmd encoder made these for (none for
+    /// plain rows, which carry only their width).
+    pub fn model(&self) -> Option<&Arc<Model>> {
+        match &self.source {
+            ImageSource::Mtmd { projector, .. } => Some(projector.model()),
+            ImageSource::Plain => None,
+        }
+    }
+
     /// Row `i` (width floats).
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.width..(i + 1) * self.width]
@@ -958,7 +992,13 @@ impl Projector {
         })?;
         // SAFETY: the default marker is a static NUL-terminated string.
         let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_owned();
-        Ok(Projector { ctx: Mutex::new(MtmdPtr(ptr)), path: path.to_path_buf(), model, marker })
+        Ok(Projector {
+            ctx: Mutex::new(MtmdPtr(ptr)),
+            decode_view: DecodeView(ptr),
+            path: path.to_path_buf(),
+            model,
+            marker,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -967,6 +1007,13 @@ impl Projector {
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    /// Hold the vision encoder as an encode holds it for its whole run, until the guard drops:
+    /// stands in for a long encode in tests (decodes of this projector's images must go on).
+    #[doc(hidden)]
+    pub fn hold_encoder(&self) -> impl Sized + '_ {
+        self.ctx.lock()
     }
 
     /// Encode one packed RGB image (width × height × 3 bytes) into the segments it becomes in

@@ -34,6 +34,15 @@ pub fn model(path: &Path, device: &Device) -> Result<Arc<Model>> {
     Ok(model)
 }
 
+/// A copy of the weights of `path` already loaded on any device (the CPU's first), if any: what
+/// a projector needs of a language model (its vocabulary and width) without loading another
+/// copy of the weights when every engine has its copy on the GPU.
+pub fn any_loaded(path: &Path) -> Option<Arc<Model>> {
+    let path = canonical(path);
+    let models = MODELS.lock();
+    [Device::Cpu, Device::Gpu].iter().find_map(|d| models.get(&(path.clone(), d.clone())).and_then(Weak::upgrade))
+}
+
 /// The shared projector for `mmproj` bound to `model`, loading it on first use.
 pub fn projector(mmproj: &Path, model: &Arc<Model>, use_gpu: bool, threads: i32) -> Result<Arc<Projector>> {
     let key = ProjectorKey { mmproj: canonical(mmproj), model: canonical(model.path()), use_gpu };
@@ -47,8 +56,9 @@ pub fn projector(mmproj: &Path, model: &Arc<Model>, use_gpu: bool, threads: i32)
     Ok(p)
 }
 
-/// How many owners hold the weights of `path` on `device` (0 when not loaded): a statistic
-/// that shows weights are shared rather than copied.
-pub fn model_owners(path: &Path, device: &Device) -> usize {
-    MODELS.lock().get(&(canonical(path), device.clone())).map_or(0, Weak::strong_count)
+/// How many owners hold loaded copies of the weights of `path`, on every device (0 when not
+/// loaded): a statistic that shows weights are shared rather than copied.
+pub fn model_owners(path: &Path) -> usize {
+    let path = canonical(path);
+    MODELS.lock().iter().filter(|((p, _), _)| *p == path).map(|(_, w)| w.strong_count()).sum()
 }

@@ -273,7 +273,7 @@ impl Stream {
             epoch: 0,
             end: prompt.prefix.len() as i32,
             cells: prompt.prefix.len() as i32,
-            key: PrefixKey::root(&engine.model().identity(), &prompt.prefix),
+            key: PrefixKey::root(engine.model().identity(), &prompt.prefix),
             history: Arc::from(Vec::new()),
         };
         let stream = Arc::new(Stream {
@@ -305,7 +305,7 @@ impl Stream {
             streams.retain(|_, w| w.strong_count() > 0);
             streams.insert(stream.id, Arc::downgrade(&stream));
         }
-        stream.ingest(root, true)?;
+        stream.ingest(&mut stream.timeline.lock(), root, true)?;
         Ok(stream)
     }
 
@@ -417,7 +417,7 @@ impl Stream {
         if prefix_len + n_cells > capacity {
             return Err(full());
         }
-        let root = PrefixKey::root(&self.engine.model().identity(), &self.prompt.prefix);
+        let root = PrefixKey::root(self.engine.model().identity(), &self.prompt.prefix);
         let key = kept.iter().chain([&entry]).fold(root, |key, e| e.extend(key));
         let end = prefix_len + kept.iter().map(Entry::n_pos).sum::<i32>() + n_pos;
         let cells = prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells;
@@ -430,7 +430,29 @@ impl Stream {
     /// are already waiting for their prefill (backpressure), until `cancel` is set (then
     /// [`Stream::wake`]) or the stream closes.
     pub fn register(self: &Arc<Self>, frame: Arc<Frame>, cancel: &AtomicBool) -> Result<Registration> {
+        self.check_frame(&frame)?;
         self.append(Entry::Frame(frame), true, cancel)
+    }
+
+    /// A frame encoded for another language model (another width, or another vocabulary for its
+    /// text markers) is refused before anything of it reaches the engine.
+    fn check_frame(&self, frame: &Frame) -> Result<()> {
+        let model = self.engine.model();
+        for segment in &frame.segments {
+            let Segment::Image(image) = segment else { continue };
+            let source = image.model().filter(|m| m.identity() != model.identity());
+            if image.width != model.n_embd() || source.is_some() {
+                let encoded_for = source.map_or_else(String::new, |m| format!(" for {}", m.path().display()));
+                return Err(Error::BadInput(format!(
+                    "stream {}: a frame encoded{encoded_for} ({} wide) cannot feed the language model {} ({} wide): give vlmencode the same model as vlmcontext",
+                    self.name(),
+                    image.width,
+                    model.path().display(),
+                    model.n_embd()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Commit a question and its answer into the history, after everything registered so far
@@ -481,8 +503,12 @@ impl Stream {
         if restart.is_some() {
             t.restarts += 1;
         }
-        drop(t);
-        self.ingest(record.clone(), restart.is_some())?;
+        // Hand the work to the engine before the next append can plan: entries reach it in the
+        // order their positions were planned (a frame from the streaming thread and an answer
+        // committed from an answer thread plan one after the other; handed over after the lock
+        // is released they could reach the engine the other way round, and llama.cpp would
+        // refuse the positions). Handing over only queues a job.
+        self.ingest(&mut t, record.clone(), restart.is_some())?;
         Ok(Registration { number: record.number, restart, skipped: false })
     }
 
@@ -494,9 +520,10 @@ impl Stream {
     /// Make `record` usable on the engine (prefill its last entry, or its whole history when it
     /// starts an epoch), chunk by chunk between decode steps, then publish it. Without
     /// retention there is nothing to prefill.
-    fn ingest(self: &Arc<Self>, record: Record, whole: bool) -> Result<()> {
+    fn ingest(self: &Arc<Self>, t: &mut Timeline, record: Record, whole: bool) -> Result<()> {
         if !self.config.retain {
-            self.publish(Ok(record));
+            Self::record_publication(t, Ok(record));
+            self.changed.notify_all();
             return Ok(());
         }
         let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
@@ -557,7 +584,11 @@ impl Stream {
 
     /// Publish a version (or record the failure that prevents it) and wake waiters.
     fn publish(&self, record: Result<Record>) {
-        let mut t = self.timeline.lock();
+        Self::record_publication(&mut self.timeline.lock(), record);
+        self.changed.notify_all();
+    }
+
+    fn record_publication(t: &mut Timeline, record: Result<Record>) {
         match record {
             Ok(r) => {
                 t.published = r.number;
@@ -572,8 +603,6 @@ impl Stream {
             }
             Err(e) => t.failed = Some(e),
         }
-        drop(t);
-        self.changed.notify_all();
     }
 
     /// Wait until the version of frame `number` is published and pin it. Never returns another

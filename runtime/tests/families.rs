@@ -8,8 +8,7 @@
 //! re-prefill; a snapshot imported into another engine and a replay there equal to the resident
 //! answer; answers on branches unchanged while more frames arrive; and the positions and greedy
 //! tokens equal to libmtmd's own helper (`mtmd_helper_eval_chunks`, what llama.cpp's mtmd-cli
-//! runs) on the same prompt. A family whose pair is missing is skipped with a message (run
-//! `scripts/setup.sh`).
+//! runs) on the same prompt. A family whose pair is missing fails (`scripts/setup.sh` makes them).
 
 mod common;
 
@@ -40,17 +39,14 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The family's generated pair, or `None` (with a message) when a file is missing.
-fn pair(family: &str) -> Option<(PathBuf, PathBuf)> {
+/// The family's generated pair; a missing file fails the test (`scripts/setup.sh` makes them).
+fn pair(family: &str) -> (PathBuf, PathBuf) {
     let dir = common::models_dir();
     let (lm, mmproj) = (dir.join(format!("test-{family}-lm.gguf")), dir.join(format!("test-{family}-mmproj.gguf")));
     for f in [&lm, &mmproj] {
-        if !f.is_file() {
-            eprintln!("SKIPPED {family}: {} is missing (run scripts/setup.sh)", f.display());
-            return None;
-        }
+        assert!(f.is_file(), "{family}: {} is missing (run scripts/setup.sh)", f.display());
     }
-    Some((lm, mmproj))
+    (lm, mmproj)
 }
 
 fn threads() -> i32 {
@@ -115,7 +111,7 @@ fn never() -> Arc<AtomicBool> {
 
 /// Every check of one family, in order.
 fn family_end_to_end(family: &str) {
-    let Some((lm, mmproj)) = pair(family) else { return };
+    let (lm, mmproj) = pair(family);
     let _serial = serial();
     let started = std::time::Instant::now();
     let (model, enc) = encoder(&lm, &mmproj);
@@ -234,7 +230,7 @@ fn gemma3_end_to_end() {
 
 #[test]
 fn an_idefics3_frame_of_several_chunks_is_one_frame_in_the_history() {
-    let Some((lm, mmproj)) = pair("idefics3") else { return };
+    let (lm, mmproj) = pair("idefics3");
     let _serial = serial();
     let (model, enc) = encoder(&lm, &mmproj);
     let cache = FrameEncoder::new(Arc::new(enc), 8, 64 << 20);
@@ -257,7 +253,7 @@ fn an_idefics3_frame_of_several_chunks_is_one_frame_in_the_history() {
     let v = s.wait_version(1, &never()).unwrap();
     assert_eq!((v.number, v.frames(), v.history.len()), (1, 1, 1), "one version, one entry");
     let prompt = Prompt::new(&model, DEFAULT_SYSTEM_PROMPT).unwrap();
-    let key = PrefixKey::root(&model.identity(), &prompt.prefix).then_frame(f.content_hash, f.n_pos());
+    let key = PrefixKey::root(model.identity(), &prompt.prefix).then_frame(f.content_hash, f.n_pos());
     assert_eq!(v.key, key, "the prefix key takes the frame as one identity over all its chunks");
     assert_eq!(v.end, prompt.prefix.len() as i32 + f.n_pos());
     assert_eq!(s.published(), 1);
@@ -267,7 +263,7 @@ fn an_idefics3_frame_of_several_chunks_is_one_frame_in_the_history() {
 /// history must be counted in cells, or a frame planned as fitting fails in llama.cpp.
 #[test]
 fn a_qwen2vl_stream_fills_its_cells_and_then_stops_or_restarts() {
-    let Some((lm, mmproj)) = pair("qwen2vl") else { return };
+    let (lm, mmproj) = pair("qwen2vl");
     let _serial = serial();
     let (_, enc) = encoder(&lm, &mmproj);
     let f = frame(&enc, 0);
@@ -308,13 +304,68 @@ fn a_qwen2vl_stream_fills_its_cells_and_then_stops_or_restarts() {
     assert!(answer(&newest, &q, &never(), |_| {}).unwrap().tokens > 0);
 }
 
+/// Decoding an image whole (M-RoPE positions, non-causal attention: libmtmd's helper) does not
+/// take the projector's lock, which a vision encode holds for its whole run: with the encoder
+/// held, a frame is still ingested and an answer over it generated on the same model.
+#[test]
+fn images_decode_while_the_vision_encoder_is_busy() {
+    for family in ["qwen2vl", "gemma3"] {
+        let (lm, mmproj) = pair(family);
+        let _serial = serial();
+        let (model, enc) = encoder(&lm, &mmproj);
+        let f = frame(&enc, 1);
+        assert!(images(&f).iter().all(|i| !i.causal_rows), "{family}: images are decoded whole");
+        let e = engine(&lm, "busy", 512);
+        let s = stream(&e, &[], "busy", true, 32);
+        let projector = models::projector(&mmproj, &model, false, threads()).unwrap();
+        let held = projector.hold_encoder();
+        // Before the fix this waits for the encoder forever: give up after a minute.
+        let gave_up = never();
+        let (timer, waiter) = (Arc::clone(&gave_up), Arc::clone(&s));
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+            timer.store(true, std::sync::atomic::Ordering::Release);
+            waiter.wake();
+        });
+        s.register(f, &never()).unwrap();
+        let v = s.wait_version(1, &gave_up).unwrap_or_else(|e| panic!("{family}: not ingested: {e}"));
+        let r = answer(&v, &question(QUESTION, TOKENS), &gave_up, |_| {}).expect("answered");
+        assert!(r.tokens > 0, "{family}");
+        drop(held);
+    }
+}
+
+/// A frame encoded for another language model (another width, another vocabulary for its text
+/// markers) is refused at registration with both files and widths named, before anything of it
+/// reaches the engine (its rows would otherwise hit the batch's width assertion, or its marker
+/// tokens llama.cpp's token check); the stream goes on with frames of its own model.
+#[test]
+fn a_frame_encoded_for_another_model_is_refused_naming_both() {
+    let (lm, mmproj) = pair("idefics3");
+    let _serial = serial();
+    let (foreign_model, enc) = encoder(&lm, &mmproj);
+    let foreign = frame(&enc, 1);
+    let own_model = common::model_path();
+    let e = engine(&own_model, "own", 512);
+    assert_ne!(foreign_model.n_embd(), e.model().n_embd());
+    let s = stream(&e, &[], "own", true, 32);
+    let Err(err) = s.register(foreign, &never()) else { panic!("a frame of another model was registered") };
+    let err = err.to_string();
+    for name in [lm.display().to_string(), own_model.display().to_string()] {
+        assert!(err.contains(&name), "{err} should name {name}");
+    }
+    assert!(err.contains(&format!("({} wide)", e.model().n_embd())), "{err}");
+    s.register(common::frame(&common::encoder(), 1), &never()).unwrap();
+    assert!(answer(&s.wait_version(1, &never()).unwrap(), &question(QUESTION, 4), &never(), |_| {}).is_ok());
+}
+
 /// Plain embedding rows (what the NPU gives: 1-D positions, causal) cannot feed an M-RoPE or a
 /// non-causal model: refused with the reason, never decoded wrongly (or, for M-RoPE, read past
 /// their position array by llama.cpp).
 #[test]
 fn plain_embeddings_are_refused_by_mrope_and_non_causal_models() {
     for family in ["qwen2vl", "gemma3"] {
-        let Some((lm, _)) = pair(family) else { continue };
+        let (lm, _) = pair(family);
         let _serial = serial();
         let e = engine(&lm, "plain", 256);
         let width = e.model().n_embd();
@@ -328,14 +379,14 @@ fn plain_embeddings_are_refused_by_mrope_and_non_causal_models() {
         assert!(matches!(&err, Error::BadInput(m) if *m == refusal), "{family}: {err}");
     }
     // The LLaVA-style pair takes them.
-    let Some((lm, _)) = pair("idefics3") else { return };
+    let (lm, _) = pair("idefics3");
     assert_eq!(models::model(&lm, &Device::Cpu).unwrap().plain_embeddings_refusal(), None);
 }
 
 /// libmtmd's helper would cut a non-causal image into batches of n_batch silently.
 #[test]
 fn a_non_causal_image_larger_than_the_batch_is_refused() {
-    let Some((lm, mmproj)) = pair("gemma3") else { return };
+    let (lm, mmproj) = pair("gemma3");
     let _serial = serial();
     let (model, enc) = encoder(&lm, &mmproj);
     let f = frame(&enc, 0);

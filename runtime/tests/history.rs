@@ -150,7 +150,7 @@ fn weights_are_shared_between_engines() {
     let a = engine("a");
     let b = engine("b");
     assert!(Arc::ptr_eq(a.model(), b.model()));
-    assert!(vlm_runtime::models::model_owners(&model_path(), &vlm_runtime::Device::Cpu) >= 2);
+    assert!(vlm_runtime::models::model_owners(&model_path()) >= 2);
 }
 
 #[test]
@@ -317,4 +317,23 @@ fn the_prompt_version_is_waited_for_and_stays_bindable() {
     assert_eq!(waiter.join().unwrap().unwrap(), (0, 0));
     assert_eq!(stream.wait_version(1, &never).unwrap().number, 1);
     assert_eq!(stream.wait_version(0, &never).unwrap().number, 0, "older versions stay bindable");
+}
+
+/// A model's identity (part of every prefix key and compatibility tag) is read once, at load: a
+/// file replaced on disk while it runs changes neither, so keys stay comparable within a run.
+#[test]
+fn a_model_file_replaced_while_running_keeps_its_identity() {
+    let dir = std::env::temp_dir().join(format!("vlm-identity-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.gguf");
+    std::fs::copy(model_path(), &path).unwrap();
+    let model = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
+    let before = model.identity().to_owned();
+    // Another file of another size renamed over it (how a deployment updates a model; the
+    // loaded weights stay mapped from the old file).
+    std::fs::write(dir.join("new.gguf"), b"not the model any more").unwrap();
+    std::fs::rename(dir.join("new.gguf"), &path).unwrap();
+    assert_eq!(model.identity(), before);
+    drop(model);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

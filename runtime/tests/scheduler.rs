@@ -274,3 +274,24 @@ fn a_waited_for_frame_goes_before_another_streams_backlog() {
     assert!(busy_done < BACKLOG, "the waited-for frame was ingested after the whole backlog of another stream");
     assert_eq!(busy.wait_version(BACKLOG, &never).unwrap().frames(), BACKLOG);
 }
+
+/// A chunk of prefill is as long as the step budget allows at the engine's measured rate, but
+/// never longer than one `llama_decode` takes (`n_batch`, 512): with a rate as fast as a GPU's
+/// set in the rate table, a question of ~800 tokens is prefilled in pieces and answered (a
+/// single chunk of all of it was refused by llama.cpp's batch limit).
+#[test]
+fn a_fast_rate_never_yields_a_chunk_longer_than_the_batch() {
+    let _alone = serial();
+    let engine = engine_with("cpu", 2048);
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let stream = open(&engine, "s", true);
+    stream.register(frame(&enc, 0), &never).unwrap();
+    let version = stream.wait_version(1, &never).unwrap();
+    engine.call(|w| w.set_rate(vlm_runtime::engine::Stage::Prefill, 0.001)).unwrap();
+    let long = "Is the red ball still moving to the left of the blue box? ".repeat(60);
+    let suffix = engine.model().tokenize(&long, false, false).unwrap().len();
+    assert!(suffix > 600, "the question is {suffix} tokens");
+    let r = answer(&version, &exact(&long, 4), &never, |_| {}).expect("a long question is answered");
+    assert_eq!(r.tokens, 4);
+}

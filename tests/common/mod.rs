@@ -54,14 +54,26 @@ pub struct Run {
     pub warnings: Vec<String>,
 }
 
-/// Run `pipeline` until EOS or an error (or 240 s), collecting answers, errors and warnings.
+/// Run `pipeline` until EOS or an error, collecting answers, errors and warnings; no EOS
+/// within 240 s is an error.
 pub fn run(pipeline: &gst::Element) -> Run {
+    run_for(pipeline, 240)
+}
+
+/// [`run`], with no EOS within `seconds` an error.
+pub fn run_for(pipeline: &gst::Element, seconds: u64) -> Run {
     let bus = pipeline.bus().unwrap();
     let mut run = Run::default();
     if pipeline.set_state(gst::State::Playing).is_err() {
         run.errors.push("state change to PLAYING failed".into());
     }
-    for msg in bus.iter_timed(gst::ClockTime::from_seconds(240)) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let Some(msg) = bus.timed_pop(gst::ClockTime::from_nseconds(left.as_nanos() as u64)) else {
+            run.errors.push(format!("no EOS within {seconds} s"));
+            break;
+        };
         use gst::MessageView;
         match msg.view() {
             MessageView::Eos(_) => break,
