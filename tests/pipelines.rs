@@ -58,6 +58,10 @@ fn timed_questions_bind_to_the_frames_before_their_time() {
     assert_eq!(questions[1], "Is the ball moving?", "pango markup must be stripped");
 }
 
+/// [`SOURCE`] for 10 s (40 encoded frames), so that frames keep arriving while answers run.
+const LONG_SOURCE: &str = "videotestsrc pattern=ball num-buffers=300 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+    ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
 const SOURCE: &str = "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
     ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -313,13 +317,14 @@ fn committed_answers_make_later_questions_see_the_conversation() {
     }
 }
 
-/// Questions asked at the same moment, with ordered commits: each sees every earlier answer,
-/// although those were committed after frames newer than its own (the source runs ahead while
-/// the first answer is generated).
+/// Questions asked at the same moment (1 s into 10 s of video), with ordered commits: each sees
+/// every earlier answer, although those were committed after frames newer than its own (the
+/// video goes on while an answer is generated, and a commit is appended after the newest frame).
+/// Bound to its own frame's newest record, the second question saw none of the first's answer.
 #[test]
 fn questions_asked_together_with_ordered_commits_see_each_others_answers() {
     let srt = std::env::temp_dir().join(format!("vlm-together-{}.srt", std::process::id()));
-    let cue = |i: usize, q: &str| format!("{i}\n00:00:02,500 --> 00:00:04,000\n{q}\n\n");
+    let cue = |i: usize, q: &str| format!("{i}\n00:00:01,000 --> 00:00:02,000\n{q}\n\n");
     let text: String = ["What do you see?", "Is it moving?", "What colour is it?"]
         .iter()
         .enumerate()
@@ -327,7 +332,7 @@ fn questions_asked_together_with_ordered_commits_see_each_others_answers() {
         .collect();
     std::fs::write(&srt, text).unwrap();
     let run = run(&launch(&format!(
-        "{SOURCE} ! vlmquery name=q max-tokens=6 commit-answers=ordered ! fakesink sync=false \
+        "{LONG_SOURCE} ! vlmquery name=q max-tokens=16 exact-tokens=true commit-answers=ordered ! fakesink sync=false \
          filesrc location={} ! subparse ! q.query",
         srt.display()
     )));
@@ -362,7 +367,7 @@ fn the_videos_eos_ends_the_stream_while_the_question_source_stays_open() {
         let mut question = gst::Buffer::from_slice(b"What do you see?".to_vec());
         question.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(500));
         src.push_buffer(question).unwrap();
-        let run = run_for(&pipeline, 120);
+        let run = run_for(&pipeline, 40);
         assert!(run.errors.is_empty(), "text sink {text_sink:?}: {:?}", run.errors);
         assert_eq!(run.answers.len(), 1, "{text_sink:?}");
         assert_eq!(run.answers[0].get::<String>("status").unwrap(), "answered");

@@ -809,6 +809,8 @@ impl VlmQuery {
                     }
                     at
                 };
+                // (Before the answers are looked at: it may end them now.)
+                let recheck = self.maybe_finish(&mut shared);
                 match shared.pending.front() {
                     Some(p) if p.outcome.lock().is_some() => {
                         let p = shared.pending.pop_front().expect("front");
@@ -826,7 +828,6 @@ impl VlmQuery {
                     }
                     _ => (),
                 }
-                let recheck = self.maybe_finish(&mut shared);
                 // Nothing to say up to the newest frame: tell downstream, so it never waits.
                 if let Some(end) = shared.video.end
                     && shared.text_position.is_none_or(|t| t < end)

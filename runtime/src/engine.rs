@@ -149,23 +149,38 @@ pub struct Worker {
     /// sequence has its own KV).
     free_branches: Vec<i32>,
     rates: Arc<Mutex<StageRates>>,
+    /// Stages whose rate is still a seed (the calibration run's, or one set with `set_rate`),
+    /// one bit per stage: the first measurement of real work replaces a seed instead of
+    /// blending with it, so a calibration taken while other processes had the cores (seconds
+    /// instead of milliseconds) does not mislead the placer for the rest of the run.
+    seeded: std::cell::Cell<u8>,
 }
 
 impl Worker {
     /// Record that `units` of `stage` took `ms`.
     pub fn record(&self, stage: Stage, units: usize, ms: f64) {
         if units > 0 {
+            let bit = 1 << stage as u8;
+            let seed = self.seeded.get() & bit != 0;
+            self.seeded.set(self.seeded.get() & !bit);
             let mut rates = self.rates.lock();
             let slot = rates.slot(stage);
             let sample = ms / units as f64;
-            *slot = if *slot <= 0.0 { sample } else { 0.8 * *slot + 0.2 * sample };
+            *slot = if *slot <= 0.0 || seed { sample } else { 0.8 * *slot + 0.2 * sample };
         }
     }
 
-    /// Set a stage's rate (ms per unit) outright, as if measured: for tests and for callers that
-    /// know an engine's rates better than its calibration run.
+    /// Seed a stage's rate (ms per unit): used until the first measurement of that stage's real
+    /// work replaces it. The calibration run seeds every stage; tests and callers that know an
+    /// engine's rates better may too.
     pub fn set_rate(&self, stage: Stage, ms_per_unit: f64) {
         *self.rates.lock().slot(stage) = ms_per_unit;
+        self.seeded.set(self.seeded.get() | 1 << stage as u8);
+    }
+
+    /// Seed a stage's rate from a calibration measurement.
+    fn seed(&self, stage: Stage, units: usize, ms: f64) {
+        self.set_rate(stage, ms / units as f64);
     }
 
     fn prefill_ms_per_token(&self) -> f64 {
@@ -636,7 +651,7 @@ fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
         }
         fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
     }
-    w.record(Stage::Prefill, tokens.len(), fastest);
+    w.seed(Stage::Prefill, tokens.len(), fastest);
     // The fastest of 6 steps: the first builds its graph, and engines starting together slow
     // each other's first steps; a slow seed would make an idle engine look busy to the placer.
     let mut fastest = f64::INFINITY;
@@ -651,14 +666,14 @@ fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
         fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
     }
     if fastest.is_finite() {
-        w.record(Stage::DecodeStep, 1, fastest);
+        w.seed(Stage::DecodeStep, 1, fastest);
     }
     let t = Instant::now();
     if let Some(snapshot) = (!cancelled()).then(|| w.ctx.seq_snapshot(seq).ok()).flatten() {
-        w.record(Stage::Export, 38, t.elapsed().as_secs_f64() * 1e3);
+        w.seed(Stage::Export, 38, t.elapsed().as_secs_f64() * 1e3);
         let t = Instant::now();
         if w.ctx.seq_restore(seq, &snapshot).is_ok() {
-            w.record(Stage::Import, 38, t.elapsed().as_secs_f64() * 1e3);
+            w.seed(Stage::Import, 38, t.elapsed().as_secs_f64() * 1e3);
         }
     }
     w.ctx.seq_clear(seq);
@@ -724,6 +739,7 @@ impl Engine {
             ctx,
             free_branches: (streams..streams + config.max_branches as i32).rev().collect(),
             rates: Arc::clone(&rates),
+            seeded: std::cell::Cell::new(0),
         };
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared {

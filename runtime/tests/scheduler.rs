@@ -295,3 +295,22 @@ fn a_fast_rate_never_yields_a_chunk_longer_than_the_batch() {
     let r = answer(&version, &exact(&long, 4), &never, |_| {}).expect("a long question is answered");
     assert_eq!(r.tokens, 4);
 }
+
+/// A seeded rate (the calibration run's, here one set through the rate table as if a calibration
+/// had run while other processes held the cores: a million times too slow) is replaced by the
+/// first measurement of real work, not blended with it: one ingested frame brings the engine's
+/// prefill rate back to what it measured (blended, it would stay above 800 000 ms per token).
+#[test]
+fn a_calibration_taken_under_contention_is_replaced_by_the_first_real_measurement() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let stream = open(&engine, "s", true);
+    stream.wait_version(0, &never).unwrap();
+    engine.call(|w| w.set_rate(vlm_runtime::engine::Stage::Prefill, 1e6)).unwrap();
+    stream.register(frame(&enc, 0), &never).unwrap();
+    stream.wait_version(1, &never).unwrap();
+    let rate = engine.rates().prefill_ms_per_token;
+    assert!(rate < 1e3, "the seed still weighs on the prefill rate: {rate} ms per token");
+}
