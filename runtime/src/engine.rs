@@ -33,6 +33,7 @@ use crate::llama::{Batch, Context, ContextParams, Device, Model, Token};
 use crate::models;
 use crate::prefill::{Next, Prefill, chunk_len};
 use crate::prefix::CompatTag;
+use crate::threads::ThreadTuner;
 
 /// How an engine is built.
 #[derive(Debug, Clone)]
@@ -150,10 +151,15 @@ pub struct Worker {
     free_branches: Vec<i32>,
     rates: Arc<Mutex<StageRates>>,
     /// Stages whose rate is still a seed (the calibration run's, or one set with `set_rate`),
-    /// one bit per stage: the first measurement of real work replaces a seed instead of
-    /// blending with it, so a calibration taken while other processes had the cores (seconds
-    /// instead of milliseconds) does not mislead the placer for the rest of the run.
+    /// one bit per stage: a first measurement of real work that is faster replaces a seed
+    /// instead of blending with it, so a calibration taken while other processes had the cores
+    /// (seconds instead of milliseconds) does not mislead the placer for the rest of the run. A
+    /// slower one blends as any later one does (the calibration takes the fastest of its runs,
+    /// and real work pays graph rebuilds between streams: replacing would make an engine that
+    /// has done real work look dearer than an idle one that has not).
     seeded: std::cell::Cell<u8>,
+    /// The thread count computations use (see `crate::threads`).
+    tuner: ThreadTuner,
 }
 
 impl Worker {
@@ -166,7 +172,7 @@ impl Worker {
             let mut rates = self.rates.lock();
             let slot = rates.slot(stage);
             let sample = ms / units as f64;
-            *slot = if *slot <= 0.0 || seed { sample } else { 0.8 * *slot + 0.2 * sample };
+            *slot = if *slot <= 0.0 || (seed && sample < *slot) { sample } else { 0.8 * *slot + 0.2 * sample };
         }
     }
 
@@ -300,6 +306,8 @@ struct Shared {
     cancel: Arc<AtomicBool>,
     /// Set by `Engine::stop`, with the same effect.
     stopping: AtomicBool,
+    /// The thread count computations use now.
+    threads: std::sync::atomic::AtomicI32,
     widest: AtomicUsize,
     rates: Arc<Mutex<StageRates>>,
     /// Estimated milliseconds of queued ingestion (and other ordered work).
@@ -371,6 +379,10 @@ impl Scheduler {
         let step = w.ctx.decode(&batch);
         let ms = started.elapsed().as_secs_f64() * 1e3;
         w.record(Stage::DecodeStep, 1, ms);
+        if let Some(threads) = w.tuner.observe(ms, self.active.len()) {
+            w.ctx.set_threads(threads);
+            shared.threads.store(threads, Ordering::Relaxed);
+        }
         let steps = if self.ordered.is_empty() { &shared.idle_steps } else { &shared.busy_steps };
         let mut steps = steps.lock();
         steps.0 += 1;
@@ -591,6 +603,7 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
     calibrate(&mut w, &|| {
         shared.cancel.load(Ordering::Acquire) || shared.stopping.load(Ordering::Acquire) || crate::llama::exiting()
     });
+    shared.threads.store(w.tuner.threads(), Ordering::Relaxed);
     crate::llama::stop_workers_before_exit();
     let mut s = Scheduler {
         budget_ms: config.step_budget_ms,
@@ -637,6 +650,30 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
 /// running (seconds under heavy CPU contention, where the whole run took a minute).
 fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
     let Some(seq) = w.free_branches.last().copied() else { return };
+    // First the thread count (`crate::threads`): the fastest of 4 decode steps with each
+    // candidate, so the rest (and the first prefill, which took seconds with spinning threads
+    // under contention) runs with the faster.
+    let candidates = w.tuner.candidates().to_vec();
+    if candidates.len() > 1 {
+        for (i, &threads) in candidates.iter().enumerate() {
+            w.ctx.set_threads(threads);
+            w.ctx.seq_clear(seq);
+            let mut fastest = f64::INFINITY;
+            for pos in 0..4 {
+                if cancelled() {
+                    return;
+                }
+                let t = Instant::now();
+                if w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
+                    break;
+                }
+                fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
+            }
+            w.tuner.seed(i, fastest);
+        }
+        let threads = w.tuner.choose_best();
+        w.ctx.set_threads(threads);
+    }
     let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
     // The faster of two prefills: a GPU backend builds its pipelines on the first one.
     let mut fastest = f64::INFINITY;
@@ -740,11 +777,13 @@ impl Engine {
             free_branches: (streams..streams + config.max_branches as i32).rev().collect(),
             rates: Arc::clone(&rates),
             seeded: std::cell::Cell::new(0),
+            tuner: ThreadTuner::new(config.threads, config.device == Device::Cpu),
         };
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared {
             cancel: Arc::clone(cancel),
             stopping: AtomicBool::new(false),
+            threads: std::sync::atomic::AtomicI32::new(config.threads),
             widest: AtomicUsize::new(0),
             rates,
             ingest_backlog: Mutex::new((0, 0.0)),
@@ -822,6 +861,12 @@ impl Engine {
     /// The stage costs measured on this engine so far.
     pub fn rates(&self) -> StageRates {
         *self.shared.rates.lock()
+    }
+
+    /// The thread count its computations use now (the configured one, or 1 while that measured
+    /// faster: see `crate::threads`).
+    pub fn threads_now(&self) -> i32 {
+        self.shared.threads.load(Ordering::Relaxed)
     }
 
     /// Decode steps observed with and without ingestion waiting.

@@ -11,7 +11,8 @@
 //! - [`prefix`]: prefix keys and compatibility tags; [`snapshot`]: KV snapshots;
 //! - [`cache`]: the bounded cache every cache uses;
 //! - [`encoder`]: vision encoding of frames into embeddings (libmtmd; `rknn`: the NPU);
-//! - [`prompt`]: the chat layout of histories and questions; [`text`]: streaming UTF-8.
+//! - [`prompt`]: the chat layout of histories and questions; [`text`]: streaming UTF-8;
+//! - `threads`: how many threads an engine computes with, measured and revised while it runs.
 
 pub mod answer;
 pub mod cache;
@@ -31,6 +32,7 @@ pub mod rknn;
 pub mod snapshot;
 pub mod stream;
 pub mod text;
+mod threads;
 
 pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer, answer_frame, answer_on, answer_placed};
 pub use engine::{DecodeRates, Engine, EngineConfig};

@@ -627,6 +627,12 @@ impl Context {
         &self.model
     }
 
+    /// Threads for computations from now on (decode steps and batches alike).
+    pub fn set_threads(&mut self, threads: i32) {
+        // SAFETY: valid context; llama.cpp reads the counts at its next computation.
+        unsafe { sys::llama_set_n_threads(self.ptr.as_ptr(), threads, threads) }
+    }
+
     /// Most inputs one `llama_decode` takes.
     pub fn n_batch(&self) -> u32 {
         self.n_batch

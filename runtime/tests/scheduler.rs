@@ -298,7 +298,7 @@ fn a_fast_rate_never_yields_a_chunk_longer_than_the_batch() {
 
 /// A seeded rate (the calibration run's, here one set through the rate table as if a calibration
 /// had run while other processes held the cores: a million times too slow) is replaced by the
-/// first measurement of real work, not blended with it: one ingested frame brings the engine's
+/// first (faster) measurement of real work, not blended with it: one ingested frame brings the engine's
 /// prefill rate back to what it measured (blended, it would stay above 800 000 ms per token).
 #[test]
 fn a_calibration_taken_under_contention_is_replaced_by_the_first_real_measurement() {

@@ -1,0 +1,152 @@
+//! How many threads an engine's computations use: chosen by measurement at start and revised
+//! while it runs.
+//!
+//! llama.cpp's CPU backend runs each computation on `n` threads that meet at barriers (OpenMP's,
+//! which spin before they sleep). When other processes hold the cores, as on an edge box that
+//! shares them between the camera, the encoder and the engine, a thread waiting at a barrier
+//! spins on a core that the thread it waits for needs, and two threads end up slower than one.
+//! Measured on the 2-core machine, the seed's workload (B1, 128-token answers), quiet and with
+//! one busy process per core (`docs/benchmarks.md`): quiet, 2 threads answered 0.81/s and 1
+//! thread 0.52/s; busy, 2 threads 0.21-0.22/s with start-ups up to 11.8 s, 1 thread 0.35-0.37/s
+//! with 1.7-1.8 s. Neither count is right for both, so the engine measures: its calibration run
+//! times decode steps with each candidate (the configured count and 1) and starts with the
+//! faster, and every `PROBE_EVERY` decode steps it runs `PROBE_STEPS` with the other count and
+//! keeps whichever costs less per token.
+
+/// Decode steps between two probes of the other thread count.
+const PROBE_EVERY: u32 = 64;
+/// Decode steps a probe runs with the other thread count.
+const PROBE_STEPS: u32 = 6;
+
+/// A probe in progress: the candidate tried, the one it is compared with, what it measured.
+struct Probe {
+    index: usize,
+    back_to: usize,
+    steps: u32,
+    ms: f64,
+    tokens: usize,
+}
+
+pub(crate) struct ThreadTuner {
+    candidates: Vec<i32>,
+    current: usize,
+    /// Milliseconds per decoded token with each candidate (0: not measured yet).
+    cost: Vec<f64>,
+    since_probe: u32,
+    probe: Option<Probe>,
+}
+
+impl ThreadTuner {
+    /// Candidates `threads` and 1; `tune` false (a GPU engine, where threads do little) keeps
+    /// `threads` alone.
+    pub(crate) fn new(threads: i32, tune: bool) -> ThreadTuner {
+        let candidates = if tune && threads > 1 { vec![threads, 1] } else { vec![threads] };
+        let cost = vec![0.0; candidates.len()];
+        ThreadTuner { candidates, current: 0, cost, since_probe: 0, probe: None }
+    }
+
+    pub(crate) fn threads(&self) -> i32 {
+        self.candidates[self.current]
+    }
+
+    pub(crate) fn candidates(&self) -> &[i32] {
+        &self.candidates
+    }
+
+    /// The calibration measured candidate `index` at `ms_per_token`.
+    pub(crate) fn seed(&mut self, index: usize, ms_per_token: f64) {
+        if ms_per_token.is_finite() {
+            self.cost[index] = ms_per_token;
+        }
+    }
+
+    /// Take the cheapest measured candidate; returns its thread count.
+    pub(crate) fn choose_best(&mut self) -> i32 {
+        let measured = (0..self.candidates.len()).filter(|&i| self.cost[i] > 0.0);
+        if let Some(best) = measured.min_by(|&a, &b| self.cost[a].total_cmp(&self.cost[b])) {
+            self.current = best;
+        }
+        self.threads()
+    }
+
+    /// A decode step of `tokens` took `ms` with the current thread count. Returns the count to
+    /// use from the next step on when it changes (a probe starts or ends).
+    pub(crate) fn observe(&mut self, ms: f64, tokens: usize) -> Option<i32> {
+        if self.candidates.len() < 2 || tokens == 0 {
+            return None;
+        }
+        if let Some(p) = &mut self.probe {
+            (p.steps, p.ms, p.tokens) = (p.steps + 1, p.ms + ms, p.tokens + tokens);
+            if p.steps < PROBE_STEPS {
+                return None;
+            }
+            let (tried, back_to, mean) = (p.index, p.back_to, p.ms / p.tokens as f64);
+            self.probe = None;
+            self.cost[tried] = mean;
+            if mean < self.cost[back_to] {
+                return None; // keep the probed count: it is current already
+            }
+            self.current = back_to;
+            return Some(self.threads());
+        }
+        let per_token = ms / tokens as f64;
+        let cost = &mut self.cost[self.current];
+        *cost = if *cost <= 0.0 { per_token } else { 0.8 * *cost + 0.2 * per_token };
+        self.since_probe += 1;
+        if self.since_probe < PROBE_EVERY {
+            return None;
+        }
+        self.since_probe = 0;
+        let other = (self.current + 1) % self.candidates.len();
+        self.probe = Some(Probe { index: other, back_to: self.current, steps: 0, ms: 0.0, tokens: 0 });
+        self.current = other;
+        Some(self.threads())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feed `steps` decode steps of one token at `ms` each; the thread counts switched to.
+    fn run(t: &mut ThreadTuner, steps: u32, ms: impl Fn(i32) -> f64) -> Vec<i32> {
+        (0..steps).filter_map(|_| t.observe(ms(t.threads()), 1)).collect()
+    }
+
+    #[test]
+    fn calibration_starts_with_the_faster_count() {
+        let mut t = ThreadTuner::new(2, true);
+        assert_eq!(t.candidates(), [2, 1]);
+        t.seed(0, 40.0); // 2 threads while other processes hold the cores
+        t.seed(1, 15.0);
+        assert_eq!(t.choose_best(), 1);
+        let mut quiet = ThreadTuner::new(2, true);
+        quiet.seed(0, 8.0);
+        quiet.seed(1, 13.0);
+        assert_eq!(quiet.choose_best(), 2);
+    }
+
+    #[test]
+    fn a_probe_switches_when_the_other_count_became_cheaper_and_returns_when_not() {
+        let mut t = ThreadTuner::new(2, true);
+        t.seed(0, 8.0);
+        t.seed(1, 13.0);
+        assert_eq!(t.choose_best(), 2);
+        // Quiet: the probe of 1 thread costs more, so it goes back to 2.
+        assert_eq!(run(&mut t, PROBE_EVERY + PROBE_STEPS, |n| if n == 2 { 8.0 } else { 13.0 }), [1, 2]);
+        assert_eq!(t.threads(), 2);
+        // Contention starts: 2 threads now cost 40 ms a token, 1 thread 15; the next probe moves.
+        assert_eq!(run(&mut t, PROBE_EVERY + PROBE_STEPS, |n| if n == 2 { 40.0 } else { 15.0 }), [1]);
+        assert_eq!(t.threads(), 1);
+        // Contention ends: the probe of 2 threads finds them cheaper again.
+        assert_eq!(run(&mut t, PROBE_EVERY + PROBE_STEPS, |n| if n == 2 { 8.0 } else { 13.0 }), [2]);
+        assert_eq!(t.threads(), 2);
+    }
+
+    #[test]
+    fn one_thread_or_a_gpu_engine_is_never_tuned() {
+        for mut t in [ThreadTuner::new(1, true), ThreadTuner::new(4, false)] {
+            assert!(run(&mut t, 10 * PROBE_EVERY, |_| 5.0).is_empty());
+        }
+    }
+}
