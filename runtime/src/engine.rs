@@ -658,17 +658,10 @@ fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
         for (i, &threads) in candidates.iter().enumerate() {
             w.ctx.set_threads(threads);
             w.ctx.seq_clear(seq);
-            let mut fastest = f64::INFINITY;
-            for pos in 0..4 {
-                if cancelled() {
-                    return;
-                }
-                let t = Instant::now();
-                if w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
-                    break;
-                }
-                fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
+            if cancelled() {
+                return;
             }
+            let fastest = fastest_step(w, seq, 0..4, cancelled);
             w.tuner.seed(i, fastest);
         }
         let threads = w.tuner.choose_best();
@@ -691,17 +684,7 @@ fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
     w.seed(Stage::Prefill, tokens.len(), fastest);
     // The fastest of 6 steps: the first builds its graph, and engines starting together slow
     // each other's first steps; a slow seed would make an idle engine look busy to the placer.
-    let mut fastest = f64::INFINITY;
-    for pos in 32..38 {
-        if cancelled() {
-            break;
-        }
-        let t = Instant::now();
-        if w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
-            break;
-        }
-        fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
-    }
+    let fastest = fastest_step(w, seq, 32..38, cancelled);
     if fastest.is_finite() {
         w.seed(Stage::DecodeStep, 1, fastest);
     }
@@ -714,6 +697,19 @@ fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
         }
     }
     w.ctx.seq_clear(seq);
+}
+
+/// The fastest (ms) of one-token decode steps of `seq` at `positions` (infinite when none ran).
+fn fastest_step(w: &mut Worker, seq: i32, positions: std::ops::Range<i32>, cancelled: &dyn Fn() -> bool) -> f64 {
+    let mut fastest = f64::INFINITY;
+    for pos in positions {
+        let t = Instant::now();
+        if cancelled() || w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
+            break;
+        }
+        fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
+    }
+    fastest
 }
 
 /// Decode rates an engine observed (see [`Engine::decode_rates`]).
