@@ -651,18 +651,22 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
 fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
     let Some(seq) = w.free_branches.last().copied() else { return };
     // First the thread count (`crate::threads`): the fastest of 4 decode steps with each
-    // candidate, so the rest (and the first prefill, which took seconds with spinning threads
-    // under contention) runs with the faster.
+    // candidate, one thread first, so the rest (and the first prefill, which took seconds with
+    // spinning threads under contention) runs with the faster. A candidate whose fastest of
+    // two steps is three times slower than the best so far stops there: under contention a
+    // step with spinning threads can take a second.
     let candidates = w.tuner.candidates().to_vec();
     if candidates.len() > 1 {
-        for (i, &threads) in candidates.iter().enumerate() {
+        let mut best = f64::INFINITY;
+        for (i, &threads) in candidates.iter().enumerate().rev() {
             w.ctx.set_threads(threads);
             w.ctx.seq_clear(seq);
             if cancelled() {
                 return;
             }
-            let fastest = fastest_step(w, seq, 0..4, cancelled);
+            let fastest = fastest_step(w, seq, 0..4, &|steps, ms| cancelled() || (steps >= 2 && ms > 3.0 * best));
             w.tuner.seed(i, fastest);
+            best = best.min(fastest);
         }
         let threads = w.tuner.choose_best();
         w.ctx.set_threads(threads);
@@ -684,7 +688,7 @@ fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
     w.seed(Stage::Prefill, tokens.len(), fastest);
     // The fastest of 6 steps: the first builds its graph, and engines starting together slow
     // each other's first steps; a slow seed would make an idle engine look busy to the placer.
-    let fastest = fastest_step(w, seq, 32..38, cancelled);
+    let fastest = fastest_step(w, seq, 32..38, &|_, _| cancelled());
     if fastest.is_finite() {
         w.seed(Stage::DecodeStep, 1, fastest);
     }
@@ -699,12 +703,16 @@ fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
     w.ctx.seq_clear(seq);
 }
 
-/// The fastest (ms) of one-token decode steps of `seq` at `positions` (infinite when none ran).
-fn fastest_step(w: &mut Worker, seq: i32, positions: std::ops::Range<i32>, cancelled: &dyn Fn() -> bool) -> f64 {
+/// The fastest (ms) of one-token decode steps of `seq` at `positions` (infinite when none ran);
+/// `stop` is asked before each step with the steps run and their fastest so far.
+fn fastest_step(w: &mut Worker, seq: i32, positions: std::ops::Range<i32>, stop: &dyn Fn(usize, f64) -> bool) -> f64 {
     let mut fastest = f64::INFINITY;
-    for pos in positions {
+    for (steps, pos) in positions.enumerate() {
+        if stop(steps, fastest) {
+            break;
+        }
         let t = Instant::now();
-        if cancelled() || w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
+        if w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
             break;
         }
         fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
