@@ -72,6 +72,7 @@ struct Settings {
     step_budget_ms: f64,
     ingest_share: f64,
     max_answers: u32,
+    flash_attention: bool,
     prefix_cache_size: u64,
     prefix_cache_entries: u32,
     threads: u32,
@@ -93,6 +94,7 @@ impl Default for Settings {
             step_budget_ms: vlm_runtime::engine::DEFAULT_STEP_BUDGET_MS,
             ingest_share: vlm_runtime::engine::DEFAULT_INGEST_SHARE,
             max_answers: DEFAULT_MAX_ANSWERS,
+            flash_attention: false,
             prefix_cache_size: 0,
             prefix_cache_entries: DEFAULT_PREFIX_CACHE_ENTRIES,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
@@ -409,6 +411,7 @@ impl VlmContext {
             context_per_sequence: s.context_size,
             max_streams: s.max_streams,
             max_branches: s.max_answers,
+            flash_attention: s.flash_attention,
             step_budget_ms: s.step_budget_ms,
             ingest_share: s.ingest_share,
             ..EngineConfig::default()
@@ -549,6 +552,12 @@ impl ObjectImpl for VlmContext {
                     .default_value(DEFAULT_MAX_ANSWERS)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecBoolean::builder("flash-attention")
+                    .nick("Flash attention")
+                    .blurb("Flash attention on every engine (llama.cpp's --flash-attn): faster on GPUs; it stores V untransposed, so KV snapshots move only between engines that agree on it (a mismatch is refused)")
+                    .default_value(false)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecUInt64::builder("frames-skipped")
                     .nick("Frames skipped")
                     .blurb("Frames the overload policy kept out of the history because ingestion was max-pending frames behind")
@@ -641,6 +650,7 @@ impl ObjectImpl for VlmContext {
             "step-budget-ms" => s.step_budget_ms = value.get().unwrap(),
             "ingest-share" => s.ingest_share = value.get().unwrap(),
             "max-answers" => s.max_answers = value.get().unwrap(),
+            "flash-attention" => s.flash_attention = value.get().unwrap(),
             "prefix-cache-size" => s.prefix_cache_size = value.get().unwrap(),
             "prefix-cache-entries" => s.prefix_cache_entries = value.get().unwrap(),
             "engines" => s.engines = value.get::<Option<String>>().unwrap().unwrap_or_default(),
@@ -681,6 +691,7 @@ impl ObjectImpl for VlmContext {
             "step-budget-ms" => s.step_budget_ms.to_value(),
             "ingest-share" => s.ingest_share.to_value(),
             "max-answers" => s.max_answers.to_value(),
+            "flash-attention" => s.flash_attention.to_value(),
             "prefix-cache-size" => s.prefix_cache_size.to_value(),
             "prefix-cache-entries" => s.prefix_cache_entries.to_value(),
             "engines" => s.engines.to_value(),

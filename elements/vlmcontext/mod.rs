@@ -69,6 +69,7 @@
 //! - `context-size` (512-131072, 2048): KV cells per stream (history, question and answer).
 //! - `max-streams` (1-64, 2): streams the engines hold KV for. `max-answers` (1-64, 8): answers
 //!   generated at once per engine, each with its own KV sequence of `context-size` cells.
+//! - `flash-attention` (false): llama.cpp's `--flash-attn` on every engine.
 //! - `max-pending` (1-1024, 2): frames per stream registered but not yet prefilled (the lag
 //!   bound). `overload` (`auto`/`block`/`skip`, `auto`).
 //! - `step-budget-ms` (150): most prefill between two decode steps. `ingest-share` (0-0.9,
