@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# W1 (vlm-bench B1) quiet and with one busy process per core, alternating, under thread settings
+# given as "NAME=ENV..." words (docs/benchmarks.md, "Sharing the cores"). Prints one line a run:
+#   round load setting answered answers/s mean-TTFT-ms load-ms decode-tok/s
+#   scripts/contention.sh "t2=" "t1=VLM_ENGINE=cpu:cpu:1" "passive=OMP_WAIT_POLICY=passive"
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cargo build -q -p vlm-bench
+bench="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/vlm-bench"
+out=$(mktemp -d)
+cores=$(nproc)
+for round in 1 2; do
+  for load in quiet busy; do
+    pids=()
+    if [ "$load" = busy ]; then
+      for _ in $(seq "$cores"); do (while :; do :; done) & pids+=($!); done
+    fi
+    for setting in "$@"; do
+      name=${setting%%=*}
+      read -r -a envs <<<"${setting#*=}"
+      json="$out/$name-$load-$round.json"
+      engine=()
+      for e in "${envs[@]}"; do [[ $e == VLM_ENGINE=* ]] && engine=(--engine "${e#VLM_ENGINE=}"); done
+      env "${envs[@]}" "$bench" --configs B1 --rounds 1 "${engine[@]}" --json "$json" >"$json.log" 2>&1
+      python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['summaries'][0]; print(sys.argv[2], s['answered'], round(s['throughput'], 3), round(s['ttft_mean_ms']), round(s['load_ms']), round(s['decode_tok_s'], 1))" "$json" "$round $load $name"
+    done
+    [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}"
+  done
+done
+echo "JSON in $out"
