@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use vlm_runtime::prompt::DEFAULT_SYSTEM_PROMPT;
 
 use crate::record::{AnswerRecord, Config, RunRecord};
-use crate::workload::{Workload, ms, peak_rss_kib, picture, question_text, sleep_until};
+use crate::workload::{HistorySpec, Workload, ms, peak_rss_kib, picture, question_text, sleep_until};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -70,10 +70,10 @@ pub fn png_data_url(rgb: &[u8], width: u32, height: u32) -> Result<String, BoxEr
     Ok(format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes)))
 }
 
-fn start(settings: &PeerSettings, w: &Workload, round: usize) -> Result<Server, BoxError> {
+fn start(settings: &PeerSettings, w: &Workload, label: &str) -> Result<Server, BoxError> {
     let port = free_port()?;
-    let log_path = settings.logs.join(format!("round{}-PEER.log", round + 1));
-    let per_slot = w.context.max((256 + w.frames as u32 * 128 + w.tokens).next_power_of_two());
+    let log_path = settings.logs.join(format!("{label}-PEER.log"));
+    let per_slot = w.sequence_cells();
     let log = File::create(&log_path)?;
     let child = Command::new(&settings.server)
         .env("LLAMA_MEDIA_MARKER", MEDIA_MARKER)
@@ -163,106 +163,168 @@ fn ask(agent: &ureq::Agent, base: &str, body: String, arrival: Instant) -> Resul
     Ok(Streamed { ttft_ms: ms(first - arrival), total_ms: ms(end - arrival), tokens: usage.unwrap_or(pieces) })
 }
 
-/// Start the server, warm it up, run the window and stop it: one round of the peer.
+/// Start the server, warm it up, run the window (the live workload, or the history curve) and
+/// stop it: one round of the peer. `label` names the server's log.
 pub fn run_round(
     settings: &PeerSettings,
     w: &Workload,
     round: usize,
+    label: &str,
+    history: Option<&HistorySpec>,
     on_answer: &(dyn Fn(&AnswerRecord) + Sync),
 ) -> RunRecord {
-    let mut record = RunRecord {
-        config: Config::Peer,
-        round,
-        processes: 1,
-        load_ms: 0.0,
-        peak_rss_kib: 0,
-        window_ms: 0.0,
-        answers: vec![],
-        decode_split: None,
-        lag: None,
-        error: None,
-    };
-    if let Err(e) = run(settings, w, round, on_answer, &mut record) {
+    let mut record = RunRecord::empty(Config::Peer, round, 1);
+    if let Err(e) = run(settings, w, label, history, on_answer, &mut record) {
         record.error = Some(e.to_string());
     }
     record
 }
 
-fn run(
-    settings: &PeerSettings,
-    w: &Workload,
-    round: usize,
-    on_answer: &(dyn Fn(&AnswerRecord) + Sync),
-    record: &mut RunRecord,
-) -> Result<(), BoxError> {
-    let loading = Instant::now();
-    let server = start(settings, w, round)?;
-    // Warm-up on every slot (one picture, one token), outside the window.
-    let warm = Arc::new(png_data_url(&picture(99, 0, w.width, w.height), w.width, w.height)?);
-    let agent = agent(settings.timeout);
-    for slot in 0..w.streams {
-        let body = request_body(std::slice::from_ref(&warm), "Hello", slot, 1, false);
-        agent
-            .post(format!("{}/v1/chat/completions", server.base))
+/// What a window of the peer shares: the server, its client and what has been measured.
+struct Window<'a> {
+    w: &'a Workload,
+    agent: ureq::Agent,
+    base: String,
+    t0: Instant,
+    on_answer: &'a (dyn Fn(&AnswerRecord) + Sync),
+    answers: Mutex<Vec<AnswerRecord>>,
+    last_end: Mutex<Instant>,
+}
+
+impl Window<'_> {
+    /// Send question `index` of stream `gs` over `images` (asked right after frame `after`)
+    /// now, streamed and timed from its arrival; record it.
+    fn ask(&self, gs: usize, index: usize, after: usize, images: &[Arc<String>], prime_ms: Option<f64>) {
+        // The body (every image as a data URL) is the client's work: built before the arrival.
+        let body = request_body(images, question_text(index), gs, self.w.tokens, true);
+        let arrival = Instant::now();
+        let result = ask(&self.agent, &self.base, body, arrival);
+        let end = Instant::now();
+        let mut answer = AnswerRecord {
+            engine: Some("llama-server".into()),
+            frames: images.len() as u64,
+            prime_ms,
+            ..AnswerRecord::asked(gs, index, after, ms(arrival - self.t0), ms(end - arrival))
+        };
+        match result {
+            Ok(s) => {
+                answer.ttft_ms = s.ttft_ms;
+                answer.total_ms = s.total_ms;
+                answer.tokens = s.tokens;
+            }
+            Err(e) => answer.error = Some(e.to_string()),
+        }
+        (self.on_answer)(&answer);
+        self.answers.lock().expect("no panics hold it").push(answer);
+        let mut last = self.last_end.lock().expect("no panics hold it");
+        *last = (*last).max(end);
+    }
+
+    /// A one-token request over `images` on `slot`, outside the measurements (warm-up, and the
+    /// history curve's priming); its text differs from every question's.
+    fn prime(&self, slot: usize, images: &[Arc<String>]) -> Result<(), BoxError> {
+        let body = request_body(images, "Hello", slot, 1, false);
+        self.agent
+            .post(format!("{}/v1/chat/completions", self.base))
             .header("Content-Type", "application/json")
             .send(body)?
             .into_body()
             .read_to_string()?;
+        Ok(())
+    }
+
+    /// The live workload: each stream's frames at their due times, each question sent from its
+    /// own thread with all of the stream's frames so far.
+    fn live(&self) {
+        let w = self.w;
+        std::thread::scope(|scope| {
+            for gs in 0..w.streams {
+                scope.spawn(move || {
+                    let mut images: Vec<Arc<String>> = vec![];
+                    for number in 1..=w.frames {
+                        sleep_until(w.frame_due(self.t0, gs, number));
+                        match png_data_url(&picture(gs, number, w.width, w.height), w.width, w.height) {
+                            Ok(url) => images.push(Arc::new(url)),
+                            Err(e) => {
+                                eprintln!("peer: stream {gs}, frame {number}: {e}");
+                                break;
+                            }
+                        }
+                        for (index, _) in w.ask_after.iter().enumerate().filter(|(_, a)| **a == number) {
+                            let images = images.clone();
+                            scope.spawn(move || self.ask(gs, index, number, &images, None));
+                        }
+                    }
+                });
+            }
+        });
+    }
+
+    /// The history curve on slot 0: at each point, one priming request carries the frames so
+    /// far (the server reads the new ones), then `reps` questions one after another.
+    fn history(&self, h: &HistorySpec) -> Result<(), BoxError> {
+        let w = self.w;
+        let mut images: Vec<Arc<String>> = vec![];
+        for &point in &h.points {
+            while images.len() < point {
+                let number = images.len() + 1;
+                images.push(Arc::new(png_data_url(&picture(0, number, w.width, w.height), w.width, w.height)?));
+            }
+            let started = Instant::now();
+            self.prime(0, &images)?;
+            let prime_ms = ms(started.elapsed());
+            for rep in 0..h.reps {
+                std::thread::sleep(Duration::from_millis(h.settle_ms));
+                self.ask(0, rep, point, &images, Some(prime_ms));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run(
+    settings: &PeerSettings,
+    w: &Workload,
+    label: &str,
+    history: Option<&HistorySpec>,
+    on_answer: &(dyn Fn(&AnswerRecord) + Sync),
+    record: &mut RunRecord,
+) -> Result<(), BoxError> {
+    let loading = Instant::now();
+    let server = start(settings, w, label)?;
+    let mut window = Window {
+        w,
+        agent: agent(settings.timeout),
+        base: server.base.clone(),
+        t0: Instant::now(),
+        on_answer,
+        answers: Mutex::new(vec![]),
+        last_end: Mutex::new(Instant::now()),
+    };
+    // Warm-up on every slot (one picture, one token), outside the window.
+    let warm = Arc::new(png_data_url(&picture(99, 0, w.width, w.height), w.width, w.height)?);
+    for slot in 0..w.streams {
+        window.prime(slot, std::slice::from_ref(&warm))?;
     }
     record.load_ms = ms(loading.elapsed());
 
-    let t0 = Instant::now() + Duration::from_millis(200);
-    let answers = Mutex::new(vec![]);
-    let last_end = Mutex::new(t0);
-    std::thread::scope(|scope| {
-        for gs in 0..w.streams {
-            let (answers, last_end, agent, base) = (&answers, &last_end, &agent, server.base.as_str());
-            scope.spawn(move || {
-                let mut images: Vec<Arc<String>> = vec![];
-                for number in 1..=w.frames {
-                    sleep_until(w.frame_due(t0, number));
-                    match png_data_url(&picture(gs, number, w.width, w.height), w.width, w.height) {
-                        Ok(url) => images.push(Arc::new(url)),
-                        Err(e) => {
-                            eprintln!("peer: stream {gs}, frame {number}: {e}");
-                            break;
-                        }
-                    }
-                    for (index, _) in w.ask_after.iter().enumerate().filter(|(_, a)| **a == number) {
-                        let images = images.clone();
-                        scope.spawn(move || {
-                            let arrival = Instant::now();
-                            let body = request_body(&images, question_text(index), gs, w.tokens, true);
-                            let result = ask(agent, base, body, arrival);
-                            let end = Instant::now();
-                            let mut answer = AnswerRecord {
-                                engine: Some("llama-server".into()),
-                                frames: images.len() as u64,
-                                ..AnswerRecord::asked(gs, index, number, ms(arrival - t0), ms(end - arrival))
-                            };
-                            match result {
-                                Ok(s) => {
-                                    answer.ttft_ms = s.ttft_ms;
-                                    answer.total_ms = s.total_ms;
-                                    answer.tokens = s.tokens;
-                                }
-                                Err(e) => answer.error = Some(e.to_string()),
-                            }
-                            on_answer(&answer);
-                            answers.lock().expect("no panics hold it").push(answer);
-                            let mut last = last_end.lock().expect("no panics hold it");
-                            *last = (*last).max(end);
-                        });
-                    }
-                }
-            });
+    window.t0 = Instant::now() + Duration::from_millis(200);
+    window.last_end = Mutex::new(window.t0);
+    let result = match history {
+        Some(h) => {
+            sleep_until(window.t0);
+            window.history(h)
         }
-    });
-    record.window_ms = ms(*last_end.lock().expect("no panics hold it") - t0);
-    record.answers = answers.into_inner().expect("no panics hold it");
+        None => {
+            window.live();
+            Ok(())
+        }
+    };
+    record.window_ms = ms(*window.last_end.lock().expect("no panics hold it") - window.t0);
+    record.answers = window.answers.into_inner().expect("no panics hold it");
     record.peak_rss_kib = peak_rss_kib(Some(server.child.id())).unwrap_or(0);
     drop(server);
-    Ok(())
+    result
 }
 
 /// The server binary: the given path, else the build script's CPU build in its default cache.

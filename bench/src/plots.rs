@@ -205,3 +205,157 @@ fn decode(path: &Path, summaries: &[Summary], title: &str) -> Result<(), BoxErro
     root.present()?;
     Ok(())
 }
+
+/// One line of a line chart: its label, colour, width and points.
+struct Line {
+    label: String,
+    color: RGBColor,
+    width: u32,
+    points: Vec<(f64, f64)>,
+}
+
+/// A line chart over a base-2 logarithmic x axis (stream counts, history lengths), with an
+/// optional labelled horizontal reference line.
+fn lines(
+    path: &Path,
+    caption: &str,
+    (x_desc, y_desc): (&str, &str),
+    series: &[Line],
+    reference: Option<(f64, &str)>,
+) -> Result<(), BoxError> {
+    let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let xs: Vec<f64> = series.iter().flat_map(|l| l.points.iter().map(|p| p.0)).collect();
+    let (lo, hi) = xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    let (lo, hi) = if lo.is_finite() { (lo.log2(), hi.log2().max(lo.log2() + 1.0)) } else { (0.0, 1.0) };
+    let top = series
+        .iter()
+        .flat_map(|l| l.points.iter().map(|p| p.1))
+        .chain(reference.map(|r| r.0))
+        .filter(|v| v.is_finite())
+        .fold(1e-3, f64::max)
+        * 1.15;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(caption, ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d((lo - 0.25)..(hi + 0.25), 0.0..top)?;
+    chart
+        .configure_mesh()
+        .x_labels((hi - lo) as usize * 4 + 1)
+        .x_label_formatter(&|v| {
+            let x = v.exp2();
+            if (x - x.round()).abs() < 1e-6 && (v - v.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() }
+        })
+        .y_label_formatter(&|v| if top < 10.0 { format!("{v:.2}") } else { format!("{v:.0}") })
+        .light_line_style(RGBColor(245, 245, 245))
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .draw()?;
+    if let Some((y, label)) = reference {
+        chart
+            .draw_series(LineSeries::new([(lo - 0.25, y), (hi + 0.25, y)], BLACK.stroke_width(2)))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], BLACK.stroke_width(2)));
+    }
+    for l in series {
+        let points: Vec<(f64, f64)> =
+            l.points.iter().filter(|p| p.1.is_finite()).map(|&(x, y)| (x.log2(), y)).collect();
+        let (c, w) = (l.color, l.width);
+        chart
+            .draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(w)))?
+            .label(l.label.as_str())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], c.stroke_width(w)));
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, w + 2, c.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// The capacity report's plots: TTFT, answers/s and peak RSS against the stream count, and TTFT
+/// against history length; the paths written.
+pub fn capacity(
+    dir: &Path,
+    levels: &[crate::capacity::Level],
+    history: &[crate::capacity::HistoryPoint],
+    target_ms: f64,
+    title: &str,
+) -> Result<Vec<PathBuf>, BoxError> {
+    register_font()?;
+    std::fs::create_dir_all(dir)?;
+    let mut configs: Vec<Config> = vec![];
+    for c in levels.iter().map(|l| l.config).chain(history.iter().map(|p| p.config)) {
+        if !configs.contains(&c) {
+            configs.push(c);
+        }
+    }
+    let per_level = |value: &dyn Fn(&crate::capacity::Level) -> f64, suffix: &str, width: u32| -> Vec<Line> {
+        configs
+            .iter()
+            .map(|&c| Line {
+                label: format!("{c}{suffix}"),
+                color: color(c),
+                width,
+                points: levels.iter().filter(|l| l.config == c).map(|l| (l.streams as f64, value(l))).collect(),
+            })
+            .filter(|l| !l.points.is_empty())
+            .collect()
+    };
+    let mut files = vec![];
+    if !levels.is_empty() {
+        let path = dir.join("capacity-ttft.png");
+        let mut series = per_level(&|l| l.summary.ttft_p95_ms, " p95", 3);
+        series.extend(per_level(&|l| l.summary.ttft_mean_ms, " mean", 1));
+        let target = format!("target p95 {target_ms:.0} ms");
+        let caption = format!("TTFT from arrival against live streams: {title}");
+        lines(&path, &caption, ("live streams", "TTFT (ms)"), &series, Some((target_ms, &target)))?;
+        files.push(path);
+
+        let path = dir.join("capacity-throughput.png");
+        let mut series = per_level(&|l| l.summary.throughput, " answers/s", 3);
+        let asked: Vec<(f64, f64)> = {
+            let mut v: Vec<(f64, f64)> = levels.iter().map(|l| (l.streams as f64, l.offered_per_s)).collect();
+            v.dedup_by(|a, b| a.0 == b.0);
+            v
+        };
+        series.push(Line {
+            label: "questions asked/s".into(),
+            color: RGBColor(120, 120, 120),
+            width: 1,
+            points: asked,
+        });
+        let caption = format!("Answers per second against live streams: {title}");
+        lines(&path, &caption, ("live streams", "answers / s"), &series, None)?;
+        files.push(path);
+
+        let path = dir.join("capacity-rss.png");
+        let series = per_level(&|l| l.summary.peak_rss_mib, "", 3);
+        let caption = format!("Peak RSS against live streams: {title}");
+        lines(&path, &caption, ("live streams", "peak RSS (MiB)"), &series, None)?;
+        files.push(path);
+    }
+    if !history.is_empty() {
+        let path = dir.join("history-ttft.png");
+        let series: Vec<Line> = configs
+            .iter()
+            .map(|&c| Line {
+                label: format!("{c} (median)"),
+                color: color(c),
+                width: 3,
+                points: history.iter().filter(|p| p.config == c).map(|p| (p.frames as f64, p.ttft_median_ms)).collect(),
+            })
+            .filter(|l| !l.points.is_empty())
+            .collect();
+        let caption = format!("TTFT against history length, one stream: {title}");
+        lines(&path, &caption, ("frames of history", "TTFT (ms)"), &series, None)?;
+        files.push(path);
+    }
+    Ok(files)
+}

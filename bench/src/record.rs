@@ -78,6 +78,10 @@ pub struct AnswerRecord {
     pub arrival_ms: f64,
     /// Arrival until the answer was started with its version published (runtime only).
     pub wait_ms: Option<f64>,
+    /// From the answer's start on its engine to its first token: making the history ready
+    /// (branch, import or replay), the question's prefill and the first decode (runtime only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prepare_ms: Option<f64>,
     /// Arrival to first token.
     pub ttft_ms: f64,
     /// Arrival to last token.
@@ -89,6 +93,11 @@ pub struct AnswerRecord {
     pub engine: Option<String>,
     /// Frames in the bound version (runtime) or images sent (peer).
     pub frames: u64,
+    /// History curve only: time to bring the history to this question's frames from the
+    /// previous point, frames given as fast as they are taken (runtime: encoding and ingestion
+    /// until the version is published; server: one request carrying the new frames).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prime_ms: Option<f64>,
     pub error: Option<String>,
 }
 
@@ -101,12 +110,14 @@ impl AnswerRecord {
             after_frame,
             arrival_ms,
             wait_ms: None,
+            prepare_ms: None,
             ttft_ms: 0.0,
             total_ms,
             tokens: 0,
             path: None,
             engine: None,
             frames: 0,
+            prime_ms: None,
             error: None,
         }
     }
@@ -184,7 +195,39 @@ pub struct RunRecord {
     /// Runtime configurations only: the engines' decode steps during the window.
     pub decode_split: Option<DecodeSplit>,
     pub lag: Option<LagStats>,
+    /// KV cells one frame fills, as the runtime measured it (runtime configurations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame_cells: Option<u32>,
+    /// CPU that other processes on the machine used during the run (percent of all cores):
+    /// a run sharing the machine with other work shows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub foreign_cpu_pct: Option<f64>,
+    /// Earlier runs of the same configuration discarded because other processes used this share
+    /// of the CPU during them (`--retry-busy-pct`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub discarded_busy_pct: Vec<f64>,
     pub error: Option<String>,
+}
+
+impl RunRecord {
+    /// A run of `config` that has measured nothing yet.
+    pub fn empty(config: Config, round: usize, processes: usize) -> RunRecord {
+        RunRecord {
+            config,
+            round,
+            processes,
+            load_ms: 0.0,
+            peak_rss_kib: 0,
+            window_ms: 0.0,
+            answers: vec![],
+            decode_split: None,
+            lag: None,
+            frame_cells: None,
+            foreign_cpu_pct: None,
+            discarded_busy_pct: vec![],
+            error: None,
+        }
+    }
 }
 
 /// Lines a worker process writes on its stdout, one JSON object each.
@@ -194,6 +237,9 @@ pub enum WorkerMsg {
     /// Engines started, calibrated and warmed up; waiting for the start time on stdin.
     Ready {
         load_ms: f64,
+        /// KV cells one frame fills (the warm-up frame's).
+        #[serde(default)]
+        frame_cells: Option<u32>,
     },
     Answer(AnswerRecord),
     Done {

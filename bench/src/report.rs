@@ -63,7 +63,7 @@ pub struct Summary {
 }
 
 /// JSON has no NaN: serde_json writes it as null; read null back as NaN.
-fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+pub fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
@@ -282,12 +282,14 @@ mod tests {
             after_frame: 2,
             arrival_ms: 0.0,
             wait_ms: path.map(|_| 10.0),
+            prepare_ms: None,
             ttft_ms,
             total_ms: ttft_ms + 1000.0,
             tokens,
             path: path.map(str::to_owned),
             engine: None,
             frames: 2,
+            prime_ms: None,
             error: None,
         }
     }
@@ -303,6 +305,9 @@ mod tests {
             answers,
             decode_split: Some(DecodeSplit { busy_steps: 10, busy_ms: 500.0, idle_steps: 20, idle_ms: 400.0 }),
             lag: None,
+            frame_cells: None,
+            foreign_cpu_pct: None,
+            discarded_busy_pct: vec![],
             error: None,
         }
     }

@@ -6,7 +6,7 @@ use std::error::Error;
 use std::io::BufRead;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
@@ -15,7 +15,9 @@ use vlm_runtime::{
 };
 
 use crate::record::{AnswerRecord, Config, DecodeSplit, LagStats, WorkerMsg};
-use crate::workload::{Workload, instant_of_unix_ms, ms, peak_rss_kib, picture, question_text, sleep_until};
+use crate::workload::{
+    HistorySpec, Workload, instant_of_unix_ms, ms, peak_rss_kib, picture, question_text, sleep_until,
+};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -26,6 +28,9 @@ pub struct WorkerSpec {
     /// B3: the one stream this process runs (its global index); otherwise every stream.
     pub only_stream: Option<usize>,
     pub workload: Workload,
+    /// Run the history curve (one stream) instead of the live workload.
+    #[serde(default)]
+    pub history: Option<HistorySpec>,
 }
 
 fn emit(msg: &WorkerMsg) {
@@ -67,16 +72,16 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     };
 
     // The encoder (libmtmd on the CPU, like vlmencode) and a warm-up frame, which also gives
-    // the positions a frame takes, hence the cells a sequence needs.
+    // the cells a frame takes, hence the cells a sequence needs.
     let cpu_model = models::model(&w.model, &Device::Cpu)?;
     let encoder = MtmdEncoder::new(models::projector(&w.mmproj, &cpu_model, false, 1)?);
     let encode =
         |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));
-    let per_frame = encode(&picture(99, 0, w.width, w.height))?.n_pos() as u32;
+    let warm = encode(&picture(99, 0, w.width, w.height))?;
+    let frame_cells = warm.n_pos().max(warm.cells()) as u32;
     let answer_reserve = w.tokens + 64;
-    let needed = 128 + w.frames as u32 * per_frame + answer_reserve;
     let base = EngineConfig {
-        context_per_sequence: w.context.max(needed.next_power_of_two()),
+        context_per_sequence: Workload { frame_cells: Some(frame_cells), ..w.clone() }.sequence_cells(),
         max_streams: streams.len() as u32,
         max_branches: w.max_answers,
         ..EngineConfig::default()
@@ -108,7 +113,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
             retain: spec.config != Config::B0,
             answer_reserve: answer_reserve as i32,
             max_pending: w.max_pending,
-            overload: if w.skip_on_overload { Overload::Skip } else { Overload::Block },
+            overload: if w.skip_on_overload && spec.history.is_none() { Overload::Skip } else { Overload::Block },
             peers: if spec.config == Config::P { engines.clone() } else { vec![] },
             ..StreamConfig::new(&format!("s{gs}"))
         };
@@ -116,9 +121,9 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         // Version 0 (the prompt) is prefilled before the window; an error here shows later.
         let _ = stream.wait_version(0, &never);
         let placement = if spec.config == Config::P { "auto".to_owned() } else { resident.name().to_owned() };
-        opened.push((gs, stream, placement));
+        opened.push(Opened { gs, stream, placement });
     }
-    emit(&WorkerMsg::Ready { load_ms: ms(loading.elapsed()) });
+    emit(&WorkerMsg::Ready { load_ms: ms(loading.elapsed()), frame_cells: Some(frame_cells) });
 
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line)?;
@@ -129,76 +134,13 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         .ok_or_else(|| format!("expected \"go <unix ms>\" on stdin, got {line:?}"))?;
     let t0 = instant_of_unix_ms(start_ms);
     let before = totals(&engines);
-    let last_end = Mutex::new(t0);
-    let lag = Mutex::new(LagStats::default());
+    let window = Window { w, t0, encode: &encode, never: &never, last_end: Mutex::new(t0) };
+    let lag = match &spec.history {
+        Some(h) => window.history(&opened[0], h),
+        None => window.live(&opened),
+    };
 
-    std::thread::scope(|scope| {
-        for (gs, stream, placement) in &opened {
-            let (encode, never, lag, last_end) = (&encode, &never, &lag, &last_end);
-            scope.spawn(move || {
-                let mut local = LagStats::default();
-                for number in 1..=w.frames {
-                    let due = w.frame_due(t0, number);
-                    sleep_until(due);
-                    let registration = encode(&picture(*gs, number, w.width, w.height))
-                        .map_err(|e| e.to_string())
-                        .and_then(|f| stream.register(Arc::new(f), never).map_err(|e| e.to_string()));
-                    let registration = match registration {
-                        Ok(r) => r,
-                        Err(e) => {
-                            emit(&WorkerMsg::Failed { error: format!("stream {gs}, frame {number}: {e}") });
-                            break;
-                        }
-                    };
-                    let now = Instant::now();
-                    let l = stream.lag();
-                    local.samples += 1;
-                    local.max_frames = local.max_frames.max(l.frames);
-                    local.max_ms = local.max_ms.max(l.ms);
-                    local.sum_ms += l.ms;
-                    local.feed_late_max_ms = local.feed_late_max_ms.max(ms(now.saturating_duration_since(due)));
-                    local.skipped += registration.skipped as u64;
-                    for (index, _) in w.ask_after.iter().enumerate().filter(|(_, a)| **a == number) {
-                        let (stream, placement) = (Arc::clone(stream), placement.as_str());
-                        let bound = registration.number;
-                        scope.spawn(move || {
-                            let arrival = Instant::now();
-                            let question = Question {
-                                id: format!("s{gs}q{index}"),
-                                text: question_text(index).into(),
-                                max_tokens: w.tokens,
-                                ignore_eos: true,
-                                sampling: Sampling::default(),
-                                arrival,
-                            };
-                            let result = answer_frame(&stream, bound, &question, placement, never, |_| {});
-                            let end = Instant::now();
-                            let mut record =
-                                AnswerRecord::asked(*gs, index, number, ms(arrival - t0), ms(end - arrival));
-                            match result {
-                                Ok(r) => {
-                                    record.wait_ms = Some(r.wait_ms);
-                                    record.ttft_ms = r.ttft_ms;
-                                    record.total_ms = r.total_ms;
-                                    record.tokens = r.tokens;
-                                    record.path = Some(r.path.name().into());
-                                    record.engine = Some(r.engine);
-                                    record.frames = r.frames;
-                                }
-                                Err(e) => record.error = Some(e.to_string()),
-                            }
-                            emit(&WorkerMsg::Answer(record));
-                            let mut last = last_end.lock().expect("no panics hold it");
-                            *last = (*last).max(end);
-                        });
-                    }
-                }
-                lag.lock().expect("no panics hold it").add(&local);
-            });
-        }
-    });
-
-    let window_ms = ms(*last_end.lock().expect("no panics hold it") - t0);
+    let window_ms = ms(*window.last_end.lock().expect("no panics hold it") - t0);
     let after = totals(&engines);
     let decode_split = DecodeSplit {
         busy_steps: after.busy_steps - before.busy_steps,
@@ -206,14 +148,142 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         idle_steps: after.idle_steps - before.idle_steps,
         idle_ms: after.idle_ms - before.idle_ms,
     };
-    let lag = *lag.lock().expect("no panics hold it");
     emit(&WorkerMsg::Done { window_ms, peak_rss_kib: peak_rss_kib(None).unwrap_or(0), decode_split, lag });
-    for (_, stream, _) in &opened {
-        stream.close();
+    for o in &opened {
+        o.stream.close();
     }
     drop(opened);
     for engine in &engines {
         engine.stop();
     }
     Ok(())
+}
+
+/// A stream of the worker: its global index, the stream and where its answers go.
+struct Opened {
+    gs: usize,
+    stream: Arc<Stream>,
+    placement: String,
+}
+
+type Encode<'a> = dyn Fn(&[u8]) -> vlm_runtime::Result<vlm_runtime::Frame> + Sync + 'a;
+
+/// The measured window, shared by the live workload and the history curve.
+struct Window<'a> {
+    w: &'a Workload,
+    t0: Instant,
+    encode: &'a Encode<'a>,
+    never: &'a Arc<AtomicBool>,
+    /// When the last answer ended.
+    last_end: Mutex<Instant>,
+}
+
+impl Window<'_> {
+    /// Encode and register frame `number` of stream `o`.
+    fn feed(&self, o: &Opened, number: usize) -> Result<vlm_runtime::Registration, String> {
+        let w = self.w;
+        (self.encode)(&picture(o.gs, number, w.width, w.height))
+            .map_err(|e| e.to_string())
+            .and_then(|f| o.stream.register(Arc::new(f), self.never).map_err(|e| e.to_string()))
+            .map_err(|e| format!("stream {}, frame {number}: {e}", o.gs))
+    }
+
+    /// Ask question `index` about frame `bound` (asked right after frame `after`), now; report it.
+    fn ask(&self, o: &Opened, index: usize, after: usize, bound: u64, prime_ms: Option<f64>) {
+        let arrival = Instant::now();
+        let question = Question {
+            id: format!("s{}q{index}", o.gs),
+            text: question_text(index).into(),
+            max_tokens: self.w.tokens,
+            ignore_eos: true,
+            sampling: Sampling::default(),
+            arrival,
+        };
+        let result = answer_frame(&o.stream, bound, &question, &o.placement, self.never, |_| {});
+        let end = Instant::now();
+        let mut record = AnswerRecord::asked(o.gs, index, after, ms(arrival - self.t0), ms(end - arrival));
+        record.prime_ms = prime_ms;
+        match result {
+            Ok(r) => {
+                record.wait_ms = Some(r.wait_ms);
+                record.prepare_ms = Some(r.prepare_ms);
+                record.ttft_ms = r.ttft_ms;
+                record.total_ms = r.total_ms;
+                record.tokens = r.tokens;
+                record.path = Some(r.path.name().into());
+                record.engine = Some(r.engine);
+                record.frames = r.frames;
+            }
+            Err(e) => record.error = Some(e.to_string()),
+        }
+        emit(&WorkerMsg::Answer(record));
+        let mut last = self.last_end.lock().expect("no panics hold it");
+        *last = (*last).max(end);
+    }
+
+    /// The live workload: every stream fed in real time, each question asked from its own
+    /// thread right after its frame is registered.
+    fn live(&self, opened: &[Opened]) -> LagStats {
+        let w = self.w;
+        let lag = Mutex::new(LagStats::default());
+        std::thread::scope(|scope| {
+            for o in opened {
+                let lag = &lag;
+                scope.spawn(move || {
+                    let mut local = LagStats::default();
+                    for number in 1..=w.frames {
+                        let due = w.frame_due(self.t0, o.gs, number);
+                        sleep_until(due);
+                        let registration = match self.feed(o, number) {
+                            Ok(r) => r,
+                            Err(error) => {
+                                emit(&WorkerMsg::Failed { error });
+                                break;
+                            }
+                        };
+                        let now = Instant::now();
+                        let l = o.stream.lag();
+                        local.samples += 1;
+                        local.max_frames = local.max_frames.max(l.frames);
+                        local.max_ms = local.max_ms.max(l.ms);
+                        local.sum_ms += l.ms;
+                        local.feed_late_max_ms = local.feed_late_max_ms.max(ms(now.saturating_duration_since(due)));
+                        local.skipped += registration.skipped as u64;
+                        for (index, _) in w.ask_after.iter().enumerate().filter(|(_, a)| **a == number) {
+                            let bound = registration.number;
+                            scope.spawn(move || self.ask(o, index, number, bound, None));
+                        }
+                    }
+                    lag.lock().expect("no panics hold it").add(&local);
+                });
+            }
+        });
+        lag.into_inner().expect("no panics hold it")
+    }
+
+    /// The history curve: frames given as fast as they are taken (blocking past max-pending);
+    /// at each point, once its version is published, `reps` questions one after another.
+    fn history(&self, o: &Opened, h: &HistorySpec) -> LagStats {
+        let mut next = 1;
+        for &point in &h.points {
+            let started = Instant::now();
+            while next <= point {
+                if let Err(error) = self.feed(o, next) {
+                    emit(&WorkerMsg::Failed { error });
+                    return LagStats::default();
+                }
+                next += 1;
+            }
+            if let Err(e) = o.stream.wait_version(point as u64, self.never) {
+                emit(&WorkerMsg::Failed { error: format!("frame {point}: {e}") });
+                return LagStats::default();
+            }
+            let prime_ms = ms(started.elapsed());
+            for rep in 0..h.reps {
+                std::thread::sleep(Duration::from_millis(h.settle_ms));
+                self.ask(o, rep, point, point as u64, Some(prime_ms));
+            }
+        }
+        LagStats::default()
+    }
 }

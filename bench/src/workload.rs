@@ -33,6 +33,24 @@ pub struct Workload {
     pub max_pending: usize,
     /// Skip frames past `max_pending` (a live source's choice) instead of blocking.
     pub skip_on_overload: bool,
+    /// Spread the streams' frames over a frame interval (stream i starts i/(S x fps) later),
+    /// as unsynchronised cameras would; off, every stream's frame n is due at once.
+    #[serde(default)]
+    pub stagger: bool,
+    /// KV cells one frame fills, once a runtime worker has measured it (sizes the server's
+    /// slots like the runtime's sequences).
+    #[serde(default)]
+    pub frame_cells: Option<u32>,
+}
+
+/// The history curve (`vlm-bench capacity`): one stream whose frames are given as fast as they
+/// are taken; once the history holds each of `points` frames (and is ready), `reps` questions
+/// are asked one after another, `settle_ms` apart, and timed from their arrival.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HistorySpec {
+    pub points: Vec<usize>,
+    pub reps: usize,
+    pub settle_ms: u64,
 }
 
 /// Questions, taken in turn; the same for every configuration.
@@ -48,9 +66,18 @@ pub fn question_text(index: usize) -> &'static str {
 }
 
 impl Workload {
-    /// When frame `number` (1-based) of any stream arrives, `t0` being the first frame's time.
-    pub fn frame_due(&self, t0: Instant, number: usize) -> Instant {
-        t0 + Duration::from_secs_f64((number - 1) as f64 / self.fps)
+    /// When frame `number` (1-based) of `stream` arrives, `t0` being the first frame's time.
+    pub fn frame_due(&self, t0: Instant, stream: usize, number: usize) -> Instant {
+        let offset = if self.stagger { stream as f64 / self.streams as f64 } else { 0.0 };
+        t0 + Duration::from_secs_f64((number - 1) as f64 / self.fps + offset / self.fps)
+    }
+
+    /// KV cells a sequence (or a server slot) needs for the whole window: the prompt, every
+    /// frame and one answer, to the next power of two, at least `context`. Frames the runtime
+    /// has not measured count 128 cells.
+    pub fn sequence_cells(&self) -> u32 {
+        let per_frame = self.frame_cells.map_or(128, |c| c + 8);
+        self.context.max((256 + self.frames as u32 * per_frame + self.tokens + 64).next_power_of_two())
     }
 
     pub fn total_questions(&self) -> usize {
@@ -119,6 +146,40 @@ pub fn peak_rss_kib(pid: Option<u32>) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+/// CPU time (clock ticks) the whole machine was busy, and what this process and the children
+/// it has waited for used, so far: what other processes used in between is the difference.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuTicks {
+    at: Instant,
+    machine_busy: u64,
+    own: u64,
+}
+
+impl CpuTicks {
+    pub fn now() -> Option<CpuTicks> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> =
+            stat.lines().next()?.strip_prefix("cpu ")?.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+        // user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+        let machine_busy = cpu.iter().take(8).sum::<u64>() - cpu.get(3)? - cpu.get(4)?;
+        // utime stime cutime cstime are fields 14-17, counted after the parenthesised name.
+        let own_stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let fields: Vec<u64> =
+            own_stat.rsplit_once(')')?.1.split_whitespace().skip(11).take(4).filter_map(|v| v.parse().ok()).collect();
+        Some(CpuTicks { at: Instant::now(), machine_busy, own: fields.iter().sum() })
+    }
+
+    /// Share of the machine's CPU (percent of all cores) that other processes used since
+    /// `self` (this process's children count as its own once waited for).
+    pub fn foreign_pct_since(&self, cores: usize) -> Option<f64> {
+        let now = CpuTicks::now()?;
+        let hz = 100.0; // USER_HZ on Linux
+        let wall = now.at.duration_since(self.at).as_secs_f64();
+        let foreign = now.machine_busy.saturating_sub(self.machine_busy).saturating_sub(now.own - self.own);
+        (wall > 0.0).then(|| 100.0 * foreign as f64 / hz / wall / cores as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +191,15 @@ mod tests {
         assert_eq!(a, picture(0, 1, 32, 24));
         assert_ne!(a, picture(0, 2, 32, 24));
         assert_ne!(a, picture(1, 1, 32, 24));
+    }
+
+    #[test]
+    fn foreign_cpu_is_measured() {
+        let start = CpuTicks::now().expect("Linux /proc");
+        let spin = Instant::now();
+        while spin.elapsed() < Duration::from_millis(50) {}
+        let pct = start.foreign_pct_since(1).unwrap();
+        assert!((0.0..=100.0 * 64.0).contains(&pct), "{pct}");
     }
 
     #[test]
