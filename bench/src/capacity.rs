@@ -504,6 +504,7 @@ pub fn run(mut a: CapacityArgs) -> Result<(), BoxError> {
             "stop_factor": a.stop_factor,
             "rounds": a.rounds,
             "pair": a.common.pair,
+            "pair_longest_edge": a.common.pair_longest_edge,
             "frame_cells": frame_cells,
             "rule": "a level is sustained when every question is answered, p95 TTFT from arrival <= the target, \
                 and at most max_skipped_pct of the frames were skipped; a configuration runs no further level after \
@@ -520,8 +521,8 @@ pub fn run(mut a: CapacityArgs) -> Result<(), BoxError> {
         "runs": runs,
         "history_runs": history_runs,
     });
-    let title = title(&json);
-    crate::publish(&a.common, json, |dir| plots::capacity(dir, &levels, &history, a.ttft_target_ms, &title))?;
+    let titles = titles(&json);
+    crate::publish(&a.common, json, |dir| plots::capacity(dir, &levels, &history, a.ttft_target_ms, &titles))?;
     let failed = history.iter().filter(|p| p.answered == 0).count();
     if failed > 0 {
         return Err(format!(
@@ -533,16 +534,20 @@ pub fn run(mut a: CapacityArgs) -> Result<(), BoxError> {
     Ok(())
 }
 
-fn title(json: &serde_json::Value) -> String {
+/// The plots' titles: the levels' workload, and the history curve's.
+fn titles(json: &serde_json::Value) -> [String; 2] {
     let c = &json["capacity"];
-    format!(
-        "{} frames at {} fps, a question every {} frames, {} tokens{}",
-        c["frames"],
-        c["fps"],
-        c["every"],
-        c["tokens"],
-        c["pair"].as_str().map_or(String::new(), |p| format!(", {p}"))
-    )
+    let pair = c["pair"].as_str().map_or(String::new(), |p| {
+        let edge = c["pair_longest_edge"].as_u64().map_or(String::new(), |n| format!(" (longest edge {n})"));
+        format!(", {p}{edge}")
+    });
+    [
+        format!(
+            "{} frames at {} fps, a question every {} frames, {} tokens{pair}",
+            c["frames"], c["fps"], c["every"], c["tokens"]
+        ),
+        format!("{} tokens, median of {}{pair}", c["tokens"], json["history_curve"]["reps"]),
+    ]
 }
 
 /// `plot --from` for a capacity report.
@@ -550,7 +555,7 @@ pub fn replot(json: &serde_json::Value, dir: &Path) -> Result<(), BoxError> {
     let levels: Vec<Level> = serde_json::from_value(json["levels"].clone())?;
     let history: Vec<HistoryPoint> = serde_json::from_value(json["history"].clone())?;
     let target = json["capacity"]["ttft_target_ms"].as_f64().unwrap_or(f64::NAN);
-    let files: Vec<PathBuf> = plots::capacity(dir, &levels, &history, target, &title(json))?;
+    let files: Vec<PathBuf> = plots::capacity(dir, &levels, &history, target, &titles(json))?;
     eprintln!("vlm-bench: plots {files:?}");
     Ok(())
 }

@@ -234,9 +234,9 @@ fn lines(
         .chain(reference.map(|r| r.0))
         .filter(|v| v.is_finite())
         .fold(1e-3, f64::max)
-        * 1.15;
+        * 1.4; // room for the legend in the upper left
     let mut chart = ChartBuilder::on(&root)
-        .caption(caption, ("sans-serif", 20))
+        .caption(caption, ("sans-serif", 17))
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
@@ -286,7 +286,7 @@ pub fn capacity(
     levels: &[crate::capacity::Level],
     history: &[crate::capacity::HistoryPoint],
     target_ms: f64,
-    title: &str,
+    [title, history_title]: &[String; 2],
 ) -> Result<Vec<PathBuf>, BoxError> {
     register_font()?;
     std::fs::create_dir_all(dir)?;
@@ -314,7 +314,7 @@ pub fn capacity(
         let mut series = per_level(&|l| l.summary.ttft_p95_ms, " p95", 3);
         series.extend(per_level(&|l| l.summary.ttft_mean_ms, " mean", 1));
         let target = format!("target p95 {target_ms:.0} ms");
-        let caption = format!("TTFT from arrival against live streams: {title}");
+        let caption = format!("TTFT from arrival: {title}");
         lines(&path, &caption, ("live streams", "TTFT (ms)"), &series, Some((target_ms, &target)))?;
         files.push(path);
 
@@ -331,13 +331,13 @@ pub fn capacity(
             width: 1,
             points: asked,
         });
-        let caption = format!("Answers per second against live streams: {title}");
+        let caption = format!("Answers per second: {title}");
         lines(&path, &caption, ("live streams", "answers / s"), &series, None)?;
         files.push(path);
 
         let path = dir.join("capacity-rss.png");
         let series = per_level(&|l| l.summary.peak_rss_mib, "", 3);
-        let caption = format!("Peak RSS against live streams: {title}");
+        let caption = format!("Peak RSS: {title}");
         lines(&path, &caption, ("live streams", "peak RSS (MiB)"), &series, None)?;
         files.push(path);
     }
@@ -353,7 +353,7 @@ pub fn capacity(
             })
             .filter(|l| !l.points.is_empty())
             .collect();
-        let caption = format!("TTFT against history length, one stream: {title}");
+        let caption = format!("TTFT against history, one stream: {history_title}");
         lines(&path, &caption, ("frames of history", "TTFT (ms)"), &series, None)?;
         files.push(path);
     }
