@@ -1,7 +1,7 @@
 //! The benchmark's seconds-long smoke run (what CI runs): one configuration, 2 frames, 1 question
 //! per stream, 8 tokens, through the real binary, its worker process and the test models.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn model_file(var: &str, default: &str) -> PathBuf {
@@ -14,29 +14,35 @@ fn manifest_dir() -> PathBuf {
     std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
 }
 
+/// Run `vlm-bench ARGS` on the test models, writing its JSON to `json` and plots to `plots`, its
+/// logs to `dir`; the report and the program's stderr.
+fn smoke(args: &[&str], dir: &Path, json: &Path, plots: &Path) -> (serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vlm-bench"))
+        .args(args)
+        .arg("--model")
+        .arg(model_file("VLM_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .arg("--mmproj")
+        .arg(model_file("VLM_MMPROJ", "test-mmproj-mlp.gguf"))
+        .arg("--json")
+        .arg(json)
+        .arg("--plots")
+        .arg(plots)
+        .arg("--log-dir")
+        .arg(dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "vlm-bench {args:?} failed: {stderr}");
+    (serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap(), stderr)
+}
+
 #[test]
 fn smoke_run_answers_every_question_with_the_exact_length() {
     let dir = std::env::temp_dir().join(format!("vlm-bench-smoke-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("report.json");
     let plots = dir.join("plots");
-    let out = Command::new(env!("CARGO_BIN_EXE_vlm-bench"))
-        .arg("--smoke")
-        .arg("--model")
-        .arg(model_file("VLM_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf"))
-        .arg("--mmproj")
-        .arg(model_file("VLM_MMPROJ", "test-mmproj-mlp.gguf"))
-        .arg("--json")
-        .arg(&json)
-        .arg("--plots")
-        .arg(&plots)
-        .arg("--log-dir")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "vlm-bench --smoke failed: {stderr}");
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (report, stderr) = smoke(&["--smoke"], &dir, &json, &plots);
     let s = &report["summaries"][0];
     assert_eq!(s["config"], "B1");
     assert_eq!((s["answered"].as_u64(), s["expected"].as_u64()), (Some(2), Some(2)));
@@ -65,23 +71,7 @@ fn capacity_smoke_runs_two_levels_and_the_history_curve() {
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("capacity.json");
     let plots = dir.join("plots");
-    let out = Command::new(env!("CARGO_BIN_EXE_vlm-bench"))
-        .args(["capacity", "--smoke"])
-        .arg("--model")
-        .arg(model_file("VLM_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf"))
-        .arg("--mmproj")
-        .arg(model_file("VLM_MMPROJ", "test-mmproj-mlp.gguf"))
-        .arg("--json")
-        .arg(&json)
-        .arg("--plots")
-        .arg(&plots)
-        .arg("--log-dir")
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "vlm-bench capacity --smoke failed: {stderr}");
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (report, stderr) = smoke(&["capacity", "--smoke"], &dir, &json, &plots);
     assert_eq!(report["benchmark"], "vlm-bench capacity");
     let levels = report["levels"].as_array().unwrap();
     // S = 1 and 2, B1 alone (a CI machine that misses the 2 s target at S = 1 stops there).
