@@ -133,6 +133,20 @@ pub struct CommonArgs {
     /// Answers generated at once per engine (vlmcontext's max-answers default).
     #[arg(long, default_value_t = 8)]
     max_answers: u32,
+    /// The runtime's vision encoder, `cpu[:THREADS]` or `gpu` (libmtmd, as `vlmencode backend=`);
+    /// the server encodes on the device its `--peer-args` give it.
+    #[arg(long, default_value = "cpu:1")]
+    encoder: String,
+    /// The engines' KV layout: per-sequence or unified (vlmcontext's kv-layout).
+    #[arg(long, default_value = "per-sequence")]
+    kv_layout: String,
+    /// KV element type: f16, q8_0, q4_0 (vlmcontext's kv-type; quantized types need
+    /// --flash-attention); the server gets the same.
+    #[arg(long, default_value = "f16")]
+    kv_type: String,
+    /// Flash attention on the engines and the server.
+    #[arg(long)]
+    flash_attention: bool,
     /// Least KV cells per sequence (and per server slot).
     #[arg(long, default_value_t = 2048)]
     context: u32,
@@ -202,7 +216,17 @@ fn build_workload(
     if streams == 0 || frames == 0 || fps <= 0.0 || tokens == 0 {
         return Err("streams, frames, fps and tokens must be positive".into());
     }
+    let (encoder_gpu, encoder_threads) = match c.encoder.split_once(':').unwrap_or((&c.encoder, "1")) {
+        ("gpu", _) => (true, 1),
+        ("cpu", n) => (false, n.parse().ok().filter(|&n: &u32| n > 0).ok_or("--encoder cpu:THREADS: THREADS >= 1")?),
+        _ => return Err(format!("--encoder {}: expected cpu[:THREADS] or gpu", c.encoder).into()),
+    };
     Ok(Workload {
+        kv_layout: c.kv_layout.clone(),
+        kv_type: c.kv_type.clone(),
+        flash_attention: c.flash_attention,
+        encoder_gpu,
+        encoder_threads,
         streams,
         frames,
         fps,
@@ -360,9 +384,10 @@ fn run_workers(
                 bar.inc(1);
                 record.answers.push(a);
             }
-            Event::Msg(_, WorkerMsg::Done { window_ms, peak_rss_kib, decode_split, lag }) => {
+            Event::Msg(_, WorkerMsg::Done { window_ms, peak_rss_kib, kv, decode_split, lag }) => {
                 record.window_ms = record.window_ms.max(window_ms);
                 record.peak_rss_kib += peak_rss_kib;
+                record.kv.get_or_insert_default().add(&kv);
                 record.decode_split.as_mut().expect("set above").add(&decode_split);
                 record.lag.as_mut().expect("set above").add(&lag);
             }

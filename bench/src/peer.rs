@@ -80,6 +80,8 @@ fn start(settings: &PeerSettings, w: &Workload, label: &str) -> Result<Server, B
         .args(["-m".as_ref(), w.model.as_os_str(), "--mmproj".as_ref(), w.mmproj.as_os_str()])
         .args(["-np".to_owned(), w.streams.to_string(), "-c".into(), (per_slot as usize * w.streams).to_string()])
         .args(["-t".to_owned(), settings.threads.to_string(), "-tb".into(), settings.threads.to_string()])
+        .args(["-fa", if w.flash_attention { "on" } else { "off" }])
+        .args(["--cache-type-k", &w.kv_type, "--cache-type-v", &w.kv_type])
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(&settings.args)
         .stdin(Stdio::null())

@@ -178,6 +178,26 @@ impl LagStats {
     }
 }
 
+/// The KV memory of a runtime worker's engines.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct KvStats {
+    /// Bytes of KV cells the contexts allocated.
+    pub allocated_bytes: u64,
+    /// Most bytes of cells in use at once, sampled every 20 ms over the window (a cell shared
+    /// by several sequences counted once).
+    pub peak_in_use_bytes: u64,
+    /// Bytes of one cell (K and V rows of every layer).
+    pub cell_bytes: u64,
+}
+
+impl KvStats {
+    pub fn add(&mut self, o: &KvStats) {
+        self.allocated_bytes += o.allocated_bytes;
+        self.peak_in_use_bytes += o.peak_in_use_bytes;
+        self.cell_bytes = self.cell_bytes.max(o.cell_bytes);
+    }
+}
+
 /// One configuration in one round.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunRecord {
@@ -195,6 +215,9 @@ pub struct RunRecord {
     /// Runtime configurations only: the engines' decode steps during the window.
     pub decode_split: Option<DecodeSplit>,
     pub lag: Option<LagStats>,
+    /// The engines' KV memory (runtime configurations; B3: summed over its processes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv: Option<KvStats>,
     /// KV cells one frame fills, as the runtime measured it (runtime configurations).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frame_cells: Option<u32>,
@@ -222,6 +245,7 @@ impl RunRecord {
             answers: vec![],
             decode_split: None,
             lag: None,
+            kv: None,
             frame_cells: None,
             foreign_cpu_pct: None,
             discarded_busy_pct: vec![],
@@ -245,6 +269,8 @@ pub enum WorkerMsg {
     Done {
         window_ms: f64,
         peak_rss_kib: u64,
+        #[serde(default)]
+        kv: KvStats,
         decode_split: DecodeSplit,
         lag: LagStats,
     },

@@ -56,6 +56,12 @@ pub struct Summary {
     /// Most peak RSS over the rounds (MiB; B3: summed over its processes).
     #[serde(deserialize_with = "nan_if_null")]
     pub peak_rss_mib: f64,
+    /// The engines' KV memory (runtime configurations): allocated, and the most in use at once
+    /// (MiB, most over the rounds).
+    #[serde(default)]
+    pub kv_allocated_mib: Option<f64>,
+    #[serde(default)]
+    pub kv_peak_in_use_mib: Option<f64>,
     /// Model load and warm-up, outside the window (mean over rounds, ms).
     #[serde(deserialize_with = "nan_if_null")]
     pub load_ms: f64,
@@ -65,6 +71,10 @@ pub struct Summary {
 /// JSON has no NaN: serde_json writes it as null; read null back as NaN.
 pub fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -145,6 +155,8 @@ pub fn summarize(config: Config, runs: &[&RunRecord], expected_per_round: usize)
         lag_mean_ms: has_lag.then(|| lag.mean_ms()),
         frames_skipped: has_lag.then_some(lag.skipped),
         peak_rss_mib: runs.iter().map(|r| r.peak_rss_kib).max().unwrap_or(0) as f64 / 1024.0,
+        kv_allocated_mib: runs.iter().filter_map(|r| r.kv).map(|k| k.allocated_bytes).max().map(mib),
+        kv_peak_in_use_mib: runs.iter().filter_map(|r| r.kv).map(|k| k.peak_in_use_bytes).max().map(mib),
         load_ms: mean(&runs.iter().map(|r| r.load_ms).collect::<Vec<_>>()),
         errors,
     }
@@ -181,7 +193,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 pub fn table(summaries: &[Summary]) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "{:<5} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9} {:>8} {:>8}\n",
+        "{:<5} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9} {:>11} {:>8} {:>8}\n",
         "cfg",
         "answers",
         "ans/s",
@@ -196,12 +208,13 @@ pub fn table(summaries: &[Summary]) -> String {
         "res/imp/rep",
         "lag fr/ms",
         "RSS MiB",
+        "KV MiB a/u",
         "load ms",
         "failed",
     ));
     for s in summaries {
         out.push_str(&format!(
-            "{:<5} {:>7} {:>7.3} {:>8.0} {:>8.0} {:>8.0} {:>8} {:>7.1} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9.0} {:>8.0} {:>8}\n",
+            "{:<5} {:>7} {:>7.3} {:>8.0} {:>8.0} {:>8.0} {:>8} {:>7.1} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9.0} {:>11} {:>8.0} {:>8}\n",
             s.config.name(),
             format!("{}/{}", s.answered, s.expected),
             s.throughput,
@@ -223,6 +236,7 @@ pub fn table(summaries: &[Summary]) -> String {
                 _ => "-".into(),
             },
             s.peak_rss_mib,
+            kv_column(s),
             s.load_ms,
             s.failed,
         ));
@@ -230,15 +244,22 @@ pub fn table(summaries: &[Summary]) -> String {
     out
 }
 
+fn kv_column(s: &Summary) -> String {
+    match (s.kv_allocated_mib, s.kv_peak_in_use_mib) {
+        (Some(a), Some(u)) => format!("{a:.0}/{u:.0}"),
+        _ => "-".into(),
+    }
+}
+
 /// The table as Markdown (for docs/benchmarks.md).
 pub fn markdown(summaries: &[Summary]) -> String {
     let mut out = String::from(
-        "| config | answers | answers/s | TTFT mean | p50 | p95 | wait mean | decode tok/s (all / ingesting / idle) | length min/mean/max | resident/import/replay | lag max (frames / ms) | peak RSS MiB | load ms |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| config | answers | answers/s | TTFT mean | p50 | p95 | wait mean | decode tok/s (all / ingesting / idle) | length min/mean/max | resident/import/replay | lag max (frames / ms) | peak RSS MiB | KV MiB allocated / in use | load ms |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for s in summaries {
         out.push_str(&format!(
-            "| {} ({}) | {}/{} | {:.3} | {:.0} ms | {:.0} ms | {:.0} ms | {} | {:.1} / {} / {} | {}/{:.0}/{} | {} | {} | {:.0} | {:.0} |\n",
+            "| {} ({}) | {}/{} | {:.3} | {:.0} ms | {:.0} ms | {:.0} ms | {} | {:.1} / {} / {} | {}/{:.0}/{} | {} | {} | {:.0} | {} | {:.0} |\n",
             s.config.name(),
             s.description,
             s.answered,
@@ -264,6 +285,7 @@ pub fn markdown(summaries: &[Summary]) -> String {
                 _ => "-".into(),
             },
             s.peak_rss_mib,
+            kv_column(s),
             s.load_ms,
         ));
     }

@@ -4,17 +4,18 @@
 
 use std::error::Error;
 use std::io::BufRead;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
-    Device, Engine, EngineConfig, Overload, Question, Sampling, Stream, StreamConfig, answer_frame, models,
+    Device, Engine, EngineConfig, KvLayout, KvType, Overload, Question, Sampling, Stream, StreamConfig, answer_frame,
+    models,
 };
 
-use crate::record::{AnswerRecord, Config, DecodeSplit, LagStats, WorkerMsg};
+use crate::record::{AnswerRecord, Config, DecodeSplit, KvStats, LagStats, WorkerMsg};
 use crate::workload::{
     HistorySpec, Workload, instant_of_unix_ms, ms, peak_rss_kib, picture, question_text, sleep_until,
 };
@@ -71,10 +72,10 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         None => (0..w.streams).collect(),
     };
 
-    // The encoder (libmtmd on the CPU, like vlmencode) and a warm-up frame, which also gives
-    // the cells a frame takes, hence the cells a sequence needs.
+    // The encoder (libmtmd, like vlmencode: on the CPU unless --encoder gpu) and a warm-up frame,
+    // which also gives the cells a frame takes, hence the cells a sequence needs.
     let cpu_model = models::model(&w.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&w.mmproj, &cpu_model, false, 1)?);
+    let encoder = MtmdEncoder::new(models::projector(&w.mmproj, &cpu_model, w.encoder_gpu, w.encoder_threads as i32)?);
     let encode =
         |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));
     let warm = encode(&picture(99, 0, w.width, w.height))?;
@@ -84,6 +85,11 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         context_per_sequence: Workload { frame_cells: Some(frame_cells), ..w.clone() }.sequence_cells(),
         max_streams: streams.len() as u32,
         max_branches: w.max_answers,
+        kv_layout: KvLayout::parse(&w.kv_layout)
+            .ok_or_else(|| format!("--kv-layout {}: per-sequence or unified", w.kv_layout))?,
+        kv_type: KvType::parse(&w.kv_type).ok_or_else(|| format!("--kv-type {}: f16, q8_0 or q4_0", w.kv_type))?,
+        flash_attention: w.flash_attention,
+        answer_cells: answer_reserve,
         ..EngineConfig::default()
     };
     let single = EngineConfig::parse_list(&w.engine, &base)?;
@@ -135,10 +141,27 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     let t0 = instant_of_unix_ms(start_ms);
     let before = totals(&engines);
     let window = Window { w, t0, encode: &encode, never: &never, last_end: Mutex::new(t0) };
-    let lag = match &spec.history {
-        Some(h) => window.history(&opened[0], h),
-        None => window.live(&opened),
-    };
+    let done = AtomicBool::new(false);
+    let (lag, kv) = std::thread::scope(|s| {
+        // The engines' KV memory, sampled over the window.
+        let sampler = s.spawn(|| {
+            let mut kv = KvStats::default();
+            while !done.load(Ordering::Acquire) {
+                let now: Vec<_> = engines.iter().map(|e| e.kv_memory()).collect();
+                kv.allocated_bytes = now.iter().map(|m| m.allocated_bytes() as u64).sum();
+                kv.cell_bytes = now.iter().map(|m| m.cell_bytes as u64).max().unwrap_or(0);
+                kv.peak_in_use_bytes = kv.peak_in_use_bytes.max(now.iter().map(|m| m.in_use_bytes as u64).sum());
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            kv
+        });
+        let lag = match &spec.history {
+            Some(h) => window.history(&opened[0], h),
+            None => window.live(&opened),
+        };
+        done.store(true, Ordering::Release);
+        (lag, sampler.join().expect("the KV sampler does not panic"))
+    });
 
     let window_ms = ms(*window.last_end.lock().expect("no panics hold it") - t0);
     let after = totals(&engines);
@@ -148,7 +171,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         idle_steps: after.idle_steps - before.idle_steps,
         idle_ms: after.idle_ms - before.idle_ms,
     };
-    emit(&WorkerMsg::Done { window_ms, peak_rss_kib: peak_rss_kib(None).unwrap_or(0), decode_split, lag });
+    emit(&WorkerMsg::Done { window_ms, peak_rss_kib: peak_rss_kib(None).unwrap_or(0), kv, decode_split, lag });
     for o in &opened {
         o.stream.close();
     }

@@ -41,6 +41,32 @@ pub struct Workload {
     /// slots like the runtime's sequences).
     #[serde(default)]
     pub frame_cells: Option<u32>,
+    /// The runtime's vision encoder: libmtmd on the GPU (as the server's) instead of the CPU.
+    #[serde(default)]
+    pub encoder_gpu: bool,
+    /// The engines' KV layout, element type and flash attention (vlmcontext's `kv-layout`,
+    /// `kv-type`, `flash-attention`); the server gets `--cache-type-k/-v` and `-fa` to match.
+    #[serde(default = "per_sequence")]
+    pub kv_layout: String,
+    #[serde(default = "f16")]
+    pub kv_type: String,
+    #[serde(default)]
+    pub flash_attention: bool,
+    /// Threads of the runtime's CPU vision encoder (vlmencode's `threads`).
+    #[serde(default = "one")]
+    pub encoder_threads: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn per_sequence() -> String {
+    "per-sequence".into()
+}
+
+fn f16() -> String {
+    "f16".into()
 }
 
 /// The history curve (`vlm-bench capacity`): one stream whose frames are given as fast as they

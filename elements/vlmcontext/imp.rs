@@ -8,7 +8,9 @@ use gst::subclass::prelude::*;
 use parking_lot::Mutex;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::snapshot::PrefixCache;
-use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, Overload, Stream, StreamConfig, models};
+use vlm_runtime::{
+    Engine, EngineConfig, Error, HistoryPolicy, KvLayout, KvType, Overload, Stream, StreamConfig, models,
+};
 
 use crate::events::{ModelQuery, StreamEvent};
 use crate::meta::VlmFrameMeta;
@@ -52,6 +54,34 @@ pub enum OverloadKind {
     )]
     Skip,
 }
+/// How each engine lays out its KV cells (see `vlm_runtime::KvLayout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmKvLayout")]
+pub enum KvLayoutKind {
+    #[enum_value(
+        name = "Per sequence: context-size cells for every stream and answer, a branch copies its prefix; bit-identical to a re-prefill",
+        nick = "per-sequence"
+    )]
+    PerSequence,
+    #[enum_value(
+        name = "Unified pool sized by need: an answer shares its version's cells and costs its question and tokens; agrees closely with a re-prefill",
+        nick = "unified"
+    )]
+    Unified,
+}
+
+/// Element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmKvType")]
+pub enum KvTypeKind {
+    #[enum_value(name = "16-bit floats", nick = "f16")]
+    F16,
+    #[enum_value(name = "8-bit blocks (needs flash-attention)", nick = "q8_0")]
+    Q8_0,
+    #[enum_value(name = "4-bit blocks (needs flash-attention)", nick = "q4_0")]
+    Q4_0,
+}
+
 const DEFAULT_MAX_ANSWERS: u32 = 8;
 
 /// Cells kept free after the history for a question and its answer.
@@ -73,6 +103,8 @@ struct Settings {
     ingest_share: f64,
     max_answers: u32,
     flash_attention: bool,
+    kv_layout: KvLayoutKind,
+    kv_type: KvTypeKind,
     prefix_cache_size: u64,
     prefix_cache_entries: u32,
     threads: u32,
@@ -95,6 +127,8 @@ impl Default for Settings {
             ingest_share: vlm_runtime::engine::DEFAULT_INGEST_SHARE,
             max_answers: DEFAULT_MAX_ANSWERS,
             flash_attention: false,
+            kv_layout: KvLayoutKind::PerSequence,
+            kv_type: KvTypeKind::F16,
             prefix_cache_size: 0,
             prefix_cache_entries: DEFAULT_PREFIX_CACHE_ENTRIES,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
@@ -412,6 +446,16 @@ impl VlmContext {
             max_streams: s.max_streams,
             max_branches: s.max_answers,
             flash_attention: s.flash_attention,
+            kv_layout: match s.kv_layout {
+                KvLayoutKind::PerSequence => KvLayout::PerSequence,
+                KvLayoutKind::Unified => KvLayout::Unified,
+            },
+            kv_type: match s.kv_type {
+                KvTypeKind::F16 => KvType::F16,
+                KvTypeKind::Q8_0 => KvType::Q8_0,
+                KvTypeKind::Q4_0 => KvType::Q4_0,
+            },
+            answer_cells: ANSWER_RESERVE as u32,
             step_budget_ms: s.step_budget_ms,
             ingest_share: s.ingest_share,
             ..EngineConfig::default()
@@ -558,6 +602,26 @@ impl ObjectImpl for VlmContext {
                     .default_value(false)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecEnum::builder_with_default("kv-layout", KvLayoutKind::PerSequence)
+                    .nick("KV layout")
+                    .blurb("per-sequence: context-size cells for every stream and every answer (max-streams + max-answers sequences), answers bit-identical to a re-prefill; unified: one pool of (max-streams + 1) x context-size + max-answers x 256 cells where an answer shares the cells of the version it reads (llama.cpp's kv_unified), greedy answers agreeing closely with a re-prefill")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecEnum::builder_with_default("kv-type", KvTypeKind::F16)
+                    .nick("KV type")
+                    .blurb("Element type of K and V (llama.cpp's --cache-type-k/-v): q8_0 and q4_0 need flash-attention=true; snapshots move only between engines of one type")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt64::builder("kv-bytes")
+                    .nick("KV bytes in use")
+                    .blurb("Bytes of KV cells in use on every engine, a cell shared by several sequences counted once (updated after each engine step)")
+                    .read_only()
+                    .build(),
+                glib::ParamSpecUInt64::builder("kv-bytes-allocated")
+                    .nick("KV bytes allocated")
+                    .blurb("Bytes of KV cells the engines' contexts allocated")
+                    .read_only()
+                    .build(),
                 glib::ParamSpecUInt64::builder("frames-skipped")
                     .nick("Frames skipped")
                     .blurb("Frames the overload policy kept out of the history because ingestion was max-pending frames behind")
@@ -645,6 +709,8 @@ impl ObjectImpl for VlmContext {
             "max-streams" => s.max_streams = value.get().unwrap(),
             "max-pending" => s.max_pending = value.get().unwrap(),
             "history-policy" => s.history_policy = value.get().unwrap(),
+            "kv-layout" => s.kv_layout = value.get().unwrap(),
+            "kv-type" => s.kv_type = value.get().unwrap(),
             "history-keep" => s.history_keep = value.get().unwrap(),
             "overload" => s.overload = value.get().unwrap(),
             "step-budget-ms" => s.step_budget_ms = value.get().unwrap(),
@@ -673,6 +739,16 @@ impl ObjectImpl for VlmContext {
             "max-lag-ms" => {
                 return self.pads.lock().iter().map(|p| *p.max_lag_ms.lock()).fold(0.0, f64::max).to_value();
             }
+            "kv-bytes" | "kv-bytes-allocated" => {
+                let st = self.state.lock();
+                let kv = st.engines.iter().map(|e| e.kv_memory());
+                let bytes: usize = if pspec.name() == "kv-bytes" {
+                    kv.map(|m| m.in_use_bytes).sum()
+                } else {
+                    kv.map(|m| m.allocated_bytes()).sum()
+                };
+                return (bytes as u64).to_value();
+            }
             "prefix-cache-hits" => return cache(|s| s.hits),
             "prefix-cache-misses" => return cache(|s| s.misses),
             _ => (),
@@ -686,6 +762,8 @@ impl ObjectImpl for VlmContext {
             "max-streams" => s.max_streams.to_value(),
             "max-pending" => s.max_pending.to_value(),
             "history-policy" => s.history_policy.to_value(),
+            "kv-layout" => s.kv_layout.to_value(),
+            "kv-type" => s.kv_type.to_value(),
             "history-keep" => s.history_keep.to_value(),
             "overload" => s.overload.to_value(),
             "step-budget-ms" => s.step_budget_ms.to_value(),

@@ -34,7 +34,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         n_seq: 2,
         n_batch: 512,
         threads,
-        kv_unified: false,
+        kv_unified: None,
+        kv_type: Default::default(),
         flash_attention: false,
     };
     let mut ctx = Context::new(Arc::clone(&model), &params)?;

@@ -87,7 +87,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             n_seq,
             n_batch: 512,
             threads: 2,
-            kv_unified: unified,
+            kv_unified: unified.then_some(4 * 1024),
+            kv_type: Default::default(),
             flash_attention: false,
         };
         let mut fresh = Context::new(Arc::clone(&model), &params(4))?;

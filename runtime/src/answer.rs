@@ -270,7 +270,7 @@ pub fn answer_on(
             preparation,
             report: None,
             utf8: Utf8Stream::default(),
-            limit: engine.n_ctx_per_seq() as i32,
+            limit: engine.answer_limit(version.cells),
             next_pos: 0,
             next_cell: 0,
             started: None,

@@ -29,7 +29,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::llama::{Batch, Context, ContextParams, Device, Model, Token};
+use crate::llama::{Batch, Context, ContextParams, Device, KvType, Model, Token};
 use crate::models;
 use crate::prefill::{Next, Prefill, chunk_len};
 use crate::prefix::CompatTag;
@@ -50,6 +50,13 @@ pub struct EngineConfig {
     /// Flash attention: faster KV export on GPUs, but V is stored untransposed, so snapshots
     /// only move between engines that agree on it.
     pub flash_attention: bool,
+    /// How the KV cells of streams and answers are laid out.
+    pub kv_layout: KvLayout,
+    /// Element type of K and V (quantized types need flash attention).
+    pub kv_type: KvType,
+    /// With [`KvLayout::Unified`]: the cells an answer may take beyond the version it reads
+    /// (its question and its tokens).
+    pub answer_cells: u32,
     /// CPU cores the engine's threads run on (none: wherever the OS puts them).
     pub cores: Vec<usize>,
     /// Most prefill (ms, from measured rates) run between two decode steps.
@@ -80,10 +87,50 @@ impl Default for EngineConfig {
             max_streams: 2,
             max_branches: 8,
             flash_attention: false,
+            kv_layout: KvLayout::PerSequence,
+            kv_type: KvType::F16,
+            answer_cells: 256,
             cores: Vec::new(),
             step_budget_ms: DEFAULT_STEP_BUDGET_MS,
             ingest_share: DEFAULT_INGEST_SHARE,
         }
+    }
+}
+
+/// How an engine's KV cells are laid out (llama.cpp's `kv_unified`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvLayout {
+    /// A buffer of `context_per_sequence` cells for every stream and every answer: a branch
+    /// copies its version's prefix; retained, branched and re-prefilled histories give
+    /// bit-identical logits.
+    #[default]
+    PerSequence,
+    /// One pool for all: a branch shares its version's prefix cells (it costs its suffix), the
+    /// pool is sized from the streams and answers (`context_per_sequence` per stream and one
+    /// more for versions held over a restart or an import, `answer_cells` per answer). Attention
+    /// then runs over the pool's cells in pool order, so greedy tokens agree with a re-prefill
+    /// closely but not bit for bit (docs/benchmarks.md, "Memory").
+    Unified,
+}
+
+impl KvLayout {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvLayout::PerSequence => "per-sequence",
+            KvLayout::Unified => "unified",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<KvLayout> {
+        [KvLayout::PerSequence, KvLayout::Unified].into_iter().find(|l| l.name() == name)
+    }
+}
+
+impl EngineConfig {
+    /// Cells of the unified pool (`None` for per-sequence buffers).
+    pub fn unified_cells(&self) -> Option<u32> {
+        (self.kv_layout == KvLayout::Unified)
+            .then(|| (self.max_streams + 1) * self.context_per_sequence + self.max_branches * self.answer_cells)
     }
 }
 
@@ -160,9 +207,36 @@ pub struct Worker {
     seeded: std::cell::Cell<u8>,
     /// The thread count computations use (see `crate::threads`).
     tuner: ThreadTuner,
+    /// Bytes one KV cell takes (K and V rows of every layer), measured by the calibration run.
+    cell_bytes: usize,
+}
+
+/// An engine's KV memory: what its context allocated and what is in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvMemory {
+    /// Bytes of the cells in use, each counted once however many sequences share it.
+    pub in_use_bytes: usize,
+    /// Bytes of one cell (0 before the calibration run measured it).
+    pub cell_bytes: usize,
+    /// Cells the context allocated, for all its sequences.
+    pub cells: usize,
+}
+
+impl KvMemory {
+    pub fn allocated_bytes(&self) -> usize {
+        self.cells * self.cell_bytes
+    }
+
+    pub fn cells_in_use(&self) -> usize {
+        self.in_use_bytes.checked_div(self.cell_bytes).unwrap_or(0)
+    }
 }
 
 impl Worker {
+    pub fn kv_memory(&mut self) -> KvMemory {
+        KvMemory { in_use_bytes: self.ctx.kv_bytes_in_use(), cell_bytes: self.cell_bytes, cells: self.ctx.n_ctx() }
+    }
+
     /// Record that `units` of `stage` took `ms`.
     pub fn record(&self, stage: Stage, units: usize, ms: f64) {
         if units > 0 {
@@ -320,6 +394,8 @@ struct Shared {
     busy_steps: Mutex<(u64, f64)>,
     /// Decode steps run with no ingestion waiting, and their total time (ms).
     idle_steps: Mutex<(u64, f64)>,
+    /// The KV memory after the last step.
+    kv: Mutex<KvMemory>,
 }
 
 /// The engine thread's state: the step scheduler.
@@ -604,6 +680,7 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
         shared.cancel.load(Ordering::Acquire) || shared.stopping.load(Ordering::Acquire) || crate::llama::exiting()
     });
     shared.threads.store(w.tuner.threads(), Ordering::Relaxed);
+    *shared.kv.lock() = w.kv_memory();
     crate::llama::stop_workers_before_exit();
     let mut s = Scheduler {
         budget_ms: config.step_budget_ms,
@@ -635,6 +712,7 @@ fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &E
                 s.take(job, &mut w);
             }
             s.step(&mut w, &shared);
+            *shared.kv.lock() = w.kv_memory();
         }));
         if let Err(panic) = stepped {
             let what = crate::error::panic_message(panic.as_ref());
@@ -700,6 +778,13 @@ fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
             w.seed(Stage::Import, 38, t.elapsed().as_secs_f64() * 1e3);
         }
     }
+    // A cell's bytes: the difference between the cells held now and 16 fewer (the serialised
+    // state also has a header per sequence stream and per layer).
+    let (held, full) = (w.ctx.seq_pos_max(seq) + 1, w.ctx.kv_bytes_in_use());
+    if held > 16 {
+        w.ctx.seq_truncate(seq, held - 16);
+        w.cell_bytes = full.saturating_sub(w.ctx.kv_bytes_in_use()) / 16;
+    }
     w.ctx.seq_clear(seq);
 }
 
@@ -764,8 +849,9 @@ impl Engine {
                 n_seq: config.max_streams + config.max_branches,
                 n_batch: 512,
                 threads: config.threads,
-                kv_unified: false,
+                kv_unified: config.unified_cells(),
                 flash_attention: config.flash_attention,
+                kv_type: config.kv_type,
             },
         )?;
         let n_ctx_per_seq = ctx.n_ctx_per_seq();
@@ -782,6 +868,7 @@ impl Engine {
             rates: Arc::clone(&rates),
             seeded: std::cell::Cell::new(0),
             tuner: ThreadTuner::new(config.threads, config.device == Device::Cpu),
+            cell_bytes: 0,
         };
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared {
@@ -794,6 +881,7 @@ impl Engine {
             start_backlog: Mutex::new(0.0),
             busy_steps: Mutex::new((0, 0.0)),
             idle_steps: Mutex::new((0, 0.0)),
+            kv: Mutex::new(KvMemory::default()),
         });
         let thread_shared = Arc::clone(&shared);
         let thread_config = config.clone();
@@ -845,21 +933,40 @@ impl Engine {
         CompatTag {
             model: self.model.identity().to_owned(),
             backend: self.config.device.name().into(),
-            kv_dtype: "f16",
+            kv_dtype: self.config.kv_type.name(),
             layout: format!(
-                "{}, {} sequence streams",
+                "{}, {}",
                 if self.config.flash_attention {
                     "V untransposed (flash attention)"
                 } else {
                     "V transposed (no flash attention)"
                 },
-                self.config.max_streams + self.config.max_branches
+                match self.config.kv_layout {
+                    KvLayout::PerSequence =>
+                        format!("{} sequence streams", self.config.max_streams + self.config.max_branches),
+                    KvLayout::Unified => "one unified stream".into(),
+                }
             ),
         }
     }
 
     pub fn n_ctx_per_seq(&self) -> u32 {
         self.n_ctx_per_seq
+    }
+
+    /// Cells an answer reading a version of `version_cells` may reach (its question and tokens
+    /// included): the sequence's cells, and in a unified pool at most `answer_cells` more.
+    pub fn answer_limit(&self, version_cells: i32) -> i32 {
+        let per_seq = self.n_ctx_per_seq as i32;
+        match self.config.kv_layout {
+            KvLayout::PerSequence => per_seq,
+            KvLayout::Unified => per_seq.min(version_cells + self.config.answer_cells as i32),
+        }
+    }
+
+    /// The KV memory as the engine's last step left it, shared cells counted once.
+    pub fn kv_memory(&self) -> KvMemory {
+        *self.shared.kv.lock()
     }
 
     /// The stage costs measured on this engine so far.

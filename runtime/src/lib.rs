@@ -35,7 +35,7 @@ pub mod text;
 mod threads;
 
 pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer, answer_frame, answer_on, answer_placed};
-pub use engine::{DecodeRates, Engine, EngineConfig};
+pub use engine::{DecodeRates, Engine, EngineConfig, KvLayout, KvMemory};
 pub use error::{Error, Result};
-pub use llama::Device;
+pub use llama::{Device, KvType};
 pub use stream::{Frame, HistoryPolicy, Lag, Overload, Registration, Stream, StreamConfig, Version};

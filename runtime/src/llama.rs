@@ -548,6 +548,39 @@ impl Drop for Batch {
     }
 }
 
+/// The element type of the KV cache (llama.cpp's `--cache-type-k/-v`, both alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvType {
+    #[default]
+    F16,
+    Q8_0,
+    Q4_0,
+}
+
+impl KvType {
+    pub const ALL: [KvType; 3] = [KvType::F16, KvType::Q8_0, KvType::Q4_0];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
+            KvType::Q4_0 => "q4_0",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<KvType> {
+        KvType::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    fn ggml(self) -> sys::ggml_type {
+        match self {
+            KvType::F16 => sys::GGML_TYPE_F16,
+            KvType::Q8_0 => sys::GGML_TYPE_Q8_0,
+            KvType::Q4_0 => sys::GGML_TYPE_Q4_0,
+        }
+    }
+}
+
 /// Settings of one language context (one engine).
 #[derive(Debug, Clone)]
 pub struct ContextParams {
@@ -557,11 +590,13 @@ pub struct ContextParams {
     pub n_seq: u32,
     pub n_batch: u32,
     pub threads: i32,
-    /// One KV buffer shared by all sequences (true) or one per sequence (false, what engines
-    /// use; see [`Context::new`]).
-    pub kv_unified: bool,
+    /// `Some(cells)`: one KV pool of `cells` shared by all sequences, where a branch shares its
+    /// prefix's cells; `None`: one buffer of `n_ctx_per_seq` cells per sequence (see
+    /// [`Context::new`] for what each costs).
+    pub kv_unified: Option<u32>,
     /// Flash attention (also decides the V layout: contexts that exchange snapshots must agree).
     pub flash_attention: bool,
+    pub kv_type: KvType,
 }
 
 /// A language context: the KV memory of several sequences plus compute buffers. Owned by one
@@ -571,6 +606,9 @@ pub struct Context {
     model: Arc<Model>,
     n_batch: u32,
     n_ctx_per_seq: u32,
+    unified: bool,
+    /// Bytes of the whole state with no cell in use (see [`Context::kv_bytes_in_use`]).
+    empty_state_bytes: usize,
     /// Set when batches of embedding rows (1-D positions, causal) must not reach this model
     /// ([`Model::plain_embeddings_refusal`]).
     plain_rows_refused: Option<String>,
@@ -581,10 +619,16 @@ unsafe impl Send for Context {}
 
 impl Context {
     pub fn new(model: Arc<Model>, p: &ContextParams) -> Result<Context> {
+        if p.kv_type != KvType::F16 && !p.flash_attention {
+            return Err(Error::Config(format!(
+                "kv-type {} quantizes V, which llama.cpp allows only with flash attention: set flash-attention=true",
+                p.kv_type.name()
+            )));
+        }
         // SAFETY: default params are plain data; the model outlives the context (Arc held).
         let ptr = unsafe {
             let mut cp = sys::llama_context_default_params();
-            cp.n_ctx = p.n_ctx_per_seq * p.n_seq;
+            cp.n_ctx = p.kv_unified.unwrap_or(p.n_ctx_per_seq * p.n_seq);
             cp.n_seq_max = p.n_seq;
             cp.n_batch = p.n_batch;
             cp.n_ubatch = p.n_batch;
@@ -604,8 +648,12 @@ impl Context {
             // gave 0.0 difference and 32/32 in all three. Per-sequence streams give each sequence its own cells in position
             // order, so retained, branched and re-prefilled histories are bit-identical, which
             // the equality tests rely on; the price is that a branch copies its prefix
-            // (`seq_copy_prefix`) instead of sharing cells.
-            cp.kv_unified = p.kv_unified;
+            // (`seq_copy_prefix`) instead of sharing cells, and every sequence has its cells
+            // whether it uses them or not. The unified pool costs what is in use, a branch
+            // only its suffix (docs/benchmarks.md, "Memory").
+            cp.kv_unified = p.kv_unified.is_some();
+            cp.type_k = p.kv_type.ggml();
+            cp.type_v = p.kv_type.ggml();
             // Contexts that exchange snapshots must agree on flash attention (V layout).
             cp.flash_attn_type = if p.flash_attention {
                 sys::LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -617,10 +665,21 @@ impl Context {
         };
         let ptr = NonNull::new(ptr)
             .ok_or_else(|| Error::Engine("llama.cpp could not create a context (out of memory?)".into()))?;
-        // SAFETY: valid context pointer.
-        let n_ctx_per_seq = unsafe { sys::llama_n_ctx_seq(ptr.as_ptr()) };
+        // SAFETY: valid context pointer; the size query only counts (no cell is in use yet).
+        let (n_ctx_seq, empty_state_bytes) =
+            unsafe { (sys::llama_n_ctx_seq(ptr.as_ptr()), sys::llama_state_get_size(ptr.as_ptr())) };
+        // A unified pool holds every sequence's cells: one sequence's limit is the engine's.
+        let n_ctx_per_seq = if p.kv_unified.is_some() { p.n_ctx_per_seq.min(n_ctx_seq) } else { n_ctx_seq };
         let plain_rows_refused = model.plain_embeddings_refusal();
-        Ok(Context { ptr, model, n_batch: p.n_batch, n_ctx_per_seq, plain_rows_refused })
+        Ok(Context {
+            ptr,
+            model,
+            n_batch: p.n_batch,
+            n_ctx_per_seq,
+            unified: p.kv_unified.is_some(),
+            empty_state_bytes,
+            plain_rows_refused,
+        })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -636,6 +695,12 @@ impl Context {
     /// Most inputs one `llama_decode` takes.
     pub fn n_batch(&self) -> u32 {
         self.n_batch
+    }
+
+    /// KV cells of the context, all sequences together.
+    pub fn n_ctx(&self) -> usize {
+        // SAFETY: valid context pointer.
+        unsafe { sys::llama_n_ctx(self.ptr.as_ptr()) as usize }
     }
 
     /// KV cells available to one sequence.
@@ -672,6 +737,14 @@ impl Context {
             sys::llama_synchronize(self.ptr.as_ptr());
             rc
         };
+        if rc == 1 && self.unified {
+            let (first, seq) = batch.first();
+            return Err(Error::Engine(format!(
+                "the unified KV pool ({} cells) has no room for {} inputs at position {first} of sequence {seq}",
+                self.n_ctx(),
+                batch.len()
+            )));
+        }
         if rc != 0 {
             let (first, seq) = batch.first();
             return Err(Error::Engine(format!(
@@ -802,14 +875,28 @@ impl Context {
 
     /// Make `dst` hold the first `end` positions of `src` (a branch of a pinned version).
     pub fn seq_copy_prefix(&mut self, src: i32, dst: i32, end: i32) {
-        // With per-sequence KV streams llama.cpp copies whole streams only (a partial copy
-        // asserts), so copy everything and drop the tail beyond the version.
         // SAFETY: valid memory handle; sequence ids are < n_seq (checked by callers' allocators).
         unsafe {
             sys::llama_memory_seq_rm(self.memory(), dst, -1, -1);
-            sys::llama_memory_seq_cp(self.memory(), src, dst, -1, -1);
-            sys::llama_memory_seq_rm(self.memory(), dst, end, -1);
+            if self.unified {
+                // The prefix's cells gain `dst`'s id: shared, nothing copied.
+                sys::llama_memory_seq_cp(self.memory(), src, dst, -1, end);
+            } else {
+                // Per-sequence streams are copied whole (a partial copy asserts): copy, then
+                // drop the tail beyond the version.
+                sys::llama_memory_seq_cp(self.memory(), src, dst, -1, -1);
+                sys::llama_memory_seq_rm(self.memory(), dst, end, -1);
+            }
         }
+    }
+
+    /// Bytes of KV cells in use, each counted once however many sequences share it (the
+    /// whole state's serialised size, less the empty context's: K and V rows plus a few bytes
+    /// of position and sequence ids per cell).
+    pub fn kv_bytes_in_use(&mut self) -> usize {
+        // SAFETY: valid context; the size query serialises into a counting writer only.
+        let size = unsafe { sys::llama_state_get_size(self.ptr.as_ptr()) };
+        size.saturating_sub(self.empty_state_bytes)
     }
 
     /// Export the KV state of `seq` (cells, positions, sequence metadata) into a buffer.

@@ -397,7 +397,8 @@ fn a_non_causal_image_larger_than_the_batch_is_refused() {
             n_seq: 1,
             n_batch,
             threads: 1,
-            kv_unified: false,
+            kv_unified: None,
+            kv_type: Default::default(),
             flash_attention: false,
         };
         Context::new(Arc::clone(&model), &params).unwrap()

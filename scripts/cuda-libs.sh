@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Build llama.cpp's CUDA backend as shared libraries, plus `llama-server`, from one source tree,
+# for a gst-vlm built with shared llama.cpp libraries (issue 17). This is how the project ran on
+# the H200 machine, which has nvcc but no Rust toolchain or network:
+#
+#   here:  LLAMA_BUILD_SHARED_LIBS=1 cargo build -p vlm-bench -p gst-plugin-vlm   # Vulkan + CPU
+#          (the binaries then load libllama.so, libggml*.so, libmtmd.so at run time)
+#   there: scripts/cuda-libs.sh SRC.tar.xz OUT_DIR     # prints OUT_DIR/build/bin, holding the .so files
+#          LD_LIBRARY_PATH=OUT_DIR/build/bin vlm-bench ...   # the same binary, now on CUDA
+#
+# SRC.tar.xz is the llama.cpp source of scripts/build-llama-server.sh (the release whose compiled
+# files match the crate llama-cpp-sys-2's copy), so the CUDA libraries export what the binary was
+# linked against. CPU flags as the crate builds them (AVX2, FMA, F16C, BMI2, OpenMP; no AVX-512),
+# CUDA for the GPU's architecture (CUDA_ARCH, default 90: Hopper). Building with the `cuda` cargo
+# feature instead needs the CUDA toolkit where cargo runs (README: NVIDIA GPUs).
+set -euo pipefail
+SRC_TAR=$1
+OUT=$2
+JOBS=${JOBS:-$(nproc)}
+mkdir -p "$OUT"
+tar xJf "$SRC_TAR" -C "$OUT"
+cmake -S "$OUT/llama.cpp" -B "$OUT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=ON \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+    -DGGML_AVX512=OFF -DGGML_OPENMP=ON \
+    -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_APP=OFF >&2
+cmake --build "$OUT/build" --target llama-server -j "$JOBS" >&2
+echo "$OUT/build/bin"
