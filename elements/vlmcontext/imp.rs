@@ -39,6 +39,11 @@ pub enum HistoryPolicyKind {
         nick = "stop"
     )]
     Stop,
+    #[enum_value(
+        name = "Slide: drop the oldest frames until a quarter of context-size is free and shift the rest in place (llama.cpp's K-shift); M-RoPE models and kv-layout=unified prefill the kept frames again",
+        nick = "slide"
+    )]
+    Slide,
 }
 /// What happens to a frame when ingestion is `max-pending` frames behind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
@@ -145,6 +150,7 @@ struct StreamPads {
     cancel: AtomicBool,
     dropped: Mutex<u64>,
     restarts: Mutex<u64>,
+    slides: Mutex<u64>,
     skipped: Mutex<u64>,
     /// Largest lag seen when a frame arrived (ms).
     max_lag_ms: Mutex<f64>,
@@ -219,6 +225,7 @@ impl VlmContext {
             history_policy: match settings.history_policy {
                 HistoryPolicyKind::Restart => HistoryPolicy::Restart { keep: settings.history_keep as usize },
                 HistoryPolicyKind::Stop => HistoryPolicy::Stop,
+                HistoryPolicyKind::Slide => HistoryPolicy::Slide,
             },
             prefix_cache: self.prefix_cache.lock().clone(),
             peers: engines,
@@ -265,7 +272,7 @@ impl VlmContext {
                     let number = registration.number;
                     gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
                     if let Some((kept, dropped)) = registration.restart {
-                        self.history_restarted(pads, &stream, number, kept, dropped);
+                        self.history_restarted(pads, &stream, number, (kept, dropped), registration.slid);
                     }
                     let buf = buffer.make_mut();
                     if let Some(mut m) = buf.meta_mut::<VlmFrameMeta>() {
@@ -322,21 +329,42 @@ impl VlmContext {
         }
     }
 
-    /// The history policy restarted a stream's history: count it and tell the application.
-    fn history_restarted(&self, pads: &StreamPads, stream: &Stream, frame: u64, kept: usize, dropped: usize) {
-        *pads.restarts.lock() += 1;
+    /// The history policy restarted (or slid) a stream's history: count it and tell the
+    /// application.
+    fn history_restarted(
+        &self,
+        pads: &StreamPads,
+        stream: &Stream,
+        frame: u64,
+        (kept, dropped): (usize, usize),
+        slid: bool,
+    ) {
+        let (policy, how) = if slid {
+            *pads.slides.lock() += 1;
+            ("slide", "slid in place")
+        } else {
+            *pads.restarts.lock() += 1;
+            ("restart", "restarted")
+        };
         gst::info!(
             CAT,
             obj = pads.sink,
-            "history full at frame {frame}: restarted from the newest {kept} frames ({dropped} dropped)"
+            "history full at frame {frame}: {how}, keeping the newest {kept} frames ({dropped} dropped)"
         );
+        if !slid
+            && self.settings.lock().history_policy == HistoryPolicyKind::Slide
+            && let Some(why) = stream.engine().shift_refusal()
+        {
+            gst::info!(CAT, obj = pads.sink, "history-policy=slide restarts instead: {why}");
+        }
         let s = gst::Structure::builder("vlm-history")
             .field("stream", stream.name())
-            .field("policy", "restart")
+            .field("policy", policy)
             .field("frame", frame)
             .field("kept", kept as u32)
             .field("dropped", dropped as u32)
             .field("restarts", stream.restarts())
+            .field("slides", stream.slides())
             .build();
         let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
     }
@@ -646,7 +674,12 @@ impl ObjectImpl for VlmContext {
                     .build(),
                 glib::ParamSpecUInt64::builder("history-restarts")
                     .nick("History restarts")
-                    .blurb("Times a stream's history was restarted by history-policy")
+                    .blurb("Times a stream's history was restarted by history-policy (prefilled again)")
+                    .read_only()
+                    .build(),
+                glib::ParamSpecUInt64::builder("history-slides")
+                    .nick("History slides")
+                    .blurb("Times history-policy=slide shifted a stream's history in place")
                     .read_only()
                     .build(),
                 glib::ParamSpecUInt64::builder("prefix-cache-size")
@@ -735,6 +768,7 @@ impl ObjectImpl for VlmContext {
         match pspec.name() {
             "frames-skipped" => return sum(|p| *p.skipped.lock()),
             "history-restarts" => return sum(|p| *p.restarts.lock()),
+            "history-slides" => return sum(|p| *p.slides.lock()),
             "frames-dropped" => return sum(|p| *p.dropped.lock()),
             "max-lag-ms" => {
                 return self.pads.lock().iter().map(|p| *p.max_lag_ms.lock()).fold(0.0, f64::max).to_value();
@@ -883,6 +917,7 @@ impl ElementImpl for VlmContext {
             cancel: AtomicBool::new(false),
             dropped: Mutex::new(0),
             restarts: Mutex::new(0),
+            slides: Mutex::new(0),
             skipped: Mutex::new(0),
             max_lag_ms: Mutex::new(0.0),
         });

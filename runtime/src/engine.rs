@@ -671,6 +671,8 @@ pub struct Engine {
     shared: Arc<Shared>,
     free_streams: Mutex<VecDeque<i32>>,
     n_ctx_per_seq: u32,
+    /// Why [`crate::stream::HistoryPolicy::Slide`] cannot shift in place here, if it cannot.
+    shift_refusal: Option<String>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -855,6 +857,7 @@ impl Engine {
             },
         )?;
         let n_ctx_per_seq = ctx.n_ctx_per_seq();
+        let shift_refusal = ctx.shift_refusal();
         let streams = config.max_streams as i32;
         let rates = Arc::new(Mutex::new(StageRates {
             prefill_ms_per_token: 0.0,
@@ -905,6 +908,7 @@ impl Engine {
             jobs: Mutex::new(Some(tx)),
             shared,
             n_ctx_per_seq,
+            shift_refusal,
             thread: Mutex::new(Some(thread)),
         });
         // Return once the calibration run has measured the stage rates: work queued or placed
@@ -952,6 +956,11 @@ impl Engine {
 
     pub fn n_ctx_per_seq(&self) -> u32 {
         self.n_ctx_per_seq
+    }
+
+    /// Why a history cannot slide (shift its positions in place) on this engine, if it cannot.
+    pub fn shift_refusal(&self) -> Option<&str> {
+        self.shift_refusal.as_deref()
     }
 
     /// Cells an answer reading a version of `version_cells` may reach (its question and tokens

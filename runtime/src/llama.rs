@@ -632,6 +632,11 @@ impl Context {
             cp.n_seq_max = p.n_seq;
             cp.n_batch = p.n_batch;
             cp.n_ubatch = p.n_batch;
+            // Logits are kept for one entry a sequence at most (a prefill chunk's last token, a
+            // decode step's token of each answer): reserving the output projection for n_seq
+            // rows instead of n_batch saves n_batch x n_vocab floats of compute buffer (100 MiB
+            // for a 49k vocabulary).
+            cp.n_outputs_max = p.n_seq;
             cp.n_threads = p.threads;
             cp.n_threads_batch = p.threads;
             // KV layout. With one unified buffer, a sequence's attention runs over every used
@@ -938,6 +943,32 @@ impl Context {
         unsafe {
             sys::llama_memory_seq_rm(self.memory(), seq, end, -1);
         }
+    }
+
+    /// Forget the positions `from..to` of `seq` and move its later cells down by `to - from`
+    /// (llama.cpp applies the K-shift, re-rotating their keys, at the next decode).
+    pub fn seq_shift_out(&mut self, seq: i32, from: i32, to: i32) {
+        // SAFETY: valid memory handle.
+        unsafe {
+            sys::llama_memory_seq_rm(self.memory(), seq, from, to);
+            sys::llama_memory_seq_add(self.memory(), seq, to, -1, from - to);
+        }
+    }
+
+    /// Why this context cannot shift positions in place, if it cannot: M-RoPE positions are
+    /// not one number a cell, and a cell of a unified pool may be shared with a reader whose
+    /// positions must not move.
+    pub fn shift_refusal(&self) -> Option<String> {
+        // SAFETY: valid model and memory handles.
+        let (rope, can_shift) =
+            unsafe { (sys::llama_model_rope_type(self.model.as_ptr()), sys::llama_memory_can_shift(self.memory())) };
+        if rope == sys::LLAMA_ROPE_TYPE_MROPE || rope == sys::LLAMA_ROPE_TYPE_IMROPE {
+            return Some(format!("{} uses M-RoPE", self.model.path.display()));
+        }
+        if self.unified {
+            return Some("the KV pool is unified (kv-layout=unified)".into());
+        }
+        (!can_shift).then(|| "llama.cpp cannot shift this model's KV cache".into())
     }
 
     /// Forget every cell of `seq`.

@@ -104,6 +104,24 @@ pub enum HistoryPolicy {
     /// Start a new epoch from the prompt and the newest `keep` frames (fewer if they do not
     /// fit), replayed from their retained embeddings.
     Restart { keep: usize },
+    /// Drop the oldest frames until a quarter of the cells is free, keep the prompt, and shift
+    /// the remaining cells' positions in place (llama.cpp's K-shift) instead of prefilling them
+    /// again. A new epoch as a restart is: readers of older versions replay theirs. Where the
+    /// engine cannot shift ([`Engine::shift_refusal`]: M-RoPE models, a unified KV pool), the
+    /// same frames are kept and prefilled again, as a restart.
+    Slide,
+}
+
+/// How ingestion rebuilds the stream's sequence for a planned version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rebuild {
+    /// Append the version's last entry.
+    Append,
+    /// A new epoch, prefilled from position 0.
+    Whole,
+    /// A new epoch: positions `from..to` dropped and the later ones moved down, then the last
+    /// entry appended.
+    Shift { from: i32, to: i32 },
 }
 
 /// What happens to a new frame when `max_pending` frames already wait for their prefill
@@ -197,6 +215,7 @@ struct Timeline {
     /// The newest registered version (planned, maybe not yet published).
     tail: Record,
     restarts: u64,
+    slides: u64,
     failed: Option<Error>,
     closed: bool,
 }
@@ -232,6 +251,8 @@ pub struct Registration {
     pub number: u64,
     /// Set when the frame started a new epoch: (frames kept, frames dropped from the history).
     pub restart: Option<(usize, usize)>,
+    /// The new epoch kept its frames' cells, shifted in place (`HistoryPolicy::Slide`).
+    pub slid: bool,
     /// Set when the overload policy skipped the frame: it did not join the history, `number`
     /// is the newest frame that did.
     pub skipped: bool,
@@ -295,6 +316,7 @@ impl Stream {
                 versions: VecDeque::new(),
                 tail: root.clone(),
                 restarts: 0,
+                slides: 0,
                 failed: None,
                 closed: false,
             }),
@@ -305,7 +327,7 @@ impl Stream {
             streams.retain(|_, w| w.strong_count() > 0);
             streams.insert(stream.id, Arc::downgrade(&stream));
         }
-        stream.ingest(&mut stream.timeline.lock(), root, true)?;
+        stream.ingest(&mut stream.timeline.lock(), root, Rebuild::Whole)?;
         Ok(stream)
     }
 
@@ -374,14 +396,19 @@ impl Stream {
         self.timeline.lock().skipped
     }
 
-    /// Times the history policy restarted the history.
+    /// Times the history policy restarted the history (prefilled it again).
     pub fn restarts(&self) -> u64 {
         self.timeline.lock().restarts
     }
 
+    /// Times `HistoryPolicy::Slide` shifted the history in place.
+    pub fn slides(&self) -> u64 {
+        self.timeline.lock().slides
+    }
+
     /// Plan the version that appends `entry` to `tail` (a new frame when `new_frame`),
     /// applying the history policy.
-    fn plan(&self, tail: &Record, entry: Entry, new_frame: bool) -> Result<(Record, Option<(usize, usize)>)> {
+    fn plan(&self, tail: &Record, entry: Entry, new_frame: bool) -> Result<(Record, Rebuild, Option<(usize, usize)>)> {
         // Capacity in KV cells (positions may be fewer: M-RoPE).
         let capacity = self.engine.n_ctx_per_seq() as i32 - self.config.answer_reserve;
         let (n_pos, n_cells) = (entry.n_pos(), entry.cells());
@@ -391,7 +418,7 @@ impl Stream {
         if tail.cells + n_cells <= capacity {
             let (key, end, history) = (entry.extend(tail.key), tail.end + n_pos, with(&tail.history));
             let cells = tail.cells + n_cells;
-            return Ok((Record { number, serial, epoch: tail.epoch, end, cells, key, history }, None));
+            return Ok((Record { number, serial, epoch: tail.epoch, end, cells, key, history }, Rebuild::Append, None));
         }
         let frames = |h: &[Entry]| h.iter().filter(|e| matches!(e, Entry::Frame(_))).count();
         let full = || Error::HistoryFull {
@@ -399,10 +426,13 @@ impl Stream {
             used: tail.cells as u32,
             cells: self.engine.n_ctx_per_seq(),
         };
-        let HistoryPolicy::Restart { keep } = self.config.history_policy else {
-            return Err(full());
+        // Keep the entries from the newest `keep` frames on, fewer if they do not fit; a slide
+        // keeps what leaves a quarter of the cells free.
+        let (keep, room) = match self.config.history_policy {
+            HistoryPolicy::Stop => return Err(full()),
+            HistoryPolicy::Restart { keep } => (keep, capacity),
+            HistoryPolicy::Slide => (usize::MAX, capacity - capacity / 4),
         };
-        // Keep the entries from the newest `keep` frames on, fewer if they do not fit.
         let prefix_len = self.prompt.prefix.len() as i32;
         let mut from = tail.history.len();
         let mut seen = 0;
@@ -411,7 +441,7 @@ impl Stream {
             seen += matches!(tail.history[from], Entry::Frame(_)) as usize;
         }
         let mut kept: &[Entry] = &tail.history[from..];
-        while !kept.is_empty() && prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells > capacity {
+        while !kept.is_empty() && prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells > room {
             kept = &kept[1..];
         }
         if prefix_len + n_cells > capacity {
@@ -423,7 +453,14 @@ impl Stream {
         let cells = prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells;
         let dropped = frames(&tail.history) - frames(kept);
         let record = Record { number, serial, epoch: tail.epoch + 1, end, cells, key, history: with(kept) };
-        Ok((record, Some((frames(kept), dropped))))
+        // The dropped entries were at positions prefix_len.. of this epoch's sequence.
+        let gone: i32 = tail.history[..tail.history.len() - kept.len()].iter().map(Entry::n_pos).sum();
+        let rebuild = if self.config.history_policy == HistoryPolicy::Slide && self.engine.shift_refusal().is_none() {
+            Rebuild::Shift { from: prefix_len, to: prefix_len + gone }
+        } else {
+            Rebuild::Whole
+        };
+        Ok((record, rebuild, Some((frames(kept), dropped))))
     }
 
     /// Register a frame now and prefill it asynchronously. Blocks while `max_pending` entries
@@ -473,7 +510,7 @@ impl Stream {
         let full = |t: &Timeline| (t.tail.serial - t.published_serial.max(1)) as usize >= self.config.max_pending;
         if new_frame && self.config.overload == Overload::Skip && full(&t) && t.failed.is_none() && !t.closed {
             t.skipped += 1;
-            return Ok(Registration { number: t.registered, restart: None, skipped: true });
+            return Ok(Registration { number: t.registered, restart: None, slid: false, skipped: true });
         }
         while (t.tail.serial - t.published_serial) as usize >= self.config.max_pending
             && t.failed.is_none()
@@ -490,7 +527,7 @@ impl Stream {
         if t.closed {
             return Err(Error::Cancelled);
         }
-        let (record, restart) = self.plan(&t.tail, entry, new_frame)?;
+        let (record, rebuild, restart) = self.plan(&t.tail, entry, new_frame)?;
         t.registered = record.number;
         if new_frame {
             t.unpublished.push_back((record.number, Instant::now()));
@@ -500,16 +537,23 @@ impl Stream {
             t.frame_serials.push_back((record.number, record.serial));
         }
         t.tail = record.clone();
-        if restart.is_some() {
-            t.restarts += 1;
+        match rebuild {
+            Rebuild::Whole => t.restarts += 1,
+            Rebuild::Shift { .. } => t.slides += 1,
+            Rebuild::Append => (),
         }
         // Hand the work to the engine before the next append can plan: entries reach it in the
         // order their positions were planned (a frame from the streaming thread and an answer
         // committed from an answer thread plan one after the other; handed over after the lock
         // is released they could reach the engine the other way round, and llama.cpp would
         // refuse the positions). Handing over only queues a job.
-        self.ingest(&mut t, record.clone(), restart.is_some())?;
-        Ok(Registration { number: record.number, restart, skipped: false })
+        self.ingest(&mut t, record.clone(), rebuild)?;
+        Ok(Registration {
+            number: record.number,
+            restart,
+            slid: matches!(rebuild, Rebuild::Shift { .. }),
+            skipped: false,
+        })
     }
 
     /// The inputs that rebuild `history` after the prompt from position 0.
@@ -520,15 +564,17 @@ impl Stream {
     /// Make `record` usable on the engine (prefill its last entry, or its whole history when it
     /// starts an epoch), chunk by chunk between decode steps, then publish it. Without
     /// retention there is nothing to prefill.
-    fn ingest(self: &Arc<Self>, t: &mut Timeline, record: Record, whole: bool) -> Result<()> {
+    fn ingest(self: &Arc<Self>, t: &mut Timeline, record: Record, rebuild: Rebuild) -> Result<()> {
         if !self.config.retain {
             Self::record_publication(t, Ok(record));
             self.changed.notify_all();
             return Ok(());
         }
-        let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
+        // A shifted history is not what a prefill of its frames gives: it stays out of the cache.
+        let cache =
+            self.config.prefix_cache.clone().filter(|c| c.enabled() && !matches!(rebuild, Rebuild::Shift { .. }));
         let tag = self.engine.compat_tag();
-        let (start, entries) = if whole {
+        let (start, entries) = if rebuild == Rebuild::Whole {
             (0, self.replay_entries(&record.history))
         } else {
             let entry = record.history.last().expect("an appended version has an entry").clone();
@@ -537,25 +583,25 @@ impl Stream {
         let prefill = Prefill::new(self.seq, start, entries, false);
         let cost_ms = prefill.remaining() as f64 * self.engine.rates().prefill_ms_per_token;
         let cache_key = (record.key, tag.clone());
-        let (s, key) = (Arc::clone(self), cache_key.clone());
+        let (s, key, lookup) = (Arc::clone(self), cache_key.clone(), cache.clone());
         let epoch = record.epoch;
         // A prefix-cache hit imports the history instead of prefilling; a miss stores it after.
         let missed = Arc::new(AtomicBool::new(false));
         let missed_too = Arc::clone(&missed);
         let begin = move |w: &mut Worker| -> Option<Result<i32>> {
             s.resident_epoch.store(epoch, Ordering::Release);
-            if whole {
-                w.ctx.seq_clear(s.seq);
+            match rebuild {
+                Rebuild::Whole => w.ctx.seq_clear(s.seq),
+                Rebuild::Shift { from, to } => w.ctx.seq_shift_out(s.seq, from, to),
+                Rebuild::Append => (),
             }
-            let cache = cache.as_ref()?;
-            let Some(snapshot) = cache.get(&key) else {
+            let Some(snapshot) = lookup.as_ref()?.get(&key) else {
                 missed_too.store(true, Ordering::Release);
                 return None;
             };
             Some(w.ctx.seq_restore(s.seq, &snapshot.bytes).map(|()| snapshot.end))
         };
         let s = Arc::clone(self);
-        let cache = self.config.prefix_cache.clone().filter(|c| c.enabled());
         let done = move |w: Option<&mut Worker>, end: Result<i32>| {
             if let (Ok(end), Some(cache), Some(w)) = (&end, &cache, w)
                 && missed.load(Ordering::Acquire)

@@ -337,3 +337,44 @@ fn a_model_file_replaced_while_running_keeps_its_identity() {
     drop(model);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_slid_history_shifts_in_place_keeps_old_versions_and_agrees_with_a_reprefill() {
+    // 512 cells - 128 reserved: the prompt and 9 frames of 36; a slide keeps what leaves a
+    // quarter of the 384 free.
+    let engine = engine_with("cpu", 512);
+    let enc = encoder();
+    let stream = open_with(&engine, "s", true, vlm_runtime::HistoryPolicy::Slide);
+    let never = Arc::new(AtomicBool::new(false));
+    let frames: Vec<_> = (0..12).map(|v| frame(&enc, v)).collect();
+    for f in &frames[..5] {
+        stream.register(Arc::clone(f), &never).unwrap();
+    }
+    let v5 = stream.wait_version(5, &never).unwrap();
+    let before = answer(&v5, &question("What changed?", 10), &never, |_| {}).unwrap();
+
+    let registrations: Vec<_> = frames[5..].iter().map(|f| stream.register(Arc::clone(f), &never).unwrap()).collect();
+    let slide = registrations.iter().find(|r| r.restart.is_some()).expect("the history slid");
+    assert!(slide.slid, "the model shifts: the history must slide, not restart");
+    assert_eq!((stream.restarts(), stream.slides()), (0, 1));
+    let (kept, dropped) = slide.restart.unwrap();
+    assert_eq!(slide.number as usize, dropped + kept + 1, "a slide drops the oldest frames");
+
+    // The pinned version of the old epoch answers from its own frames, unchanged.
+    let v12 = stream.wait_version(12, &never).unwrap();
+    let after = answer(&v5, &question("What changed?", 10), &never, |_| {}).unwrap();
+    assert_eq!((after.path, after.frames), (PreparePath::Replay, 5));
+    assert_eq!(after.text, before.text, "a slide changed the history under a pinned version");
+
+    // The slid cells answer; a re-prefill of the same frames is the reference. The kept cells
+    // were computed next to the dropped frames, so the two agree, not bit for bit: the first
+    // greedy token is asserted, the agreement is reported.
+    let q = vlm_runtime::Question { ignore_eos: true, ..question("What is in the picture?", 16) };
+    let slid = answer(&v12, &q, &never, |_| {}).unwrap();
+    assert_eq!((slid.path, slid.tokens), (PreparePath::Resident, 16));
+    let fresh = vlm_runtime::answer_on(&v12, &q, &engine, PreparePath::Replay, &never, |_| {}).unwrap();
+    assert_eq!(fresh.path, PreparePath::Replay);
+    let agree = slid.token_ids.iter().zip(&fresh.token_ids).take_while(|(a, b)| a == b).count();
+    eprintln!("slid vs re-prefilled: the first {agree} of 16 greedy tokens agree");
+    assert!(agree >= 1, "the slid history's first token differs from a re-prefill's");
+}
