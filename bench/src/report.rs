@@ -327,6 +327,7 @@ mod tests {
             answers,
             decode_split: Some(DecodeSplit { busy_steps: 10, busy_ms: 500.0, idle_steps: 20, idle_ms: 400.0 }),
             lag: None,
+            kv: None,
             frame_cells: None,
             foreign_cpu_pct: None,
             discarded_busy_pct: vec![],

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
-    Device, Engine, EngineConfig, KvLayout, KvType, Overload, Question, Sampling, Stream, StreamConfig, answer_frame,
-    models,
+    Engine, EngineConfig, KvLayout, KvType, Overload, Question, Sampling, Stream, StreamConfig, answer_frame, models,
 };
 
 use crate::record::{AnswerRecord, Config, DecodeSplit, KvStats, LagStats, WorkerMsg};
@@ -72,17 +71,8 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         None => (0..w.streams).collect(),
     };
 
-    // The encoder (libmtmd, like vlmencode: on the CPU unless --encoder gpu) and a warm-up frame,
-    // which also gives the cells a frame takes, hence the cells a sequence needs.
-    let cpu_model = models::model(&w.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&w.mmproj, &cpu_model, w.encoder_gpu, w.encoder_threads as i32)?);
-    let encode =
-        |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));
-    let warm = encode(&picture(99, 0, w.width, w.height))?;
-    let frame_cells = warm.n_pos().max(warm.cells()) as u32;
     let answer_reserve = w.tokens + 64;
     let base = EngineConfig {
-        context_per_sequence: Workload { frame_cells: Some(frame_cells), ..w.clone() }.sequence_cells(),
         max_streams: streams.len() as u32,
         max_branches: w.max_answers,
         kv_layout: KvLayout::parse(&w.kv_layout)
@@ -97,13 +87,28 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     if pair.len() < 2 && matches!(spec.config, Config::B2 | Config::P) {
         return Err(format!("--engines must name two engines for {} (got {})", spec.config, w.engines).into());
     }
-    let configs: Vec<EngineConfig> = match spec.config {
+    let mut configs: Vec<EngineConfig> = match spec.config {
         Config::B0 | Config::B1 => vec![single[0].clone()],
         Config::B2 => vec![pair[1].clone()],
         Config::P => pair[..2].to_vec(),
         Config::B3 => vec![pair[spec.only_stream.unwrap_or(0) % pair.len()].clone()],
         Config::Peer => return Err("the peer does not run in a worker".into()),
     };
+
+    // The encoder (libmtmd, like vlmencode: on the CPU unless --encoder gpu) and a warm-up frame,
+    // which also gives the cells a frame takes, hence the cells a sequence needs. Its language
+    // model is the first engine's copy (vlmencode takes any loaded copy), so a GPU engine's
+    // weights are not loaded a second time on the CPU.
+    let model = models::model(&w.model, &configs[0].device)?;
+    let encoder = MtmdEncoder::new(models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32)?);
+    let encode =
+        |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));
+    let warm = encode(&picture(99, 0, w.width, w.height))?;
+    let frame_cells = warm.n_pos().max(warm.cells()) as u32;
+    let cells = Workload { frame_cells: Some(frame_cells), ..w.clone() }.sequence_cells();
+    for c in &mut configs {
+        c.context_per_sequence = cells;
+    }
     let mut engines = vec![];
     for c in configs {
         engines.push(Engine::start(&w.model, c)?);

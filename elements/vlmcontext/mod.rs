@@ -68,19 +68,32 @@
 //! - `system-prompt`: the system message that starts every history.
 //! - `context-size` (512-131072, 2048): KV cells per stream (history, question and answer).
 //! - `max-streams` (1-64, 2): streams the engines hold KV for. `max-answers` (1-64, 8): answers
-//!   generated at once per engine, each with its own KV sequence of `context-size` cells.
-//! - `flash-attention` (false): llama.cpp's `--flash-attn` on every engine.
+//!   generated at once per engine.
+//! - `kv-layout` (`per-sequence`/`unified`, `per-sequence`): `per-sequence` gives every stream and
+//!   every answer a KV sequence of `context-size` cells (an answer copies its version's prefix;
+//!   answers bit-identical to a re-prefill); `unified` one pool of (`max-streams` + 1) x
+//!   `context-size` + `max-answers` x 256 cells where an answer shares its version's cells and
+//!   costs only its question and tokens (greedy answers agree closely with a re-prefill, not bit
+//!   for bit). `kv-type` (`f16`/`q8_0`/`q4_0`, `f16`): the KV element type; quantized types need
+//!   `flash-attention=true`, and snapshots move only between engines of one type.
+//! - `flash-attention` (false): llama.cpp's `--flash-attn` on every engine (also a much smaller
+//!   compute buffer, most of all with `kv-layout=unified`).
 //! - `max-pending` (1-1024, 2): frames per stream registered but not yet prefilled (the lag
 //!   bound). `overload` (`auto`/`block`/`skip`, `auto`).
 //! - `step-budget-ms` (150): most prefill between two decode steps. `ingest-share` (0-0.9,
 //!   0.25): share of an engine's time ingestion takes while answers are generated.
-//! - `history-policy` (`restart`/`stop`, `restart`), `history-keep` (8).
+//! - `history-policy` (`restart`/`stop`/`slide`, `restart`), `history-keep` (8): `slide` drops the
+//!   oldest frames until a quarter of `context-size` is free and shifts the rest in place
+//!   (llama.cpp's K-shift) instead of prefilling them again; M-RoPE models (Qwen2-VL) and
+//!   `kv-layout=unified` cannot shift, so there `slide` prefills the kept frames again and says so
+//!   in the debug log.
 //! - `prefix-cache-size` (bytes, 0 = off), `prefix-cache-entries` (16): KV snapshots that let a
 //!   stream or a new session with an identical history import it instead of prefilling.
 //! - Pad property `stream-name` on each `sink_%u` (`vlmcontext name=ctx sink_0::stream-name=door`
 //!   from `gst-launch-1.0`): the stream's name in `vlm-answer` and JSON (default: the pad's name).
 //! - Read-only: `frames-skipped`, `max-lag-ms`, `frames-dropped`, `history-restarts`,
-//!   `prefix-cache-hits`, `prefix-cache-misses`, `model-owners`.
+//!   `history-slides`, `prefix-cache-hits`, `prefix-cache-misses`, `model-owners`, `kv-bytes`
+//!   (KV cells in use on every engine, a shared cell counted once) and `kv-bytes-allocated`.
 //!
 //! ## Messages
 //!
@@ -88,8 +101,8 @@
 //!   NULL→READY on).
 //! - Element message `vlm-overload` (`stream`, `policy`, `lag-frames`, `lag-ms`, `skipped`), at
 //!   a stream's first skipped frame and every tenth.
-//! - Element message `vlm-history` (`stream`, `policy`, `frame`, `kept`, `dropped`,
-//!   `restarts`) when `history-policy=restart` restarts a history.
+//! - Element message `vlm-history` (`stream`, `policy` = `restart` or `slide`, `frame`, `kept`,
+//!   `dropped`, `restarts`, `slides`) when the history policy restarts or slides a history.
 //! - WARNING when a history is full under `history-policy=stop` (raise `context-size`).
 //! - ERROR when the model or `engines` cannot be used (the message names the file, the
 //!   property or the device), or when a prefill fails.

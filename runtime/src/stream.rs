@@ -112,6 +112,13 @@ pub enum HistoryPolicy {
     Slide,
 }
 
+/// A planned version, how ingestion makes it, and (frames kept, dropped) when it starts an epoch.
+struct Plan {
+    record: Record,
+    rebuild: Rebuild,
+    restart: Option<(usize, usize)>,
+}
+
 /// How ingestion rebuilds the stream's sequence for a planned version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Rebuild {
@@ -408,7 +415,7 @@ impl Stream {
 
     /// Plan the version that appends `entry` to `tail` (a new frame when `new_frame`),
     /// applying the history policy.
-    fn plan(&self, tail: &Record, entry: Entry, new_frame: bool) -> Result<(Record, Rebuild, Option<(usize, usize)>)> {
+    fn plan(&self, tail: &Record, entry: Entry, new_frame: bool) -> Result<Plan> {
         // Capacity in KV cells (positions may be fewer: M-RoPE).
         let capacity = self.engine.n_ctx_per_seq() as i32 - self.config.answer_reserve;
         let (n_pos, n_cells) = (entry.n_pos(), entry.cells());
@@ -418,7 +425,8 @@ impl Stream {
         if tail.cells + n_cells <= capacity {
             let (key, end, history) = (entry.extend(tail.key), tail.end + n_pos, with(&tail.history));
             let cells = tail.cells + n_cells;
-            return Ok((Record { number, serial, epoch: tail.epoch, end, cells, key, history }, Rebuild::Append, None));
+            let record = Record { number, serial, epoch: tail.epoch, end, cells, key, history };
+            return Ok(Plan { record, rebuild: Rebuild::Append, restart: None });
         }
         let frames = |h: &[Entry]| h.iter().filter(|e| matches!(e, Entry::Frame(_))).count();
         let full = || Error::HistoryFull {
@@ -460,7 +468,7 @@ impl Stream {
         } else {
             Rebuild::Whole
         };
-        Ok((record, rebuild, Some((frames(kept), dropped))))
+        Ok(Plan { record, rebuild, restart: Some((frames(kept), dropped)) })
     }
 
     /// Register a frame now and prefill it asynchronously. Blocks while `max_pending` entries
@@ -527,7 +535,7 @@ impl Stream {
         if t.closed {
             return Err(Error::Cancelled);
         }
-        let (record, rebuild, restart) = self.plan(&t.tail, entry, new_frame)?;
+        let Plan { record, rebuild, restart } = self.plan(&t.tail, entry, new_frame)?;
         t.registered = record.number;
         if new_frame {
             t.unpublished.push_back((record.number, Instant::now()));

@@ -100,7 +100,9 @@ fn a_shared_prefix_answers_as_a_copied_one() {
 
 #[test]
 fn quantized_kv_needs_flash_attention_and_keeps_to_its_own_type() {
-    let refused = engine_kv(KvLayout::PerSequence, KvType::Q8_0, false).err().expect("q8_0 without flash attention");
+    let Err(refused) = engine_kv(KvLayout::PerSequence, KvType::Q8_0, false) else {
+        panic!("q8_0 without flash attention started")
+    };
     assert!(matches!(&refused, Error::Config(m) if m.contains("flash-attention")), "{refused}");
     let q8 = engine_kv(KvLayout::PerSequence, KvType::Q8_0, true).expect("q8_0 engine");
     let f16 = engine_kv(KvLayout::PerSequence, KvType::F16, true).expect("f16 engine");
