@@ -48,6 +48,10 @@ struct Args {
     model: String,
     #[arg(long, env = "VLM_MMPROJ", default_value = "models/test-mmproj-mlp.gguf")]
     mmproj: String,
+    /// The one language engine of both levels (vlmcontext's `engines`, vlm-bench's `--engine`),
+    /// e.g. `gpu:gpu:16`; default: a CPU engine with every core.
+    #[arg(long)]
+    engine: Option<String>,
     /// The runtime benchmark's binary (default: `vlm-bench` beside this example's folder).
     #[arg(long)]
     vlm_bench: Option<PathBuf>,
@@ -79,6 +83,9 @@ impl Round {
 
 fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
     let mut description = format!("vlmcontext name=ctx model={} ", a.model);
+    if let Some(engine) = &a.engine {
+        description += &format!("engines={engine} ");
+    }
     for (s, pattern) in [(0, "ball"), (1, "smpte")] {
         description += &format!(
             "videotestsrc is-live=true pattern={pattern} num-buffers={} ! video/x-raw,width=320,height=240,framerate={}/1 \
@@ -163,6 +170,7 @@ fn runtime_round(a: &Args, bench: &PathBuf) -> Result<Vec<Round>, BoxError> {
         ])
         .args(["--fps", &a.fps.to_string(), "--frames", &a.frames.to_string(), "--tokens", &a.tokens.to_string()])
         .args(["--ask-after", &asked.join(","), "--model", &a.model, "--mmproj", &a.mmproj])
+        .args(a.engine.iter().flat_map(|e| ["--engine", e.as_str()]))
         .arg("--json")
         .arg(&json)
         .stdout(std::process::Stdio::null())

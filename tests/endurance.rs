@@ -97,27 +97,38 @@ fn count_frames(pad: &gst::Pad) -> Arc<AtomicU64> {
     count
 }
 
+/// Answers seen on the bus: the statuses of each question id, and (when, TTFT ms) of each
+/// answered one.
+#[derive(Default)]
+struct Answers {
+    status: std::collections::HashMap<String, Vec<String>>,
+    ttft: Vec<(Instant, f64)>,
+}
+
 /// Read `bus` until `done` or `limit`; errors fail the test, answers are counted per id.
 fn pump(
     bus: &gst::Bus,
-    answers: &mut std::collections::HashMap<String, Vec<String>>,
+    answers: &mut Answers,
     limit: Duration,
     done: impl Fn(&std::collections::HashMap<String, Vec<String>>) -> bool,
 ) -> bool {
     let deadline = Instant::now() + limit;
-    while !done(answers) {
+    while !done(&answers.status) {
         let left = deadline.saturating_duration_since(Instant::now());
         let Some(msg) =
             (!left.is_zero()).then(|| bus.timed_pop(gst::ClockTime::from_nseconds(left.as_nanos() as u64))).flatten()
         else {
-            return done(answers);
+            return done(&answers.status);
         };
         match msg.view() {
             gst::MessageView::Error(e) => panic!("error: {} ({:?})", e.error(), e.debug()),
             gst::MessageView::Element(e) => {
                 if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer") {
-                    let id = s.get::<String>("id").unwrap();
-                    answers.entry(id).or_default().push(s.get::<String>("status").unwrap());
+                    let status = s.get::<String>("status").unwrap();
+                    if status == "answered" {
+                        answers.ttft.push((Instant::now(), s.get::<f64>("ttft-ms").unwrap()));
+                    }
+                    answers.status.entry(s.get::<String>("id").unwrap()).or_default().push(status);
                 }
             }
             _ => (),
@@ -149,7 +160,7 @@ fn null_playing_null_cycles_keep_memory_bounded() {
     let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
     let frames = count_frames(&q.static_pad("sink").unwrap());
     let bus = pipeline.bus().unwrap();
-    let mut answers = std::collections::HashMap::new();
+    let mut answers = Answers::default();
     let (mut start, mut asked) = (None, 0);
     let began = Instant::now();
     for i in 0..cycles {
@@ -170,7 +181,7 @@ fn null_playing_null_cycles_keep_memory_bounded() {
             let id = q.emit_by_name::<Option<String>>("ask", &[&"What is it?"]).expect("accepted");
             asked += 1;
             assert!(pump(&bus, &mut answers, Duration::from_secs(60), |a| a.contains_key(&id)), "cycle {i}: no answer");
-            assert_eq!(answers[&id], ["answered"], "cycle {i}");
+            assert_eq!(answers.status[&id], ["answered"], "cycle {i}");
         } else if i % 5 == 0 {
             let id = q.emit_by_name::<Option<String>>("ask", &[&"Stopped?"]).expect("accepted");
             asked += 1;
@@ -178,7 +189,7 @@ fn null_playing_null_cycles_keep_memory_bounded() {
             // queued at READY->NULL, so it is read in between).
             set_state(&pipeline, gst::State::Ready, Duration::from_secs(30), &format!("cycle {i}"));
             assert!(pump(&bus, &mut answers, Duration::from_secs(10), |a| a.contains_key(&id)), "cycle {i}: no answer");
-            assert!(["answered", "cancelled"].contains(&answers[&id][0].as_str()), "cycle {i}: {:?}", answers[&id]);
+            assert!(["answered", "cancelled"].contains(&answers.status[&id][0].as_str()), "cycle {i}: {:?}", answers.status[&id]);
         }
         set_state(&pipeline, gst::State::Null, Duration::from_secs(30), &format!("cycle {i}"));
         if std::env::var("VLM_ENDURANCE_VERBOSE").is_ok() {
@@ -188,8 +199,8 @@ fn null_playing_null_cycles_keep_memory_bounded() {
     pump(&bus, &mut answers, Duration::from_millis(500), |_| false);
     let end = settled_rss_mib();
     let (start, from) = start.unwrap();
-    assert_eq!(answers.len(), asked, "a question without its one vlm-answer");
-    assert!(answers.values().all(|s| s.len() == 1), "a question answered twice");
+    assert_eq!(answers.status.len(), asked, "a question without its one vlm-answer");
+    assert!(answers.status.values().all(|s| s.len() == 1), "a question answered twice");
     report(
         "cycles",
         start,
@@ -204,13 +215,49 @@ fn null_playing_null_cycles_keep_memory_bounded() {
 
 #[test]
 fn a_long_live_run_keeps_memory_bounded_and_answers_every_question() {
+    let run = live_run("");
+    assert_eq!(run.slides, 0);
+}
+
+/// `history-policy=slide` with a short context (512 cells: the history fills every few frames):
+/// the history slides again and again without a restart, every question is answered, and the
+/// p95 TTFT of the run's last sixth (the last 5 minutes of 30) is reported beside its first's.
+#[test]
+fn a_live_run_slides_its_history_without_restarting() {
+    let run = live_run("history-policy=slide context-size=512");
+    assert_eq!(run.restarts, 0, "history-policy=slide restarted the history");
+    assert!(run.slides >= 2, "the history slid {} times", run.slides);
+    let p95 = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() * 95 / 100).copied().unwrap_or(f64::NAN)
+    };
+    let (first, last) = (p95(run.ttft_first), p95(run.ttft_last));
+    println!(
+        "{{\"endurance\":\"slide-ttft\",\"p95-first-ms\":{first:.0},\"p95-last-ms\":{last:.0},\"ratio\":{:.2}}}",
+        last / first
+    );
+}
+
+/// What a live run counted.
+struct LiveRun {
+    restarts: u64,
+    slides: u64,
+    /// TTFTs of the answers of the run's first and last sixth.
+    ttft_first: Vec<f64>,
+    ttft_last: Vec<f64>,
+}
+
+/// A live run at one frame a second with a question every 3 s (`VLM_ENDURANCE_SECS`, 20 s or 30
+/// minutes), `context` added to vlmcontext's properties: every question answered once, RSS
+/// growth bounded.
+fn live_run(context: &str) -> LiveRun {
     let _alone = alone();
     let seconds = size("VLM_ENDURANCE_SECS", 20, 1800);
-    let pipeline = launch(&LIVE.replace("FPS", "1/1"));
+    let pipeline = launch(&LIVE.replace("FPS", "1/1").replace("name=ctx", &format!("name=ctx {context}")));
     let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
     let frames = count_frames(&q.static_pad("sink").unwrap());
     let bus = pipeline.bus().unwrap();
-    let mut answers = std::collections::HashMap::new();
+    let mut answers = Answers::default();
     set_state(&pipeline, gst::State::Playing, Duration::from_secs(60), "start");
     // Questions bind to frames: the first is asked once one has reached vlmquery.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -229,26 +276,27 @@ fn a_long_live_run_keeps_memory_bounded_and_answers_every_question() {
         let tick = Instant::now();
         pump(&bus, &mut answers, Duration::from_secs(3), |_| false);
         std::thread::sleep(Duration::from_secs(3).saturating_sub(tick.elapsed()));
-        if start.is_none() && !answers.is_empty() {
+        if start.is_none() && !answers.status.is_empty() {
             start = Some(rss_mib());
         }
     }
     let all = pump(&bus, &mut answers, Duration::from_secs(60), |a| ids.iter().all(|id| a.contains_key(id)));
     let end = rss_mib();
     set_state(&pipeline, gst::State::Null, Duration::from_secs(30), "stop");
-    assert!(all, "{} of {} questions answered", answers.len(), ids.len());
+    assert!(all, "{} of {} questions answered", answers.status.len(), ids.len());
     assert!(ids.len() as u64 >= seconds / 3 - 1, "questions refused: {} asked", ids.len());
     for id in &ids {
-        assert_eq!(answers[id], ["answered"], "{id}");
+        assert_eq!(answers.status[id], ["answered"], "{id}");
     }
     // Every frame joined the history or was counted: skipped under overload (a history restart
     // replays its kept frames, and a live stream does not wait for that) or dropped.
     let frames = frames.load(Ordering::Relaxed);
     let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
-    let (skipped, dropped, restarts) = (
+    let (skipped, dropped, restarts, slides) = (
         ctx.property::<u64>("frames-skipped"),
         ctx.property::<u64>("frames-dropped"),
         ctx.property::<u64>("history-restarts"),
+        ctx.property::<u64>("history-slides"),
     );
     assert!(
         frames + skipped + dropped + 2 >= seconds,
@@ -259,8 +307,19 @@ fn a_long_live_run_keeps_memory_bounded_and_answers_every_question() {
         start.expect("no answer in the whole run"),
         end,
         &format!(
-            "\"seconds\":{seconds},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"questions\":{}",
+            "\"context\":{context:?},\"seconds\":{seconds},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
             ids.len()
         ),
     );
+    let sixth = Duration::from_secs(seconds / 6);
+    let in_window = |from: Instant, to: Instant| -> Vec<f64> {
+        answers.ttft.iter().filter(|(at, _)| *at >= from && *at < to).map(|(_, t)| *t).collect()
+    };
+    let end_of_run = began + Duration::from_secs(seconds);
+    LiveRun {
+        restarts,
+        slides,
+        ttft_first: in_window(began, began + sixth),
+        ttft_last: in_window(end_of_run - sixth, end_of_run),
+    }
 }
