@@ -5,6 +5,8 @@
 #   scripts/contention.sh "t2=" "t1=VLM_ENGINE=cpu:cpu:1" "passive=OMP_WAIT_POLICY=passive"
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# The persistent target directory of .ci/run (llama.cpp takes 10 minutes to build into a new one).
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/gst-vlm-target}"
 cargo build -q -p vlm-bench
 bench="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/vlm-bench"
 out=$(mktemp -d)

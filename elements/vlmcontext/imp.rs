@@ -618,7 +618,7 @@ impl ObjectImpl for VlmContext {
                     .build(),
                 glib::ParamSpecUInt::builder("max-answers")
                     .nick("Max answers")
-                    .blurb("Answers generated at once per engine (each has a KV sequence of context-size cells); more wait for one to end")
+                    .blurb("Answers generated at once per engine (each has a KV sequence of context-size cells, or with kv-layout=unified 256 cells of the pool); more wait for one to end")
                     .minimum(1)
                     .maximum(64)
                     .default_value(DEFAULT_MAX_ANSWERS)

@@ -9,7 +9,8 @@
 //!    question greedily, printing the text and the version's `end` position,
 //! 4. runs the same prompt through libmtmd's own helper (`mtmd_helper_eval_chunks`, what llama.cpp's
 //!    mtmd-cli uses) on a separate llama.cpp context, and prints its `n_past` and greedy tokens
-//!    beside the runtime's.
+//!    beside the runtime's (`vlm_runtime::llama::reference`, the plain-libmtmd reference that
+//!    `tests/families.rs` checks against too).
 //!
 //!   cargo run -p vlm-runtime --example families -- [--family all|idefics3|qwen2vl|gemma3] [--frames 2] [--tokens 8]
 //!
@@ -18,18 +19,16 @@
 //! `VLM_MODEL` / `VLM_MMPROJ` (or `--model` / `--mmproj`) replace one family's pair; the default is
 //! `models/test-<family>-lm.gguf` and `models/test-<family>-mmproj.gguf`.
 
-use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
-use std::ptr::{NonNull, null_mut};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use clap::Parser;
-use llama_cpp_sys_2 as sys;
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
-use vlm_runtime::llama::{LogLevel, Segment, Token};
+use vlm_runtime::llama::reference::{Reference, picture};
+use vlm_runtime::llama::{LogLevel, Segment};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{Device, Engine, EngineConfig, Question, Sampling, Stream, StreamConfig, answer, models};
 
@@ -60,19 +59,6 @@ struct Args {
     /// Print every line llama.cpp / libmtmd log (default: warnings and errors).
     #[arg(long)]
     verbose: bool,
-}
-
-/// A deterministic 64x48 RGB picture; different `variant`s give different pictures.
-fn picture(variant: u32) -> Vec<u8> {
-    let (w, h) = (64u32, 48u32);
-    let mut v = Vec::with_capacity((w * h * 3) as usize);
-    for y in 0..h {
-        for x in 0..w {
-            let on = ((x + variant * 7) / 8 + y / 8).is_multiple_of(2);
-            v.extend_from_slice(&[(x * 4) as u8, (y * 5) as u8, if on { 230 } else { (20 + 30 * variant) as u8 }]);
-        }
-    }
-    v
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -240,17 +226,9 @@ fn run_family(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     );
 
     // 4. The same prompt through libmtmd's helper.
-    let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_str()?.to_owned();
-    let frames_text = marker.repeat(args.frames as usize);
-    let full = model.apply_chat_template(
-        &[("system", DEFAULT_SYSTEM_PROMPT), ("user", &format!("{frames_text}\n{QUESTION}"))],
-        true,
-    )?;
-    let history_end = full.rfind(&marker).map(|i| i + marker.len()).ok_or("the template dropped the frames")?;
-    let pictures: Vec<Vec<u8>> = (0..args.frames).map(picture).collect();
-    let history = reference.chunks(&full[..history_end], &pictures)?;
+    let history = reference.history(&model, args.frames as usize, QUESTION)?;
     println!("[mtmd] history prompt: {} chunks, mtmd_helper_get_n_pos = {}", history.len(), history.n_pos());
-    let whole = reference.chunks(&full, &pictures)?;
+    let whole = reference.whole(&model, args.frames as usize, QUESTION)?;
     for line in whole.describe(&reference) {
         println!("  {line}");
     }
@@ -330,207 +308,4 @@ fn fill(
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
-}
-
-/// The pair loaded a second time directly through llama-cpp-sys-2, to run libmtmd's helper on
-/// its own context.
-struct Reference {
-    model: NonNull<sys::llama_model>,
-    mtmd: NonNull<sys::mtmd_context>,
-    threads: i32,
-}
-
-/// Chunks of one tokenized prompt (freed on drop).
-struct Chunks(NonNull<sys::mtmd_input_chunks>);
-
-impl Drop for Chunks {
-    fn drop(&mut self) {
-        // SAFETY: owned chunks from mtmd_input_chunks_init, not used after this.
-        unsafe { sys::mtmd_input_chunks_free(self.0.as_ptr()) }
-    }
-}
-
-impl Chunks {
-    fn len(&self) -> usize {
-        // SAFETY: valid chunks.
-        unsafe { sys::mtmd_input_chunks_size(self.0.as_ptr()) }
-    }
-
-    fn n_pos(&self) -> i32 {
-        // SAFETY: valid chunks.
-        unsafe { sys::mtmd_helper_get_n_pos(self.0.as_ptr()) }
-    }
-
-    fn describe(&self, reference: &Reference) -> Vec<String> {
-        let mut lines = vec![];
-        let mut pos = 0;
-        for i in 0..self.len() {
-            // SAFETY: i < size; the chunk and its token buffer live as long as self.
-            unsafe {
-                let c = sys::mtmd_input_chunks_get(self.0.as_ptr(), i);
-                let n_pos = sys::mtmd_input_chunk_get_n_pos(c);
-                if sys::mtmd_input_chunk_get_type(c) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT {
-                    let mut n = 0usize;
-                    let p = sys::mtmd_input_chunk_get_tokens_text(c, &mut n);
-                    let tokens = std::slice::from_raw_parts(p, n);
-                    let text = reference.render(tokens);
-                    let shown = if text.chars().count() > 60 {
-                        format!("{}...", text.chars().take(57).collect::<String>())
-                    } else {
-                        text
-                    };
-                    lines.push(format!("{i:>2} text  {n:>3} tokens  pos {pos:>3}..  {shown:?}"));
-                } else {
-                    let rows = sys::mtmd_input_chunk_get_n_tokens(c);
-                    lines.push(format!("{i:>2} image {rows:>3} rows (n_pos {n_pos:>3})  pos {pos:>3}.."));
-                }
-                pos += n_pos;
-            }
-        }
-        lines
-    }
-}
-
-impl Drop for Reference {
-    fn drop(&mut self) {
-        // SAFETY: owned; the mtmd context refers to the model, so it goes first.
-        unsafe {
-            sys::mtmd_free(self.mtmd.as_ptr());
-            sys::llama_model_free(self.model.as_ptr());
-        }
-    }
-}
-
-impl Reference {
-    fn load(lm: &Path, mmproj: &Path, threads: i32) -> Result<Reference, Box<dyn std::error::Error>> {
-        vlm_runtime::llama::init_backend();
-        let (lm_c, mmproj_c) =
-            (CString::new(lm.to_str().ok_or("path")?)?, CString::new(mmproj.to_str().ok_or("path")?)?);
-        // SAFETY: default params are plain data; an empty device list keeps the model on the CPU;
-        // both paths are NUL-terminated and outlive the calls.
-        unsafe {
-            let mut mp = sys::llama_model_default_params();
-            let mut devices: [sys::ggml_backend_dev_t; 1] = [null_mut()];
-            mp.devices = devices.as_mut_ptr();
-            mp.n_gpu_layers = 0;
-            let model = NonNull::new(sys::llama_model_load_from_file(lm_c.as_ptr(), mp)).ok_or("reference model")?;
-            let mut p = sys::mtmd_context_params_default();
-            p.use_gpu = false;
-            p.n_threads = threads;
-            p.print_timings = false;
-            let Some(mtmd) = NonNull::new(sys::mtmd_init_from_file(mmproj_c.as_ptr(), model.as_ptr(), p)) else {
-                sys::llama_model_free(model.as_ptr());
-                return Err("reference projector".into());
-            };
-            Ok(Reference { model, mtmd, threads })
-        }
-    }
-
-    fn vocab(&self) -> *const sys::llama_vocab {
-        // SAFETY: valid model.
-        unsafe { sys::llama_model_get_vocab(self.model.as_ptr()) }
-    }
-
-    /// Tokens as text, special tokens with their own text.
-    fn render(&self, tokens: &[Token]) -> String {
-        let mut bytes = vec![];
-        for &t in tokens {
-            let mut buf = [0u8; 128];
-            // SAFETY: buf/len describe a writable buffer.
-            let n = unsafe { sys::llama_token_to_piece(self.vocab(), t, buf.as_mut_ptr().cast(), 128, 0, true) };
-            bytes.extend_from_slice(&buf[..n.clamp(0, 128) as usize]);
-        }
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
-
-    /// libmtmd's tokenization of `text` (markers replaced by `pictures`, 64x48 RGB).
-    fn chunks(&self, text: &str, pictures: &[Vec<u8>]) -> Result<Chunks, Box<dyn std::error::Error>> {
-        let n_markers = text.matches(unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_str()?).count();
-        let text_c = CString::new(text)?;
-        // SAFETY: bitmaps copy the pixels (64*48*3 bytes each) and are freed after tokenizing; the
-        // text outlives the call; the chunks are owned by the returned value.
-        unsafe {
-            let bitmaps: Vec<*const sys::mtmd_bitmap> = pictures[..n_markers]
-                .iter()
-                .map(|rgb| sys::mtmd_bitmap_init(64, 48, rgb.as_ptr()) as *const sys::mtmd_bitmap)
-                .collect();
-            let chunks = NonNull::new(sys::mtmd_input_chunks_init()).ok_or("chunks")?;
-            let input = sys::mtmd_input_text {
-                text: text_c.as_ptr(),
-                text_len: text.len(),
-                add_special: true,
-                parse_special: true,
-            };
-            let rc = sys::mtmd_tokenize(self.mtmd.as_ptr(), chunks.as_ptr(), &input, bitmaps.as_ptr(), bitmaps.len());
-            for b in bitmaps {
-                sys::mtmd_bitmap_free(b as *mut _);
-            }
-            let chunks = Chunks(chunks);
-            if rc != 0 {
-                return Err(format!("mtmd_tokenize failed ({rc})").into());
-            }
-            Ok(chunks)
-        }
-    }
-
-    /// `mtmd_helper_eval_chunks` into a fresh context (what mtmd-cli does), then `n` greedy tokens.
-    fn eval_and_generate(&self, chunks: &Chunks, n: u32) -> Result<(i32, Vec<Token>), Box<dyn std::error::Error>> {
-        // SAFETY: the context is created from the valid model and freed before return; batches
-        // are allocated for one token and freed after use; logits rows hold n_vocab floats.
-        unsafe {
-            let mut cp = sys::llama_context_default_params();
-            cp.n_ctx = 1024;
-            cp.n_batch = 512;
-            cp.n_ubatch = 512;
-            cp.n_seq_max = 1;
-            cp.n_threads = self.threads;
-            cp.n_threads_batch = self.threads;
-            cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
-            let ctx = NonNull::new(sys::llama_init_from_model(self.model.as_ptr(), cp)).ok_or("reference context")?;
-            let ctx = ctx.as_ptr();
-            let mut n_past = 0;
-            let rc =
-                sys::mtmd_helper_eval_chunks(self.mtmd.as_ptr(), ctx, chunks.0.as_ptr(), 0, 0, 512, true, &mut n_past);
-            let mut out = vec![];
-            let result = if rc != 0 {
-                Err(format!("mtmd_helper_eval_chunks failed ({rc})").into())
-            } else {
-                let n_vocab = sys::llama_vocab_n_tokens(self.vocab()) as usize;
-                let mut error = None;
-                for pos in n_past..n_past + n as i32 {
-                    let logits = std::slice::from_raw_parts(sys::llama_get_logits_ith(ctx, -1), n_vocab);
-                    let mut best = 0;
-                    for (i, &l) in logits.iter().enumerate() {
-                        if l > logits[best] {
-                            best = i;
-                        }
-                    }
-                    let token = best as Token;
-                    if sys::llama_vocab_is_eog(self.vocab(), token) {
-                        break;
-                    }
-                    out.push(token);
-                    let mut b = sys::llama_batch_init(1, 0, 1);
-                    *b.token = token;
-                    *b.pos = pos;
-                    *b.n_seq_id = 1;
-                    **b.seq_id = 0;
-                    *b.logits = 1;
-                    b.n_tokens = 1;
-                    let rc = sys::llama_decode(ctx, b);
-                    sys::llama_batch_free(b);
-                    if rc != 0 {
-                        error = Some(format!("llama_decode failed ({rc}) at {pos}"));
-                        break;
-                    }
-                }
-                match error {
-                    Some(e) => Err(e.into()),
-                    None => Ok((n_past, out)),
-                }
-            };
-            sys::llama_free(ctx);
-            result
-        }
-    }
 }

@@ -8,20 +8,20 @@
 //! re-prefill; a snapshot imported into another engine and a replay there equal to the resident
 //! answer; answers on branches unchanged while more frames arrive; and the positions and greedy
 //! tokens equal to libmtmd's own helper (`mtmd_helper_eval_chunks`, what llama.cpp's mtmd-cli
-//! runs) on the same prompt. A family whose pair is missing fails (`scripts/setup.sh` makes them).
+//! runs) on the same prompt (`vlm_runtime::llama::reference`, the plain-libmtmd reference that
+//! `examples/families.rs` prints too). A family whose pair is missing fails (`scripts/setup.sh`
+//! makes them).
 
 mod common;
 
-use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
-use std::ptr::{NonNull, null_mut};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use common::{picture, question};
-use llama_cpp_sys_2 as sys;
 use vlm_runtime::encoder::{FrameEncoder, MtmdEncoder, Picture, PixelLayout, VisionEncoder};
-use vlm_runtime::llama::{Context, ContextParams, ImageEmbeddings, Model, Segment, Token};
+use vlm_runtime::llama::reference::Reference;
+use vlm_runtime::llama::{Context, ContextParams, ImageEmbeddings, Model, Segment};
 use vlm_runtime::prefix::PrefixKey;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
@@ -143,10 +143,10 @@ fn family_end_to_end(family: &str) {
     assert_eq!(v2.cells, prefix.len() as i32 + frames[0].cells() + frames[1].cells());
 
     // Positions: libmtmd's own helper on the same prompt, after 1 and 2 frames.
-    let reference = Reference::load(&lm, &mmproj);
+    let reference = Reference::load(&lm, &mmproj, threads()).expect("reference");
     let v1 = s.wait_version(1, &never()).unwrap();
     for v in [&v1, &v2] {
-        let history = reference.history(&model, v.number as usize);
+        let history = reference.history(&model, v.number as usize, QUESTION).expect("reference history");
         assert_eq!(v.end, history.n_pos(), "{family}: end after {} frames: runtime vs mtmd_helper_get_n_pos", v.number);
     }
 
@@ -161,7 +161,8 @@ fn family_end_to_end(family: &str) {
     // libmtmd's helper over the whole prompt: the answer starts where the runtime's does and
     // continues with the same greedy tokens.
     let suffix = suffix_len(&model);
-    let (n_past, tokens) = reference.eval_and_generate(&model, 2, TOKENS);
+    let whole = reference.whole(&model, 2, QUESTION).expect("reference prompt");
+    let (n_past, tokens) = reference.eval_and_generate(&whole, TOKENS).expect("reference answer");
     assert_eq!(n_past, v2.end + suffix, "{family}: answer start: runtime vs mtmd_helper_eval_chunks");
     assert_eq!(tokens, resident.token_ids, "{family}: greedy tokens: runtime vs mtmd_helper_eval_chunks");
 
@@ -187,7 +188,7 @@ fn family_end_to_end(family: &str) {
     let during_one = answer(&v1, &q, &never(), |_| {}).unwrap();
     arriving.join().unwrap();
     let v5 = s.wait_version(5, &never()).unwrap();
-    assert_eq!(v5.end, reference.history(&model, 5).n_pos(), "{family}: end after 5 frames");
+    assert_eq!(v5.end, reference.history(&model, 5, QUESTION).unwrap().n_pos(), "{family}: end after 5 frames");
     let after = answer(&v2, &q, &never(), |_| {}).unwrap();
     // The stream's sequence now holds 5 frames: the snapshot is trimmed back to version 2.
     let imported_after = answer_on(&v2, &q, &b, PreparePath::Import, &never(), |_| {}).unwrap();
@@ -407,182 +408,4 @@ fn a_non_causal_image_larger_than_the_batch_is_refused() {
     let err = context(n - 1).decode_image(image, 0, 0).expect_err("refused");
     assert!(err.to_string().contains("does not fit in one batch"), "{err}");
     assert_eq!(context(n).decode_image(image, 0, 0).unwrap(), image.n_pos);
-}
-
-/// The pair loaded a second time directly through llama-cpp-sys-2, to run libmtmd's own helper
-/// on the same prompt (the runtime keeps its pointers private).
-struct Reference {
-    model: NonNull<sys::llama_model>,
-    mtmd: NonNull<sys::mtmd_context>,
-}
-
-/// Chunks of one tokenized prompt, freed on drop.
-struct Chunks(NonNull<sys::mtmd_input_chunks>);
-
-impl Drop for Chunks {
-    fn drop(&mut self) {
-        // SAFETY: owned chunks from mtmd_input_chunks_init, not used after this.
-        unsafe { sys::mtmd_input_chunks_free(self.0.as_ptr()) }
-    }
-}
-
-impl Chunks {
-    fn n_pos(&self) -> i32 {
-        // SAFETY: valid chunks.
-        unsafe { sys::mtmd_helper_get_n_pos(self.0.as_ptr()) }
-    }
-}
-
-impl Drop for Reference {
-    fn drop(&mut self) {
-        // SAFETY: owned; the mtmd context refers to the model, so it goes first.
-        unsafe {
-            sys::mtmd_free(self.mtmd.as_ptr());
-            sys::llama_model_free(self.model.as_ptr());
-        }
-    }
-}
-
-fn marker() -> String {
-    // SAFETY: libmtmd's default marker is a static NUL-terminated string.
-    unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_str().unwrap().to_owned()
-}
-
-impl Reference {
-    fn load(lm: &Path, mmproj: &Path) -> Reference {
-        vlm_runtime::llama::init_backend();
-        let (lm_c, mmproj_c) =
-            (CString::new(lm.to_str().unwrap()).unwrap(), CString::new(mmproj.to_str().unwrap()).unwrap());
-        // SAFETY: default params are plain data; a device list of one null entry keeps the model
-        // on the CPU and outlives the load; both paths are NUL-terminated and outlive the calls.
-        unsafe {
-            let mut mp = sys::llama_model_default_params();
-            let mut devices: [sys::ggml_backend_dev_t; 1] = [null_mut()];
-            mp.devices = devices.as_mut_ptr();
-            mp.n_gpu_layers = 0;
-            let model = NonNull::new(sys::llama_model_load_from_file(lm_c.as_ptr(), mp)).expect("reference model");
-            let mut p = sys::mtmd_context_params_default();
-            p.use_gpu = false;
-            p.n_threads = threads();
-            p.print_timings = false;
-            let mtmd = NonNull::new(sys::mtmd_init_from_file(mmproj_c.as_ptr(), model.as_ptr(), p));
-            let Some(mtmd) = mtmd else {
-                sys::llama_model_free(model.as_ptr());
-                panic!("reference projector");
-            };
-            Reference { model, mtmd }
-        }
-    }
-
-    /// The runtime's prompt with `frames` pictures (variants 0..frames) as one text for libmtmd:
-    /// the chat template around the frames' markers and the question; `whole` keeps the question
-    /// and the assistant's turn, else the text ends after the last frame.
-    fn prompt(model: &Model, frames: usize, whole: bool) -> String {
-        let marker = marker();
-        let user = format!("{}\n{QUESTION}", marker.repeat(frames));
-        let full = model.apply_chat_template(&[("system", DEFAULT_SYSTEM_PROMPT), ("user", &user)], true).unwrap();
-        if whole {
-            return full;
-        }
-        let end = full.rfind(&marker).unwrap() + marker.len();
-        full[..end].to_owned()
-    }
-
-    fn history(&self, model: &Model, frames: usize) -> Chunks {
-        self.chunks(&Self::prompt(model, frames, false), frames)
-    }
-
-    /// libmtmd's tokenization of `text`, its markers replaced by pictures 0..frames (64x48 RGB).
-    fn chunks(&self, text: &str, frames: usize) -> Chunks {
-        let pictures: Vec<Vec<u8>> = (0..frames as u32).map(picture).collect();
-        let text_c = CString::new(text).unwrap();
-        // SAFETY: each bitmap copies its picture (64*48*3 bytes) and is freed after tokenizing;
-        // the text outlives the call; the chunks are owned by the returned value.
-        unsafe {
-            let bitmaps: Vec<*const sys::mtmd_bitmap> = pictures
-                .iter()
-                .map(|rgb| sys::mtmd_bitmap_init(64, 48, rgb.as_ptr()) as *const sys::mtmd_bitmap)
-                .collect();
-            let chunks = Chunks(NonNull::new(sys::mtmd_input_chunks_init()).expect("chunks"));
-            let input = sys::mtmd_input_text {
-                text: text_c.as_ptr(),
-                text_len: text.len(),
-                add_special: true,
-                parse_special: true,
-            };
-            let rc = sys::mtmd_tokenize(self.mtmd.as_ptr(), chunks.0.as_ptr(), &input, bitmaps.as_ptr(), bitmaps.len());
-            for b in bitmaps {
-                sys::mtmd_bitmap_free(b as *mut _);
-            }
-            assert_eq!(rc, 0, "mtmd_tokenize");
-            chunks
-        }
-    }
-
-    /// `mtmd_helper_eval_chunks` of the whole prompt with `frames` pictures into a fresh context
-    /// (what mtmd-cli does), then up to `n` greedy tokens: (n_past after the prompt, tokens).
-    fn eval_and_generate(&self, model: &Model, frames: usize, n: u32) -> (i32, Vec<Token>) {
-        let chunks = self.chunks(&Self::prompt(model, frames, true), frames);
-        // SAFETY: the context is created from the valid model and freed before return; each
-        // batch is allocated for one token (one position: llama.cpp reads one per token, M-RoPE
-        // or not) and freed after use; a logits row holds n_vocab floats and is read before the
-        // next decode.
-        unsafe {
-            let vocab = sys::llama_model_get_vocab(self.model.as_ptr());
-            let mut cp = sys::llama_context_default_params();
-            cp.n_ctx = 1024;
-            cp.n_batch = 512;
-            cp.n_ubatch = 512;
-            cp.n_seq_max = 1;
-            cp.n_threads = threads();
-            cp.n_threads_batch = threads();
-            cp.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
-            let ctx = NonNull::new(sys::llama_init_from_model(self.model.as_ptr(), cp)).expect("reference context");
-            let ctx = ctx.as_ptr();
-            let mut n_past = 0;
-            let rc =
-                sys::mtmd_helper_eval_chunks(self.mtmd.as_ptr(), ctx, chunks.0.as_ptr(), 0, 0, 512, true, &mut n_past);
-            let mut out = vec![];
-            let mut failed = (rc != 0).then(|| format!("mtmd_helper_eval_chunks failed ({rc})"));
-            let n_vocab = sys::llama_vocab_n_tokens(vocab) as usize;
-            for pos in n_past..n_past + n as i32 {
-                if failed.is_some() {
-                    break;
-                }
-                let logits = std::slice::from_raw_parts(sys::llama_get_logits_ith(ctx, -1), n_vocab);
-                // First maximum on ties, like the runtime's greedy sampler.
-                let mut best = 0;
-                for (i, &l) in logits.iter().enumerate() {
-                    if l > logits[best] {
-                        best = i;
-                    }
-                }
-                let token = best as Token;
-                if sys::llama_vocab_is_eog(vocab, token) {
-                    break;
-                }
-                out.push(token);
-                if out.len() == n as usize {
-                    break;
-                }
-                let mut b = sys::llama_batch_init(1, 0, 1);
-                *b.token = token;
-                *b.pos = pos;
-                *b.n_seq_id = 1;
-                **b.seq_id = 0;
-                *b.logits = 1;
-                b.n_tokens = 1;
-                let rc = sys::llama_decode(ctx, b);
-                sys::llama_batch_free(b);
-                if rc != 0 {
-                    failed = Some(format!("llama_decode failed ({rc}) at {pos}"));
-                }
-            }
-            sys::llama_free(ctx);
-            if let Some(e) = failed {
-                panic!("{e}");
-            }
-            (n_past, out)
-        }
-    }
 }

@@ -1,0 +1,89 @@
+//! A llama.cpp batch of tokens or embedding rows.
+
+use llama_cpp_sys_2 as sys;
+
+use super::Token;
+
+/// A llama.cpp batch this side owns: either tokens or embedding rows, each entry with its
+/// position, one sequence and whether its logits are kept. Invariant: the first `n` entries of
+/// every array are filled, `n <= capacity`, and rows are `width` floats.
+pub struct Batch {
+    pub(super) raw: sys::llama_batch,
+    capacity: usize,
+    /// Floats per row (0: a token batch).
+    pub(super) width: usize,
+    n: usize,
+}
+
+impl Batch {
+    /// A batch of at most `capacity` tokens.
+    pub fn tokens(capacity: usize) -> Batch {
+        Batch::init(capacity, 0)
+    }
+
+    /// A batch of at most `capacity` embedding rows of `width` floats.
+    pub fn embeddings(capacity: usize, width: usize) -> Batch {
+        Batch::init(capacity, width)
+    }
+
+    fn init(capacity: usize, width: usize) -> Batch {
+        let capacity = capacity.max(1);
+        // SAFETY: llama_batch_init allocates arrays for `capacity` entries with one sequence id
+        // each (and `width` floats per entry when width > 0); freed in Drop.
+        let raw = unsafe { sys::llama_batch_init(capacity as i32, width as i32, 1) };
+        Batch { raw, capacity, width, n: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// (position, sequence) of the first entry.
+    pub(super) fn first(&self) -> (i32, i32) {
+        if self.n == 0 {
+            return (0, 0);
+        }
+        // SAFETY: entry 0 is filled (n > 0).
+        unsafe { (*self.raw.pos, **self.raw.seq_id) }
+    }
+
+    fn push_meta(&mut self, pos: i32, seq: i32, logits: bool) {
+        let j = self.n;
+        // SAFETY: j < capacity (checked by the callers' asserts); the arrays have `capacity`
+        // entries and seq_id[j] points at room for one id.
+        unsafe {
+            *self.raw.pos.add(j) = pos;
+            *self.raw.n_seq_id.add(j) = 1;
+            **self.raw.seq_id.add(j) = seq;
+            *self.raw.logits.add(j) = logits as i8;
+        }
+        self.n += 1;
+        self.raw.n_tokens = self.n as i32;
+    }
+
+    pub fn push_token(&mut self, token: Token, pos: i32, seq: i32, logits: bool) {
+        assert!(self.width == 0 && self.n < self.capacity, "token batch full or not a token batch");
+        // SAFETY: token batch with n < capacity entries.
+        unsafe { *self.raw.token.add(self.n) = token };
+        self.push_meta(pos, seq, logits);
+    }
+
+    pub fn push_row(&mut self, row: &[f32], pos: i32, seq: i32, logits: bool) {
+        assert!(self.width > 0 && row.len() == self.width && self.n < self.capacity, "bad embedding row");
+        // SAFETY: the embd array holds capacity*width floats; row n starts at n*width and the
+        // source has exactly width floats.
+        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), self.raw.embd.add(self.n * self.width), self.width) };
+        self.push_meta(pos, seq, logits);
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        // SAFETY: allocated by llama_batch_init, freed once.
+        unsafe { sys::llama_batch_free(self.raw) }
+    }
+}

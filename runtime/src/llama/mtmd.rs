@@ -1,0 +1,255 @@
+//! libmtmd's projector and the image embeddings it encodes.
+
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+use std::ptr::{NonNull, null_mut};
+use std::sync::Arc;
+
+use llama_cpp_sys_2 as sys;
+use parking_lot::Mutex;
+
+use super::model::c_path;
+use super::{Model, Token, check_readable, init_backend};
+use crate::error::{Error, Result};
+
+struct MtmdPtr(NonNull<sys::mtmd_context>);
+// SAFETY: the mtmd context is only touched under the Projector's mutex (except through
+// [`DecodeView`]).
+unsafe impl Send for MtmdPtr {}
+
+/// The projector's mtmd context as `mtmd_helper_decode_image_chunk` uses it while a language
+/// context decodes an image: it reads only what `mtmd_init_from_file` fixed (the position type
+/// for M-RoPE, the projector type and width for the attention rule: `mtmd_decode_use_mrope`,
+/// `mtmd_decode_use_non_causal`) and never the encoder's state. So a decode does not take the
+/// projector's mutex, and an answer's decode steps never wait behind a vision encode that holds
+/// it for its whole run.
+pub(super) struct DecodeView(pub(super) NonNull<sys::mtmd_context>);
+// SAFETY: only the load-time fields above are read through it, which nothing writes after
+// `mtmd_init_from_file`; the context outlives the view (both are the Projector's, freed in its
+// Drop).
+unsafe impl Send for DecodeView {}
+unsafe impl Sync for DecodeView {}
+
+/// A loaded libmtmd projector (vision tower + projector), bound to the language model whose
+/// vocabulary and embedding width it uses.
+pub struct Projector {
+    ctx: Mutex<MtmdPtr>,
+    pub(super) decode_view: DecodeView,
+    path: PathBuf,
+    model: Arc<Model>,
+    marker: CString,
+}
+
+/// Projected embeddings of one image, as the language model consumes them.
+pub struct ImageEmbeddings {
+    /// rows × width floats, row-major.
+    pub data: Box<[f32]>,
+    pub rows: usize,
+    pub width: usize,
+    /// Positions the image occupies in the language sequence (≠ rows for M-RoPE models).
+    pub n_pos: i32,
+    /// Row `i` sits at position start + i and attends causally (LLaVA-style projectors, the
+    /// NPU's rows): the rows may be decoded in any chunks, as plain embeddings. False for M-RoPE
+    /// (2-D positions) and non-causal (Gemma 3) images, which are decoded whole by libmtmd.
+    pub causal_rows: bool,
+    pub(super) source: ImageSource,
+}
+
+/// Who produced image embeddings, which says how they are decoded.
+pub(super) enum ImageSource {
+    /// libmtmd: its chunk description (`mtmd_input_chunk_save`) and projector, so that
+    /// `mtmd_helper_decode_image_chunk` applies the projector's positions and attention rule
+    /// (`non_causal`: the rows attend to each other, so they are decoded in one batch).
+    Mtmd { chunk: Vec<u8>, projector: Arc<Projector>, non_causal: bool },
+    /// Another encoder (the NPU): plain rows on 1-D positions, decoded causally.
+    Plain,
+}
+
+impl std::fmt::Debug for ImageEmbeddings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageEmbeddings")
+            .field("rows", &self.rows)
+            .field("width", &self.width)
+            .field("n_pos", &self.n_pos)
+            .finish()
+    }
+}
+
+impl ImageEmbeddings {
+    /// Embeddings made by an encoder other than libmtmd: `rows` rows of `width` floats on 1-D
+    /// positions, decoded causally (what LLaVA-style projectors need).
+    pub fn plain(data: Box<[f32]>, rows: usize, width: usize) -> Result<ImageEmbeddings> {
+        if rows == 0 || data.len() != rows * width {
+            return Err(Error::BadInput(format!("{} floats are not {rows} rows of {width}", data.len())));
+        }
+        Ok(ImageEmbeddings { data, rows, width, n_pos: rows as i32, causal_rows: true, source: ImageSource::Plain })
+    }
+
+    /// The language model whose vocabulary and width a libmtmd encoder made these for (none for
+    /// plain rows, which carry only their width).
+    pub fn model(&self) -> Option<&Arc<Model>> {
+        match &self.source {
+            ImageSource::Mtmd { projector, .. } => Some(projector.model()),
+            ImageSource::Plain => None,
+        }
+    }
+
+    /// Row `i` (width floats).
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.width..(i + 1) * self.width]
+    }
+}
+
+/// What one image becomes in the language sequence: the projector's wrapper text around it (for
+/// models that have one) and the image itself.
+#[derive(Debug)]
+pub enum Segment {
+    Text(Vec<Token>),
+    Image(ImageEmbeddings),
+}
+
+/// Projector identity: its file plus the language model it is bound to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProjectorKey {
+    pub mmproj: PathBuf,
+    pub model: PathBuf,
+    pub use_gpu: bool,
+}
+
+impl Projector {
+    pub fn load(path: &Path, model: Arc<Model>, use_gpu: bool, threads: i32) -> Result<Projector> {
+        init_backend();
+        check_readable(path, "mmproj")?;
+        crate::gguf::check_projector(path, &model)?;
+        let cpath = c_path(path)?;
+        // SAFETY: default params are plain data; the model outlives the projector (Arc held).
+        let ptr = unsafe {
+            let mut p = sys::mtmd_context_params_default();
+            p.use_gpu = use_gpu;
+            p.n_threads = threads;
+            p.print_timings = false;
+            p.warmup = true;
+            sys::mtmd_init_from_file(cpath.as_ptr(), model.as_ptr(), p)
+        };
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::File {
+            path: path.to_path_buf(),
+            reason: format!(
+                "libmtmd could not load it as a projector for {} (wrong file type, or its output width does not match the model's {})",
+                model.path().display(),
+                model.n_embd()
+            ),
+        })?;
+        // SAFETY: the default marker is a static NUL-terminated string.
+        let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_owned();
+        Ok(Projector {
+            ctx: Mutex::new(MtmdPtr(ptr)),
+            decode_view: DecodeView(ptr),
+            path: path.to_path_buf(),
+            model,
+            marker,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Hold the vision encoder as an encode holds it for its whole run, until the guard drops:
+    /// stands in for a long encode in tests (decodes of this projector's images must go on).
+    #[doc(hidden)]
+    pub fn hold_encoder(&self) -> impl Sized + '_ {
+        self.ctx.lock()
+    }
+
+    /// Encode one packed RGB image (width × height × 3 bytes) into the segments it becomes in
+    /// the language sequence.
+    pub fn encode(self: &Arc<Self>, rgb: &[u8], width: u32, height: u32) -> Result<Vec<Segment>> {
+        if width == 0 || height == 0 || rgb.len() != width as usize * height as usize * 3 {
+            return Err(Error::BadInput(format!(
+                "image of {width}x{height} with {} bytes is not packed RGB",
+                rgb.len()
+            )));
+        }
+        let ctx = self.ctx.lock();
+        let n_embd = self.model.n_embd();
+        let mut segments = Vec::new();
+        // SAFETY: the bitmap copies `rgb` (w*h*3 bytes, checked above); the input text points at
+        // the marker, alive for the call; chunks are freed before return; the output embedding
+        // buffer holds n_tokens*n_embd floats after a successful encode and is copied out before
+        // the mutex is released.
+        unsafe {
+            let bitmap = sys::mtmd_bitmap_init(width, height, rgb.as_ptr());
+            if bitmap.is_null() {
+                return Err(Error::Engine("mtmd_bitmap_init failed".into()));
+            }
+            let chunks = sys::mtmd_input_chunks_init();
+            let text = sys::mtmd_input_text {
+                text: self.marker.as_ptr(),
+                text_len: self.marker.as_bytes().len(),
+                add_special: false,
+                parse_special: true,
+            };
+            let bitmaps = [bitmap as *const sys::mtmd_bitmap];
+            let rc = sys::mtmd_tokenize(ctx.0.as_ptr(), chunks, &text, bitmaps.as_ptr(), 1);
+            sys::mtmd_bitmap_free(bitmap);
+            let result = if rc != 0 {
+                Err(Error::Engine(format!("mtmd_tokenize failed ({rc})")))
+            } else {
+                (|| {
+                    for i in 0..sys::mtmd_input_chunks_size(chunks) {
+                        let c = sys::mtmd_input_chunks_get(chunks, i);
+                        if sys::mtmd_input_chunk_get_type(c) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT {
+                            let mut n = 0usize;
+                            let p = sys::mtmd_input_chunk_get_tokens_text(c, &mut n);
+                            if n > 0 {
+                                segments.push(Segment::Text(std::slice::from_raw_parts(p, n).to_vec()));
+                            }
+                            continue;
+                        }
+                        let rows = sys::mtmd_input_chunk_get_n_tokens(c);
+                        let rc = sys::mtmd_encode_chunk(ctx.0.as_ptr(), c);
+                        if rc != 0 {
+                            return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
+                        }
+                        let data =
+                            std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.0.as_ptr()), rows * n_embd).into();
+                        let mut len = 0usize;
+                        sys::mtmd_input_chunk_save(c, null_mut(), 0, &mut len);
+                        let mut chunk = vec![0u8; len];
+                        if sys::mtmd_input_chunk_save(c, chunk.as_mut_ptr().cast(), len, &mut len) != 0 {
+                            return Err(Error::Engine("mtmd_input_chunk_save failed".into()));
+                        }
+                        let n_pos = sys::mtmd_input_chunk_get_n_pos(c);
+                        let non_causal = sys::mtmd_decode_use_non_causal(ctx.0.as_ptr(), c);
+                        let causal_rows =
+                            n_pos == rows as i32 && !sys::mtmd_decode_use_mrope(ctx.0.as_ptr()) && !non_causal;
+                        let source = ImageSource::Mtmd { chunk, projector: Arc::clone(self), non_causal };
+                        segments.push(Segment::Image(ImageEmbeddings {
+                            data,
+                            rows,
+                            width: n_embd,
+                            n_pos,
+                            causal_rows,
+                            source,
+                        }));
+                    }
+                    Ok(())
+                })()
+            };
+            sys::mtmd_input_chunks_free(chunks);
+            result?;
+        }
+        Ok(segments)
+    }
+}
+
+impl Drop for Projector {
+    fn drop(&mut self) {
+        // SAFETY: owned context, no other user (we are being dropped).
+        unsafe { sys::mtmd_free(self.ctx.get_mut().0.as_ptr()) }
+    }
+}
