@@ -189,7 +189,11 @@ fn null_playing_null_cycles_keep_memory_bounded() {
             // queued at READY->NULL, so it is read in between).
             set_state(&pipeline, gst::State::Ready, Duration::from_secs(30), &format!("cycle {i}"));
             assert!(pump(&bus, &mut answers, Duration::from_secs(10), |a| a.contains_key(&id)), "cycle {i}: no answer");
-            assert!(["answered", "cancelled"].contains(&answers.status[&id][0].as_str()), "cycle {i}: {:?}", answers.status[&id]);
+            assert!(
+                ["answered", "cancelled"].contains(&answers.status[&id][0].as_str()),
+                "cycle {i}: {:?}",
+                answers.status[&id]
+            );
         }
         set_state(&pipeline, gst::State::Null, Duration::from_secs(30), &format!("cycle {i}"));
         if std::env::var("VLM_ENDURANCE_VERBOSE").is_ok() {

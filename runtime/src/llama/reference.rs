@@ -1,7 +1,7 @@
 //! The plain-libmtmd reference of the family checks (`runtime/tests/families.rs` and
 //! `runtime/examples/families.rs`): a language model and its projector loaded a second time,
 //! straight through llama-cpp-sys-2 and apart from the runtime's [`Model`] and
-//! [`Projector`](super::Projector) (which keep their pointers private), to run libmtmd's own
+//! [`Projector`](crate::llama::Projector) (which keep their pointers private), to run libmtmd's own
 //! helpers (`mtmd_helper_eval_chunks`, what llama.cpp's mtmd-cli runs, and
 //! `mtmd_helper_get_n_pos`) on the same prompt as the runtime, so that the runtime's positions and
 //! greedy tokens can be compared with libmtmd's. Not used by the runtime itself.
@@ -225,7 +225,9 @@ impl Reference {
             let chunks = Chunks { ptr, mtmd: self.mtmd };
             let bitmaps: Vec<*const sys::mtmd_bitmap> = pictures
                 .iter()
-                .map(|rgb| sys::mtmd_bitmap_init(PICTURE_WIDTH, PICTURE_HEIGHT, rgb.as_ptr()) as *const sys::mtmd_bitmap)
+                .map(|rgb| {
+                    sys::mtmd_bitmap_init(PICTURE_WIDTH, PICTURE_HEIGHT, rgb.as_ptr()) as *const sys::mtmd_bitmap
+                })
                 .collect();
             let input = sys::mtmd_input_text {
                 text: text_c.as_ptr(),
@@ -289,8 +291,16 @@ impl Reference {
                 .ok_or_else(|| Error::Engine("reference context: llama.cpp could not create it".into()))?;
             let ctx = ctx.as_ptr();
             let mut n_past = 0;
-            let rc =
-                sys::mtmd_helper_eval_chunks(self.mtmd.as_ptr(), ctx, chunks.ptr.as_ptr(), 0, 0, 512, true, &mut n_past);
+            let rc = sys::mtmd_helper_eval_chunks(
+                self.mtmd.as_ptr(),
+                ctx,
+                chunks.ptr.as_ptr(),
+                0,
+                0,
+                512,
+                true,
+                &mut n_past,
+            );
             let mut out = vec![];
             let mut failed = (rc != 0).then(|| format!("mtmd_helper_eval_chunks failed ({rc})"));
             let n_vocab = sys::llama_vocab_n_tokens(vocab) as usize;
