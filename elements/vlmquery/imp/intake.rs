@@ -1,0 +1,534 @@
+//! Question intake of `vlmquery`: the video and query sink pads, the `ask` signal and periodic
+//! captions; binding each question to a version of its stream's history (by running time) and
+//! answering it on its own thread.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use parking_lot::Mutex;
+use vlm_runtime::Question;
+
+use super::{CAT, CommitAnswers, FRAME_HISTORY, Job, Outcome, Pending, Shared, VlmQuery};
+use crate::events::{QuestionEvent, StreamEvent};
+use crate::meta::VlmFrameMeta;
+use crate::text::question_text;
+
+/// Name of the details structure of a warning about one question.
+pub const QUESTION_DETAILS: &str = "vlm-question";
+
+/// Why a question cannot be accepted now.
+enum Refusal {
+    Flushing,
+    Ended,
+    Full(usize),
+    Duplicate(String),
+}
+
+/// How long the question pad may stay quiet after the video's EOS before the answers end
+/// without its EOS (see `VlmQuery::maybe_finish`).
+const QUERY_EOS_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Generated question ids (`q1`, `q2`, ...) count across every `vlmquery` of the process: unique
+/// in a pipeline of several cameras and over the element's whole life.
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Accepted question ids remembered to refuse a repeated one.
+const RECENT_IDS: usize = 4096;
+
+impl VlmQuery {
+    fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>) -> Question {
+        let settings = self.settings.lock();
+        Question {
+            id: id.unwrap_or_else(|| format!("q{}", NEXT_ID.fetch_add(1, Ordering::Relaxed))),
+            text: text.trim().to_owned(),
+            max_tokens: max_tokens.unwrap_or(settings.max_tokens),
+            ignore_eos: settings.exact_tokens,
+            sampling: settings.sampling.clone(),
+            arrival: Instant::now(),
+        }
+    }
+
+    /// Accept a bound question and start answering it at once, on its own thread. With `block`,
+    /// waits while `max-questions` are pending (backpressure on a streaming thread); without,
+    /// refuses.
+    fn accept(
+        &self,
+        shared: &mut parking_lot::MutexGuard<'_, Shared>,
+        job: Job,
+        block: bool,
+    ) -> Result<String, Refusal> {
+        let (max, ordered) = {
+            let s = self.settings.lock();
+            (s.max_questions as usize, s.commit_answers == CommitAnswers::Ordered)
+        };
+        loop {
+            if shared.flushing {
+                return Err(Refusal::Flushing);
+            }
+            if shared.eos {
+                return Err(Refusal::Ended);
+            }
+            if shared.pending.len() < max {
+                break;
+            }
+            if !block {
+                return Err(Refusal::Full(max));
+            }
+            // The query pad's flush, or a text pad that stopped (the queue will not drain).
+            if shared.query_flushing || shared.srcresult.is_some() {
+                return Err(Refusal::Flushing);
+            }
+            self.changed.wait(shared);
+        }
+        if shared.recent_ids.contains(&job.question.id) {
+            return Err(Refusal::Duplicate(job.question.id));
+        }
+        if shared.recent_ids.len() == RECENT_IDS {
+            shared.recent_ids.pop_front();
+        }
+        shared.recent_ids.push_back(job.question.id.clone());
+        let stream = job.stream.clone().or_else(|| shared.video.stream.clone());
+        gst::debug!(
+            CAT,
+            imp = self,
+            "question {} bound to {} frames: {:?}",
+            job.question.id,
+            job.frames,
+            job.question.text
+        );
+        let id = job.question.id.clone();
+        let pending = Arc::new(Pending {
+            lag: stream.as_ref().map(|s| s.lag()).unwrap_or_default(),
+            job: Job { stream, ..job },
+            cancel: Arc::new(AtomicBool::new(false)),
+            outcome: Mutex::new(None),
+            partial: Mutex::new(String::new()),
+            streamed: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
+            committed_after: Mutex::new(None),
+            thread: Mutex::new(None),
+        });
+        // With ordered commits a question sees the answers before it: it waits for them.
+        let previous = ordered.then(|| shared.pending.back().cloned()).flatten();
+        let placement = self.settings.lock().placement.clone();
+        let this = self.ref_counted();
+        let p = Arc::clone(&pending);
+        let thread = std::thread::Builder::new().name(format!("vlmquery-{id}")).spawn(move || {
+            // A panic fails this question (its one vlm-answer says so); the queue goes on.
+            let generate = std::panic::AssertUnwindSafe(|| this.generate(&p, previous.as_deref(), &placement, ordered));
+            let outcome = std::panic::catch_unwind(generate).unwrap_or_else(|panic| {
+                Outcome::Failed(format!("panic while answering: {}", vlm_runtime::error::panic_message(panic.as_ref())))
+            });
+            *p.outcome.lock() = Some(outcome);
+            p.finished.store(true, Ordering::Release);
+            let _guard = this.shared.lock();
+            this.changed.notify_all();
+        });
+        match thread {
+            Ok(t) => *pending.thread.lock() = Some(t),
+            Err(e) => {
+                *pending.outcome.lock() = Some(Outcome::Failed(format!("cannot start a thread: {e}")));
+                pending.finished.store(true, Ordering::Release);
+            }
+        }
+        shared.pending.push_back(pending);
+        self.changed.notify_all();
+        Ok(id)
+    }
+
+    /// Answer one question (on its own thread): wait for its version (or replay it elsewhere, as
+    /// the placer decides), then generate.
+    fn generate(&self, p: &Pending, previous: Option<&Pending>, placement: &str, commit: bool) -> Outcome {
+        let q = &p.job.question;
+        let mut frame = p.job.frames;
+        if let Some(previous) = previous {
+            let mut shared = self.shared.lock();
+            while !previous.finished.load(Ordering::Acquire) && !p.cancel.load(Ordering::Acquire) {
+                self.changed.wait(&mut shared);
+            }
+            // It sees the conversation so far: the newest version at or after the previous
+            // answer's commit, which is appended after the newest frame registered then (so it
+            // may hold frames newer than the question's own).
+            if let Some(after) = *previous.committed_after.lock() {
+                frame = frame.max(after);
+            }
+        }
+        let Some(stream) = p.job.stream.clone() else {
+            return Outcome::Failed("no video stream has reached vlmquery yet".into());
+        };
+        let stream_tokens = self.settings.lock().stream_tokens;
+        let result = vlm_runtime::answer_frame(&stream, frame, q, placement, &p.cancel, |piece| {
+            if stream_tokens {
+                p.partial.lock().push_str(piece);
+                let _shared = self.shared.lock();
+                self.changed.notify_all();
+            }
+        });
+        match result {
+            Ok(report) if !report.cancelled => {
+                if commit {
+                    match stream.commit(&q.text, &report.token_ids, &p.cancel) {
+                        Ok(r) => *p.committed_after.lock() = Some(r.number),
+                        Err(e) => self.warn_question(
+                            gst::StreamError::Failed,
+                            Some(&q.id),
+                            &format!("answer {} not committed: {e}", q.id),
+                        ),
+                    }
+                }
+                Outcome::Answered(report)
+            }
+            Ok(_) | Err(vlm_runtime::Error::Cancelled) => Outcome::Cancelled("cancelled".into()),
+            Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+
+    /// Warn about a question that was not accepted.
+    fn refused(&self, question: &Question, why: Refusal) {
+        let why = match why {
+            Refusal::Flushing => "the element is flushing".to_string(),
+            Refusal::Ended => "the streams have ended (after EOS)".to_string(),
+            Refusal::Full(n) => format!("{n} questions are already pending (max-questions)"),
+            Refusal::Duplicate(id) => format!("id {id:?} was already taken by an earlier question"),
+        };
+        let message = format!("question {} {:?} refused: {why}", question.id, question.text);
+        self.warn_question(gst::StreamError::Failed, Some(&question.id), &message);
+    }
+
+    /// A warning about one question (refused, malformed, not answered): the message says why,
+    /// and its details (a `vlm-question` structure with `id` and `reason`) tell an application
+    /// which question it was.
+    pub(super) fn warn_question(&self, domain: impl gst::MessageErrorDomain, id: Option<&str>, message: &str) {
+        let details = gst::Structure::builder(QUESTION_DETAILS).field("id", id).field("reason", message).build();
+        gst::warning!(CAT, imp = self, "{message}");
+        let warning = gst::message::Warning::builder(domain, message).details(details).src(&*self.obj()).build();
+        let _ = self.obj().post_message(warning);
+    }
+
+    /// After the video's EOS, the answers end (what is pending is answered, then the text pad
+    /// gets its EOS) once the question pad has sent EOS too, is unlinked, or has been quiet for
+    /// `QUERY_EOS_GRACE`: a question file read by `subparse` delivers its remaining questions
+    /// back to back and then its EOS, while a question source that stays open (an appsrc, a
+    /// live feed) never holds the pipeline's EOS (the question pad is sparse, as textoverlay's
+    /// text pad is). A question arriving after that is refused with a warning. Returns how long
+    /// to wait before asking again, if the answer is not yet.
+    pub(super) fn maybe_finish(&self, shared: &mut Shared) -> Option<std::time::Duration> {
+        if !shared.video.eos || shared.eos {
+            return None;
+        }
+        let quiet = shared.query_quiet_since.map_or(QUERY_EOS_GRACE, |t| t.elapsed());
+        if shared.query_eos || !self.querypad.is_linked() || (shared.query_busy == 0 && quiet >= QUERY_EOS_GRACE) {
+            shared.eos = true;
+            self.changed.notify_all();
+            return None;
+        }
+        Some(QUERY_EOS_GRACE.saturating_sub(quiet).max(std::time::Duration::from_millis(10)))
+    }
+
+    /// The flow return the sink pads give upstream.
+    fn flow(&self) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let shared = self.shared.lock();
+        if shared.flushing {
+            return Err(gst::FlowError::Flushing);
+        }
+        match shared.srcresult {
+            Some(e) => Err(e),
+            None => Ok(gst::FlowSuccess::Ok),
+        }
+    }
+
+    pub(super) fn sink_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let mut shared = self.shared.lock();
+        let rt = buffer.pts().and_then(|pts| shared.video.segment.as_ref().and_then(|s| s.to_running_time(pts)));
+        if let Some((stream, number)) = buffer.meta::<VlmFrameMeta>().and_then(|m| m.position()) {
+            if shared.video.stream.as_ref().is_none_or(|s| s.id() != stream) {
+                shared.video.stream = vlm_runtime::stream::lookup(stream);
+            }
+            if shared.video.frames.len() == FRAME_HISTORY {
+                shared.video.frames.pop_front();
+            }
+            shared.video.frames.push_back((rt, buffer.pts(), number));
+            self.maybe_caption(&mut shared, rt, buffer.pts(), number);
+        }
+        if rt.is_some() {
+            shared.video.running_time = rt;
+        }
+        shared.video.untimed = rt.is_none();
+        if let Some(pts) = buffer.pts() {
+            shared.video.pts = Some(pts);
+            shared.video.end = Some(pts.saturating_add(buffer.duration().unwrap_or(gst::ClockTime::ZERO)));
+        }
+        // The text pad's task sends a GAP up to this frame before it goes on, so an overlay
+        // that waits for text at this frame's time is never stuck.
+        self.changed.notify_all();
+        drop(shared);
+        let video =
+            if self.video_srcpad.is_linked() { self.video_srcpad.push(buffer) } else { Ok(gst::FlowSuccess::Ok) };
+        self.flow().and(video)
+    }
+
+    /// Ask `caption-prompt` about frame `number` when `caption-interval` has passed since the
+    /// last caption (periodic captions, no question needed). A caption that finds the queue
+    /// full is skipped, not waited for.
+    fn maybe_caption(
+        &self,
+        shared: &mut parking_lot::MutexGuard<'_, Shared>,
+        rt: Option<gst::ClockTime>,
+        pts: Option<gst::ClockTime>,
+        number: u64,
+    ) {
+        let (prompt, interval) = {
+            let s = self.settings.lock();
+            (s.caption_prompt.clone(), gst::ClockTime::from_nseconds(s.caption_interval))
+        };
+        let due = match (rt, shared.video.last_caption) {
+            (Some(rt), Some(last)) => rt >= last.saturating_add(interval) || rt < last,
+            _ => true,
+        };
+        if prompt.trim().is_empty() || !due {
+            return;
+        }
+        shared.video.last_caption = rt;
+        let question = self.question(&prompt, None, None);
+        let stream = shared.video.stream.clone();
+        if self.accept(shared, Job { question, stream, frames: number, pts }, false).is_err() {
+            gst::debug!(CAT, imp = self, "caption at frame {number} skipped: the question queue is full");
+        }
+    }
+
+    /// Caps and allocation queries of the video go on through `video_src`.
+    pub(super) fn sink_query(&self, pad: &gst::Pad, query: &mut gst::QueryRef) -> bool {
+        match query.view() {
+            gst::QueryView::Caps(_) | gst::QueryView::AcceptCaps(_) | gst::QueryView::Allocation(_)
+                if self.video_srcpad.is_linked() =>
+            {
+                self.video_srcpad.peer_query(query)
+            }
+            _ => gst::Pad::query_default(pad, Some(&*self.obj()), query),
+        }
+    }
+
+    pub(super) fn sink_event(&self, event: gst::Event) -> bool {
+        use gst::EventView;
+        if let Some(parsed) = QuestionEvent::parse(&event) {
+            match parsed {
+                Ok(q) => {
+                    let mut shared = self.shared.lock();
+                    let question = self.question(&q.text, q.id, q.max_tokens);
+                    let (frames, pts) = shared.video.newest();
+                    let stream = shared.video.stream.clone();
+                    let refusal = question.clone();
+                    // Refused, not waited for, when the queue is full: the video's thread must not
+                    // wait for answers that may wait for the video (an overlay holds them until
+                    // the video passes their time).
+                    let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, false);
+                    drop(shared);
+                    return match accepted {
+                        Ok(_) => true,
+                        Err(Refusal::Flushing) => false,
+                        Err(why) => {
+                            self.refused(&refusal, why);
+                            true
+                        }
+                    };
+                }
+                Err(reason) => {
+                    let id = event.structure().and_then(|s| s.get::<String>("id").ok());
+                    let message = match &id {
+                        Some(id) => format!("malformed question {id}: {reason}"),
+                        None => format!("malformed question: {reason}"),
+                    };
+                    self.warn_question(gst::StreamError::Format, id.as_deref(), &message);
+                    return true;
+                }
+            }
+        }
+        if let Some(id) = StreamEvent::parse(&event) {
+            self.shared.lock().video.stream = vlm_runtime::stream::lookup(id);
+            return true;
+        }
+        match event.view() {
+            // A new segment without a flush (concat, a non-flushing seek): the text pad follows
+            // it, and its position starts again in the new segment's time.
+            EventView::Segment(s) => {
+                let mut shared = self.shared.lock();
+                shared.video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
+                shared.segment_sent = false;
+                shared.text_position = None;
+                drop(shared);
+                self.video_srcpad.push_event(event);
+                true
+            }
+            EventView::Eos(_) => {
+                let mut shared = self.shared.lock();
+                shared.video.eos = true;
+                shared.query_quiet_since = Some(Instant::now());
+                self.maybe_finish(&mut shared);
+                self.changed.notify_all();
+                // With no text pad linked the answers only go to the bus: the video's EOS waits
+                // for them, or the pipeline would end (and cancel them) first. (A linked text
+                // pad carries its own EOS after the last answer; the video must go on to EOS
+                // then, as an overlay holds answers until the video passes their time.)
+                if !self.srcpad.is_linked() {
+                    while !shared.flushing && !shared.all_answered && shared.srcresult.is_none() {
+                        self.changed.wait(&mut shared);
+                    }
+                }
+                drop(shared);
+                self.video_srcpad.push_event(event);
+                true
+            }
+            // As in gst-plugins-rs: flushing first, downstream told (a push blocked there returns),
+            // then the task paused; on stop, state reset and downstream told under the task's
+            // stream lock before the task starts again.
+            EventView::FlushStart(_) => {
+                self.flush_start("flush");
+                self.video_srcpad.push_event(event.clone());
+                let pushed = self.srcpad.push_event(event);
+                let _ = self.srcpad.pause_task();
+                pushed
+            }
+            EventView::FlushStop(_) => {
+                let task_lock = self.srcpad.stream_lock();
+                self.flush_stop();
+                self.video_srcpad.push_event(event.clone());
+                let pushed = self.srcpad.push_event(event);
+                drop(task_lock);
+                self.start_task();
+                pushed
+            }
+            // The video's own events go on with it; the text pad makes its own.
+            _ if event.is_serialized() || event.is_sticky() => {
+                self.video_srcpad.push_event(event);
+                true
+            }
+            _ => gst::Pad::event_default(&self.sinkpad, Some(&*self.obj()), event),
+        }
+    }
+
+    pub(super) fn query_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        self.shared.lock().query_busy += 1;
+        let flow = self.take_question(buffer);
+        let mut shared = self.shared.lock();
+        // (A stop resets the count while a question is in here.)
+        shared.query_busy = shared.query_busy.saturating_sub(1);
+        shared.query_quiet_since = Some(Instant::now());
+        self.maybe_finish(&mut shared);
+        flow
+    }
+
+    /// One question buffer: wait for the video to reach its time, then accept it.
+    fn take_question(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let map = buffer.map_readable().map_err(|_| gst::FlowError::Error)?;
+        let mut shared = self.shared.lock();
+        let Ok(text) = question_text(&map, shared.query_markup) else {
+            drop(shared);
+            gst::element_imp_warning!(self, gst::StreamError::Format, ("question buffer is not UTF-8; ignored"));
+            return self.query_flow();
+        };
+        drop(map);
+        if text.is_empty() {
+            drop(shared);
+            return self.query_flow();
+        }
+        let question = self.question(&text, None, None);
+        let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
+        let (frames, pts) = match t {
+            Some(t) => {
+                // Wait for the video to pass the question's time, so every frame up to it is known.
+                while !shared.flushing
+                    && !shared.query_flushing
+                    && !shared.video.eos
+                    && !shared.video.untimed
+                    && shared.video.running_time.is_none_or(|rt| rt <= t)
+                {
+                    self.changed.wait(&mut shared);
+                }
+                if shared.query_flushing {
+                    return Err(gst::FlowError::Flushing);
+                }
+                if shared.flushing {
+                    drop(shared);
+                    self.refused(&question, Refusal::Flushing);
+                    return self.query_flow();
+                }
+                if shared.video.untimed { shared.video.newest() } else { shared.video.at(t) }
+            }
+            None => shared.video.newest(),
+        };
+        let stream = shared.video.stream.clone();
+        let refusal = question.clone();
+        let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, true);
+        drop(shared);
+        if let Err(why) = accepted {
+            self.refused(&refusal, why);
+        }
+        self.query_flow()
+    }
+
+    /// The flow return of the query pad: FLUSHING only while the query pad itself flushes. A
+    /// flush of the video refuses the questions that arrive meanwhile (with a warning) but does
+    /// not pause the question source's task, which would never start again.
+    fn query_flow(&self) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let shared = self.shared.lock();
+        match shared.srcresult {
+            _ if shared.query_flushing => Err(gst::FlowError::Flushing),
+            Some(e) if e != gst::FlowError::Flushing => Err(e),
+            _ => Ok(gst::FlowSuccess::Ok),
+        }
+    }
+
+    pub(super) fn query_event(&self, event: gst::Event) -> bool {
+        use gst::EventView;
+        match event.view() {
+            EventView::Caps(c) => {
+                self.shared.lock().query_markup =
+                    c.caps().structure(0).and_then(|s| s.get::<&str>("format").ok()) == Some("pango-markup");
+            }
+            EventView::Segment(s) => {
+                self.shared.lock().query_segment = s.segment().downcast_ref::<gst::ClockTime>().cloned()
+            }
+            EventView::Eos(_) => {
+                let mut shared = self.shared.lock();
+                shared.query_eos = true;
+                self.maybe_finish(&mut shared);
+            }
+            // A flush of the questions alone: unblock a question waiting on the query pad; the
+            // answers and the video go on.
+            EventView::FlushStart(_) => {
+                let mut shared = self.shared.lock();
+                shared.query_flushing = true;
+                self.changed.notify_all();
+            }
+            EventView::FlushStop(_) => {
+                let mut shared = self.shared.lock();
+                shared.query_flushing = false;
+                shared.query_eos = false;
+                shared.query_segment = None;
+            }
+            _ => (),
+        }
+        true
+    }
+
+    /// The `ask` action signal: bind to the newest registered frame. Refused (no id, a warning)
+    /// after EOS, while flushing, or when `max-questions` are pending.
+    pub(super) fn ask(&self, text: &str) -> Option<String> {
+        if text.trim().is_empty() {
+            gst::element_imp_warning!(self, gst::LibraryError::Settings, ("ask: empty question ignored"));
+            return None;
+        }
+        let mut shared = self.shared.lock();
+        let question = self.question(text, None, None);
+        let stream = shared.video.stream.clone();
+        let frames = stream.as_ref().map_or(0, |s| s.registered());
+        let pts = shared.video.frames.iter().rev().find(|f| f.2 <= frames).and_then(|f| f.1);
+        let refusal = question.clone();
+        let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, false);
+        drop(shared);
+        accepted.map_err(|why| self.refused(&refusal, why)).ok()
+    }
+}

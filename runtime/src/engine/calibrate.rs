@@ -1,0 +1,89 @@
+//! The calibration run that seeds an engine's stage rates, thread count and KV cell size.
+
+use std::time::Instant;
+
+use super::{Stage, Worker};
+use crate::llama::Token;
+
+/// Seed the stage rates with a short run on a scratch branch: 32 tokens of prefill (twice), 6
+/// decode steps, one export and import. `cancelled` is asked before each computation: a stop,
+/// an error elsewhere in the pipeline or the process's exit never waits for more than the one
+/// running (seconds under heavy CPU contention, where the whole run took a minute).
+pub(super) fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
+    let Some(seq) = w.free_branches.last().copied() else { return };
+    // First the thread count (`crate::threads`): the fastest of 4 decode steps with each
+    // candidate, one thread first, so the rest (and the first prefill, which took seconds with
+    // spinning threads under contention) runs with the faster. A candidate whose fastest of
+    // two steps is three times slower than the best so far stops there: under contention a
+    // step with spinning threads can take a second.
+    let candidates = w.tuner.candidates().to_vec();
+    if candidates.len() > 1 {
+        let mut best = f64::INFINITY;
+        for (i, &threads) in candidates.iter().enumerate().rev() {
+            w.ctx.set_threads(threads);
+            w.ctx.seq_clear(seq);
+            if cancelled() {
+                return;
+            }
+            let fastest = fastest_step(w, seq, 0..4, &|steps, ms| cancelled() || (steps >= 2 && ms > 3.0 * best));
+            w.tuner.seed(i, fastest);
+            best = best.min(fastest);
+        }
+        let threads = w.tuner.choose_best();
+        w.ctx.set_threads(threads);
+    }
+    let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
+    // The faster of two prefills: a GPU backend builds its pipelines on the first one.
+    let mut fastest = f64::INFINITY;
+    for _ in 0..2 {
+        if cancelled() {
+            return;
+        }
+        w.ctx.seq_clear(seq);
+        let t = Instant::now();
+        if w.ctx.decode_tokens(&tokens, 0, seq, true).is_err() {
+            return;
+        }
+        fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
+    }
+    w.seed(Stage::Prefill, tokens.len(), fastest);
+    // The fastest of 6 steps: the first builds its graph, and engines starting together slow
+    // each other's first steps; a slow seed would make an idle engine look busy to the placer.
+    let fastest = fastest_step(w, seq, 32..38, &|_, _| cancelled());
+    if fastest.is_finite() {
+        w.seed(Stage::DecodeStep, 1, fastest);
+    }
+    let t = Instant::now();
+    if let Some(snapshot) = (!cancelled()).then(|| w.ctx.seq_snapshot(seq).ok()).flatten() {
+        w.seed(Stage::Export, 38, t.elapsed().as_secs_f64() * 1e3);
+        let t = Instant::now();
+        if w.ctx.seq_restore(seq, &snapshot).is_ok() {
+            w.seed(Stage::Import, 38, t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    // A cell's bytes: the difference between the cells held now and 16 fewer (the serialised
+    // state also has a header per sequence stream and per layer).
+    let (held, full) = (w.ctx.seq_pos_max(seq) + 1, w.ctx.kv_bytes_in_use());
+    if held > 16 {
+        w.ctx.seq_truncate(seq, held - 16);
+        w.cell_bytes = full.saturating_sub(w.ctx.kv_bytes_in_use()) / 16;
+    }
+    w.ctx.seq_clear(seq);
+}
+
+/// The fastest (ms) of one-token decode steps of `seq` at `positions` (infinite when none ran);
+/// `stop` is asked before each step with the steps run and their fastest so far.
+fn fastest_step(w: &mut Worker, seq: i32, positions: std::ops::Range<i32>, stop: &dyn Fn(usize, f64) -> bool) -> f64 {
+    let mut fastest = f64::INFINITY;
+    for (steps, pos) in positions.enumerate() {
+        if stop(steps, fastest) {
+            break;
+        }
+        let t = Instant::now();
+        if w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
+            break;
+        }
+        fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
+    }
+    fastest
+}

@@ -1,0 +1,147 @@
+//! The engine's configuration: [`EngineConfig`], its defaults, the [`KvLayout`] and the parsing
+//! of engine lists.
+
+use crate::error::{Error, Result};
+use crate::llama::{Device, KvType};
+
+/// How an engine is built.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The name questions and `placement` refer to (`cpu`, `gpu`, ...).
+    pub name: String,
+    pub device: Device,
+    pub threads: i32,
+    /// KV cells per sequence: the longest history (plus question and answer) a stream can hold.
+    pub context_per_sequence: u32,
+    pub max_streams: u32,
+    /// Answers generated at once (each needs a sequence of its own).
+    pub max_branches: u32,
+    /// Flash attention: faster KV export on GPUs, but V is stored untransposed, so snapshots
+    /// only move between engines that agree on it.
+    pub flash_attention: bool,
+    /// How the KV cells of streams and answers are laid out.
+    pub kv_layout: KvLayout,
+    /// Element type of K and V (quantized types need flash attention).
+    pub kv_type: KvType,
+    /// With [`KvLayout::Unified`]: the cells an answer may take beyond the version it reads
+    /// (its question and its tokens).
+    pub answer_cells: u32,
+    /// CPU cores the engine's threads run on (none: wherever the OS puts them).
+    pub cores: Vec<usize>,
+    /// Most prefill (ms, from measured rates) run between two decode steps.
+    pub step_budget_ms: f64,
+    /// Share of the engine's time frame ingestion gets while answers are decoding.
+    pub ingest_share: f64,
+}
+
+/// Default most prefill between two decode steps (ms). Measured on the 2-core CI machine
+/// (`cargo run -p vlm-runtime --example chunks`): a 12-token chunk (~38 ms) costs 7% more per
+/// token than a whole 36-token frame, a 6-token one 21% more; under a live load the switches
+/// between decode steps, chunks and streams (graph rebuilds) cost more again: two streams'
+/// frames took ~435 ms to ingest at 40 ms, ~350 ms at 100 ms and ~320 ms whole. At 150 ms a
+/// 36-token frame goes whole even while an answer decodes (a split one cost ~165 ms against
+/// ~130 ms): with 2 streams at 2 frames/s and 16-token answers, mean TTFT was 22% lower than at
+/// 100 ms (4 alternating runs, lower in each), with 128-token answers level.
+pub const DEFAULT_STEP_BUDGET_MS: f64 = 150.0;
+/// Default share of the engine's time that ingestion gets while answers decode.
+pub const DEFAULT_INGEST_SHARE: f64 = 0.25;
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            name: "cpu".into(),
+            device: Device::Cpu,
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get() as i32),
+            context_per_sequence: 2048,
+            max_streams: 2,
+            max_branches: 8,
+            flash_attention: false,
+            kv_layout: KvLayout::PerSequence,
+            kv_type: KvType::F16,
+            answer_cells: 256,
+            cores: Vec::new(),
+            step_budget_ms: DEFAULT_STEP_BUDGET_MS,
+            ingest_share: DEFAULT_INGEST_SHARE,
+        }
+    }
+}
+
+/// How an engine's KV cells are laid out (llama.cpp's `kv_unified`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvLayout {
+    /// A buffer of `context_per_sequence` cells for every stream and every answer: a branch
+    /// copies its version's prefix; retained, branched and re-prefilled histories give
+    /// bit-identical logits.
+    #[default]
+    PerSequence,
+    /// One pool for all: a branch shares its version's prefix cells (it costs its suffix), the
+    /// pool is sized from the streams and answers (`context_per_sequence` per stream and one
+    /// more for versions held over a restart or an import, `answer_cells` per answer). Attention
+    /// then runs over the pool's cells in pool order, so greedy tokens agree with a re-prefill
+    /// closely but not bit for bit (docs/benchmarks.md, "Memory").
+    Unified,
+}
+
+impl KvLayout {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvLayout::PerSequence => "per-sequence",
+            KvLayout::Unified => "unified",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<KvLayout> {
+        [KvLayout::PerSequence, KvLayout::Unified].into_iter().find(|l| l.name() == name)
+    }
+}
+
+impl EngineConfig {
+    /// Cells of the unified pool (`None` for per-sequence buffers).
+    pub fn unified_cells(&self) -> Option<u32> {
+        (self.kv_layout == KvLayout::Unified)
+            .then(|| (self.max_streams + 1) * self.context_per_sequence + self.max_branches * self.answer_cells)
+    }
+}
+
+impl EngineConfig {
+    /// Engines from a list such as `cpu`, `cpu,gpu` or `big:cpu:4:4-7,little:cpu:4:0-3`: each
+    /// entry is `NAME[:DEVICE[:THREADS[:CORES]]]`, DEVICE `cpu` or `gpu` (default: `gpu` for a name
+    /// starting with "gpu", else `cpu`), THREADS defaulting to `base.threads`, CORES a list of
+    /// cores and ranges joined by `+` (`0-3`, `4+6`). Other fields come from `base`. The parsing
+    /// itself is [`crate::engine_spec::parse_list`].
+    pub fn parse_list(spec: &str, base: &EngineConfig) -> Result<Vec<EngineConfig>> {
+        let specs = crate::engine_spec::parse_list(spec).map_err(Error::Config)?;
+        Ok(specs
+            .into_iter()
+            .map(|e| EngineConfig {
+                name: e.name,
+                device: if e.gpu { Device::Gpu } else { Device::Cpu },
+                threads: e.threads.unwrap_or(base.threads),
+                cores: e.cores,
+                ..base.clone()
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_lists_parse_and_bad_ones_are_refused() {
+        let base = EngineConfig { threads: 2, ..EngineConfig::default() };
+        let e = EngineConfig::parse_list("cpu", &base).unwrap();
+        assert_eq!((e.len(), e[0].name.as_str(), &e[0].device, e[0].threads), (1, "cpu", &Device::Cpu, 2));
+        let e = EngineConfig::parse_list("big:cpu:1, little:cpu:1,gpu", &base).unwrap();
+        assert_eq!(
+            e.iter().map(|e| (e.name.as_str(), e.device.name(), e.threads)).collect::<Vec<_>>(),
+            [("big", "cpu", 1), ("little", "cpu", 1), ("gpu", "gpu", 2)]
+        );
+        let e = EngineConfig::parse_list("big:cpu:2:2-3+6,little:cpu:1:0", &base).unwrap();
+        assert_eq!((e[0].cores.clone(), e[1].cores.clone()), (vec![2, 3, 6], vec![0]));
+        for bad in ["", "a:tpu", "a:cpu:0", "a,a", "auto", "a b", "a:cpu:1:3-2", "a:cpu:1:x", "a:cpu:1:0:9"] {
+            assert!(EngineConfig::parse_list(bad, &base).is_err(), "{bad:?} must be refused");
+        }
+    }
+}

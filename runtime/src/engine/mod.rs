@@ -1,0 +1,388 @@
+//! A language engine: one loaded model on one device plus one llama.cpp context with several
+//! sequences, owned by one thread that runs a step scheduler (llama.cpp's server model: tasks in
+//! on one queue, results out on channels, one batch per decode step for every active sequence).
+//!
+//! Sequences `0..max_streams` hold streams' histories; the others are answer branches. Each step
+//! of the thread's loop:
+//! 1. decodes the next token of every active answer in one batch;
+//! 2. prefills at most `step_budget_ms` of input: the next chunk of an answer that is starting
+//!    (its replayed history and question suffix) or else the next chunk of frame ingestion (in
+//!    arrival order, except that a stream whose frames a question waits for goes before streams
+//!    nobody waits on: earliest deadline first), so a decode step never waits longer than the
+//!    budget behind prefill (chunked prefill, as in vLLM and Sarathi-Serve); with no answer
+//!    decoding, a chunk may take a few budgets (larger chunks cost less per input);
+//! 3. while answers are decoding, ingestion earns credit at `ingest_share` of the engine's time
+//!    and runs a chunk when it has a budget's worth, so answers keep `1 - ingest_share` of their
+//!    idle decode rate; while a question waits for frames still being ingested, ingestion gets a
+//!    budget every step (that question is an answer starting); with no answer active, ingestion
+//!    runs back to back.
+//!
+//! Ingestion that cannot keep up shows as lag on its stream, where the overload policy applies.
+
+mod calibrate;
+mod config;
+mod jobs;
+mod scheduler;
+mod worker;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+
+pub use config::{DEFAULT_INGEST_SHARE, DEFAULT_STEP_BUDGET_MS, EngineConfig, KvLayout};
+use jobs::Job;
+pub(crate) use jobs::{Generation, Ingestion, Progress};
+use scheduler::run;
+pub use worker::{KvMemory, Stage, StageRates, Worker};
+
+use crate::error::{Error, Result};
+use crate::llama::{Context, ContextParams, Device, Model};
+use crate::models;
+use crate::prefix::CompatTag;
+use crate::threads::ThreadTuner;
+
+pub struct Engine {
+    config: EngineConfig,
+    model: Arc<Model>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    shared: Arc<Shared>,
+    free_streams: Mutex<VecDeque<i32>>,
+    n_ctx_per_seq: u32,
+    /// Why [`crate::stream::HistoryPolicy::Slide`] cannot shift in place here, if it cannot.
+    shift_refusal: Option<String>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the engine thread and the engine's handles share.
+struct Shared {
+    /// Set by the caller of `start_cancellable` to abandon the calibration run.
+    cancel: Arc<AtomicBool>,
+    /// Set by `Engine::stop`, with the same effect.
+    stopping: AtomicBool,
+    /// The thread count computations use now.
+    threads: std::sync::atomic::AtomicI32,
+    widest: AtomicUsize,
+    rates: Arc<Mutex<StageRates>>,
+    /// Estimated milliseconds of queued ingestion (and other ordered work).
+    /// (ingestions queued, their estimated milliseconds): the count says whether any is waiting,
+    /// whatever rounding the sum of estimates leaves.
+    ingest_backlog: Mutex<(usize, f64)>,
+    /// Estimated milliseconds of answer starts queued or running, which go before ingestion.
+    start_backlog: Mutex<f64>,
+    /// Decode steps run while ingestion was waiting, and their total time (ms).
+    busy_steps: Mutex<(u64, f64)>,
+    /// Decode steps run with no ingestion waiting, and their total time (ms).
+    idle_steps: Mutex<(u64, f64)>,
+    /// The KV memory after the last step.
+    kv: Mutex<KvMemory>,
+}
+
+/// Decode rates an engine observed (see [`Engine::decode_rates`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DecodeRates {
+    /// Decode steps run while ingestion was waiting, and their mean duration (ms).
+    pub busy_steps: u64,
+    pub busy_ms_per_step: f64,
+    /// Decode steps run with no ingestion waiting, and their mean duration (ms).
+    pub idle_steps: u64,
+    pub idle_ms_per_step: f64,
+}
+
+impl Engine {
+    /// Load (or share) the model, start the engine thread and wait for its calibration run.
+    pub fn start(model_path: &std::path::Path, config: EngineConfig) -> Result<Arc<Engine>> {
+        Engine::start_cancellable(model_path, config, &Arc::new(AtomicBool::new(false)))
+    }
+
+    /// [`Engine::start`] that gives up with [`Error::Cancelled`] soon after `cancel` is set
+    /// (during the calibration run: between two of its computations).
+    pub fn start_cancellable(
+        model_path: &std::path::Path,
+        config: EngineConfig,
+        cancel: &Arc<AtomicBool>,
+    ) -> Result<Arc<Engine>> {
+        if config.max_streams == 0 || config.max_branches == 0 || config.context_per_sequence < 64 {
+            return Err(Error::Config(
+                "an engine needs at least one stream, one branch and 64 cells per sequence".into(),
+            ));
+        }
+        if config.step_budget_ms.is_nan() || config.step_budget_ms <= 0.0 || !(0.0..1.0).contains(&config.ingest_share)
+        {
+            return Err(Error::Config(format!(
+                "step budget {} ms / ingest share {}: the budget must be positive and the share in [0, 1)",
+                config.step_budget_ms, config.ingest_share
+            )));
+        }
+        let model = models::model(model_path, &config.device)?;
+        let ctx = Context::new(
+            Arc::clone(&model),
+            &ContextParams {
+                n_ctx_per_seq: config.context_per_sequence,
+                n_seq: config.max_streams + config.max_branches,
+                n_batch: 512,
+                threads: config.threads,
+                kv_unified: config.unified_cells(),
+                flash_attention: config.flash_attention,
+                kv_type: config.kv_type,
+            },
+        )?;
+        let n_ctx_per_seq = ctx.n_ctx_per_seq();
+        let shift_refusal = ctx.shift_refusal();
+        let streams = config.max_streams as i32;
+        let rates = Arc::new(Mutex::new(StageRates {
+            prefill_ms_per_token: 0.0,
+            decode_ms_per_step: 0.0,
+            export_ms_per_token: 0.0,
+            import_ms_per_token: 0.0,
+        }));
+        let worker = Worker {
+            ctx,
+            free_branches: (streams..streams + config.max_branches as i32).rev().collect(),
+            rates: Arc::clone(&rates),
+            seeded: std::cell::Cell::new(0),
+            tuner: ThreadTuner::new(config.threads, config.device == Device::Cpu),
+            cell_bytes: 0,
+        };
+        let (tx, rx) = mpsc::channel::<Job>();
+        let shared = Arc::new(Shared {
+            cancel: Arc::clone(cancel),
+            stopping: AtomicBool::new(false),
+            threads: std::sync::atomic::AtomicI32::new(config.threads),
+            widest: AtomicUsize::new(0),
+            rates,
+            ingest_backlog: Mutex::new((0, 0.0)),
+            start_backlog: Mutex::new(0.0),
+            busy_steps: Mutex::new((0, 0.0)),
+            idle_steps: Mutex::new((0, 0.0)),
+            kv: Mutex::new(KvMemory::default()),
+        });
+        let thread_shared = Arc::clone(&shared);
+        let thread_config = config.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("vlm-engine-{}", config.name))
+            .spawn(move || {
+                let registration = crate::llama::WorkerThread::register();
+                if !thread_config.cores.is_empty()
+                    && let Err(e) = crate::llama::pin_current_thread(&thread_config.cores)
+                {
+                    crate::llama::log(crate::llama::LogLevel::Warn, &format!("engine: {e}"));
+                }
+                run(worker, rx, thread_shared, &thread_config);
+                drop(registration);
+            })
+            .map_err(|e| Error::Engine(format!("cannot start engine thread: {e}")))?;
+        let engine = Arc::new(Engine {
+            free_streams: Mutex::new((0..streams).collect()),
+            config,
+            model,
+            jobs: Mutex::new(Some(tx)),
+            shared,
+            n_ctx_per_seq,
+            shift_refusal,
+            thread: Mutex::new(Some(thread)),
+        });
+        // Return once the calibration run has measured the stage rates: work queued or placed
+        // before would be estimated at zero cost.
+        engine.call(|_| ())?;
+        if cancel.load(Ordering::Acquire) {
+            return Err(Error::Cancelled);
+        }
+        Ok(engine)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Which stored KV this engine can consume.
+    pub fn compat_tag(&self) -> CompatTag {
+        CompatTag {
+            model: self.model.identity().to_owned(),
+            backend: self.config.device.name().into(),
+            kv_dtype: self.config.kv_type.name(),
+            layout: format!(
+                "{}, {}",
+                if self.config.flash_attention {
+                    "V untransposed (flash attention)"
+                } else {
+                    "V transposed (no flash attention)"
+                },
+                match self.config.kv_layout {
+                    KvLayout::PerSequence =>
+                        format!("{} sequence streams", self.config.max_streams + self.config.max_branches),
+                    KvLayout::Unified => "one unified stream".into(),
+                }
+            ),
+        }
+    }
+
+    pub fn n_ctx_per_seq(&self) -> u32 {
+        self.n_ctx_per_seq
+    }
+
+    /// Why a history cannot slide (shift its positions in place) on this engine, if it cannot.
+    pub fn shift_refusal(&self) -> Option<&str> {
+        self.shift_refusal.as_deref()
+    }
+
+    /// Cells an answer reading a version of `version_cells` may reach (its question and tokens
+    /// included): the sequence's cells, and in a unified pool at most `answer_cells` more.
+    pub fn answer_limit(&self, version_cells: i32) -> i32 {
+        let per_seq = self.n_ctx_per_seq as i32;
+        match self.config.kv_layout {
+            KvLayout::PerSequence => per_seq,
+            KvLayout::Unified => per_seq.min(version_cells + self.config.answer_cells as i32),
+        }
+    }
+
+    /// The KV memory as the engine's last step left it, shared cells counted once.
+    pub fn kv_memory(&self) -> KvMemory {
+        *self.shared.kv.lock()
+    }
+
+    /// The stage costs measured on this engine so far.
+    pub fn rates(&self) -> StageRates {
+        *self.shared.rates.lock()
+    }
+
+    /// The thread count its computations use now (the configured one, or 1 while that measured
+    /// faster: see `crate::threads`).
+    pub fn threads_now(&self) -> i32 {
+        self.shared.threads.load(Ordering::Relaxed)
+    }
+
+    /// Decode steps observed with and without ingestion waiting.
+    pub fn decode_rates(&self) -> DecodeRates {
+        let (busy_steps, busy_ms) = *self.shared.busy_steps.lock();
+        let (idle_steps, idle_ms) = *self.shared.idle_steps.lock();
+        let mean = |n: u64, ms: f64| if n == 0 { 0.0 } else { ms / n as f64 };
+        DecodeRates {
+            busy_steps,
+            busy_ms_per_step: mean(busy_steps, busy_ms),
+            idle_steps,
+            idle_ms_per_step: mean(idle_steps, idle_ms),
+        }
+    }
+
+    /// Estimated milliseconds of queued ingestion on this engine (measured costs).
+    pub fn ingest_backlog_ms(&self) -> f64 {
+        match *self.shared.ingest_backlog.lock() {
+            (0, _) => 0.0,
+            (_, ms) => ms.max(0.0),
+        }
+    }
+
+    /// Estimated milliseconds before a new answer starts here: the starts of the answers ahead
+    /// of it (answers go before queued ingestion).
+    pub fn start_backlog_ms(&self) -> f64 {
+        self.shared.start_backlog.lock().max(0.0)
+    }
+
+    /// Queue ingestion; its cost counts in the ingestion backlog until it is done.
+    pub(crate) fn ingest(&self, ingestion: Ingestion) -> Result<()> {
+        let cost = ingestion.cost_ms;
+        let queue = |n: isize, ms: f64| {
+            let mut backlog = self.shared.ingest_backlog.lock();
+            backlog.0 = backlog.0.saturating_add_signed(n);
+            backlog.1 += ms;
+        };
+        queue(1, cost);
+        self.send(Job::Ingest(ingestion)).inspect_err(|_| queue(-1, -cost))
+    }
+
+    /// Run `job` on the engine thread ahead of queued prefill and wait for its result.
+    pub fn call<R: Send + 'static>(&self, job: impl FnOnce(&mut Worker) -> R + Send + 'static) -> Result<R> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(Job::Urgent(Box::new(move |w| {
+            let _ = tx.send(job(w));
+        })))?;
+        rx.recv().map_err(|_| Error::Engine(format!("engine {} dropped a job", self.name())))
+    }
+
+    /// Most answers decoded together in one step so far.
+    pub fn widest_step(&self) -> usize {
+        self.shared.widest.load(Ordering::Relaxed)
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        let jobs = self.jobs.lock();
+        let tx = jobs.as_ref().ok_or_else(|| Error::Engine(format!("engine {} is stopped", self.name())))?;
+        tx.send(job).map_err(|_| Error::Engine(format!("engine {} thread has exited", self.config.name)))
+    }
+
+    /// Run `job` on the engine thread after the ingestion and jobs already queued (and between
+    /// two decode steps of the answers being generated).
+    pub fn submit(&self, job: impl FnOnce(&mut Worker) + Send + 'static) -> Result<()> {
+        self.send(Job::Run(Box::new(job)))
+    }
+
+    /// Queue a generation whose start costs about `start_ms`; it starts when a branch is free,
+    /// before queued ingestion, and then shares every decode step.
+    pub(crate) fn generate(&self, generation: Box<dyn Generation>, start_ms: f64) -> Result<()> {
+        *self.shared.start_backlog.lock() += start_ms;
+        self.send(Job::Generate(generation, start_ms)).inspect_err(|_| *self.shared.start_backlog.lock() -= start_ms)
+    }
+
+    /// Streams resident here now, and stream sequences still free.
+    pub fn stream_slots(&self) -> (usize, usize) {
+        let free = self.free_streams.lock().len();
+        (self.config.max_streams as usize - free, free)
+    }
+
+    /// Reserve a stream sequence.
+    pub(crate) fn take_stream_seq(&self) -> Result<i32> {
+        self.free_streams.lock().pop_front().ok_or_else(|| {
+            Error::Config(format!(
+                "engine {} already holds its {} streams (raise max-streams)",
+                self.name(),
+                self.config.max_streams
+            ))
+        })
+    }
+
+    /// Return a stream sequence (its stream is gone: nothing queued refers to it). It is free at
+    /// once; the job that clears its cells is queued before anything a new stream queues.
+    pub(crate) fn give_stream_seq(&self, seq: i32) {
+        // A stopping engine frees its context with its thread: nothing to clear then.
+        let _ = self.submit(move |w| w.ctx.seq_clear(seq));
+        self.free_streams.lock().push_back(seq);
+    }
+
+    /// Stop accepting jobs and wait for the queued ones to finish (a calibration run still going
+    /// is abandoned).
+    pub fn stop(&self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        self.jobs.lock().take();
+        // The last owner may be a job on the engine thread itself: it cannot join itself; the
+        // thread then ends on its own once the queue is drained.
+        if let Some(t) = self.thread.lock().take()
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("name", &self.config.name).field("device", &self.config.device).finish()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,133 @@
+//! What a job sees on the engine thread: the [`Worker`] (the context, the measured stage rates,
+//! the thread tuner and the KV accounting).
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::llama::Context;
+use crate::threads::ThreadTuner;
+
+/// A stage of work whose cost the placer estimates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Prefill, per token (frames, replayed history, question suffixes).
+    Prefill,
+    /// One batched decode step.
+    DecodeStep,
+    /// Snapshot export, per token of history.
+    Export,
+    /// Snapshot import, per token of history.
+    Import,
+}
+
+/// Stage costs measured on one engine, as exponentially weighted means (ms per unit). They start
+/// from a short calibration run when the engine starts, so nothing is assumed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageRates {
+    pub prefill_ms_per_token: f64,
+    pub decode_ms_per_step: f64,
+    pub export_ms_per_token: f64,
+    pub import_ms_per_token: f64,
+}
+
+impl StageRates {
+    fn slot(&mut self, stage: Stage) -> &mut f64 {
+        match stage {
+            Stage::Prefill => &mut self.prefill_ms_per_token,
+            Stage::DecodeStep => &mut self.decode_ms_per_step,
+            Stage::Export => &mut self.export_ms_per_token,
+            Stage::Import => &mut self.import_ms_per_token,
+        }
+    }
+}
+
+/// What a job sees on the engine thread.
+pub struct Worker {
+    pub ctx: Context,
+    /// Free answer sequences, highest first: the lowest is taken, so active branches stay
+    /// adjacent (llama.cpp batches only consecutive sequence ids into one micro-batch when each
+    /// sequence has its own KV).
+    pub(super) free_branches: Vec<i32>,
+    pub(super) rates: Arc<Mutex<StageRates>>,
+    /// Stages whose rate is still a seed (the calibration run's, or one set with `set_rate`),
+    /// one bit per stage: a first measurement of real work that is faster replaces a seed
+    /// instead of blending with it, so a calibration taken while other processes had the cores
+    /// (seconds instead of milliseconds) does not mislead the placer for the rest of the run. A
+    /// slower one blends as any later one does (the calibration takes the fastest of its runs,
+    /// and real work pays graph rebuilds between streams: replacing would make an engine that
+    /// has done real work look dearer than an idle one that has not).
+    pub(super) seeded: std::cell::Cell<u8>,
+    /// The thread count computations use (see `crate::threads`).
+    pub(super) tuner: ThreadTuner,
+    /// Bytes one KV cell takes (K and V rows of every layer), measured by the calibration run.
+    pub(super) cell_bytes: usize,
+}
+
+/// An engine's KV memory: what its context allocated and what is in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvMemory {
+    /// Bytes of the cells in use, each counted once however many sequences share it.
+    pub in_use_bytes: usize,
+    /// Bytes of one cell (0 before the calibration run measured it).
+    pub cell_bytes: usize,
+    /// Cells the context allocated, for all its sequences.
+    pub cells: usize,
+}
+
+impl KvMemory {
+    pub fn allocated_bytes(&self) -> usize {
+        self.cells * self.cell_bytes
+    }
+
+    pub fn cells_in_use(&self) -> usize {
+        self.in_use_bytes.checked_div(self.cell_bytes).unwrap_or(0)
+    }
+}
+
+impl Worker {
+    pub fn kv_memory(&mut self) -> KvMemory {
+        KvMemory { in_use_bytes: self.ctx.kv_bytes_in_use(), cell_bytes: self.cell_bytes, cells: self.ctx.n_ctx() }
+    }
+
+    /// Record that `units` of `stage` took `ms`.
+    pub fn record(&self, stage: Stage, units: usize, ms: f64) {
+        if units > 0 {
+            let bit = 1 << stage as u8;
+            let seed = self.seeded.get() & bit != 0;
+            self.seeded.set(self.seeded.get() & !bit);
+            let mut rates = self.rates.lock();
+            let slot = rates.slot(stage);
+            let sample = ms / units as f64;
+            *slot = if *slot <= 0.0 || (seed && sample < *slot) { sample } else { 0.8 * *slot + 0.2 * sample };
+        }
+    }
+
+    /// Seed a stage's rate (ms per unit): used until the first measurement of that stage's real
+    /// work replaces it. The calibration run seeds every stage; tests and callers that know an
+    /// engine's rates better may too.
+    pub fn set_rate(&self, stage: Stage, ms_per_unit: f64) {
+        *self.rates.lock().slot(stage) = ms_per_unit;
+        self.seeded.set(self.seeded.get() | 1 << stage as u8);
+    }
+
+    /// Seed a stage's rate from a calibration measurement.
+    pub(super) fn seed(&self, stage: Stage, units: usize, ms: f64) {
+        self.set_rate(stage, ms / units as f64);
+    }
+
+    pub(super) fn prefill_ms_per_token(&self) -> f64 {
+        self.rates.lock().prefill_ms_per_token.max(0.01)
+    }
+
+    pub(super) fn take_branch(&mut self) -> Option<i32> {
+        self.free_branches.pop()
+    }
+
+    /// Clear a branch's cells and make it free again.
+    pub(super) fn release(&mut self, seq: i32) {
+        self.ctx.seq_clear(seq);
+        let at = self.free_branches.partition_point(|&s| s > seq);
+        self.free_branches.insert(at, seq);
+    }
+}
