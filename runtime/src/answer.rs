@@ -15,7 +15,7 @@ use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 use crate::engine::{Engine, Generation, Progress, Stage, Worker};
 use crate::error::{Error, Result};
 use crate::llama::Token;
-use crate::placer;
+use crate::placer::{self, PreparePath};
 use crate::prefill::Prefill;
 use crate::snapshot::Snapshot;
 use crate::stream::{Entry, Stream, Version};
@@ -60,27 +60,6 @@ fn argmax(logits: &[f32]) -> Token {
         }
     }
     best as Token
-}
-
-/// How a question's history was made ready on the engine that answered it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PreparePath {
-    /// Continued from the stream's resident KV (a branch of its sequence).
-    Resident,
-    /// Imported a KV snapshot from another engine.
-    Import,
-    /// Rebuilt from retained embeddings and text.
-    Replay,
-}
-
-impl PreparePath {
-    pub fn name(self) -> &'static str {
-        match self {
-            PreparePath::Resident => "resident",
-            PreparePath::Import => "import",
-            PreparePath::Replay => "replay",
-        }
-    }
 }
 
 #[derive(Debug, Clone)]

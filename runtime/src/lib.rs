@@ -5,8 +5,8 @@
 //! - [`models`]: one shared copy of each model's weights per device per process;
 //! - [`engine`]: a language engine (one context, one thread, several sequences) and its step
 //!   scheduler; `prefill`: chunked prefill of frames, replays and questions;
-//! - [`stream`]: a stream's versioned, append-only history;
-//! - [`answer`]: answering a question from a pinned version (branch, import or replay);
+//! - [`stream`]: a stream's versioned, append-only history ([`entry`]: its entries);
+//! - [`answer`](mod@answer): answering a question from a pinned version (branch, import or replay);
 //! - [`placer`]: choosing the engine and path of each answer from measured stage costs;
 //! - [`prefix`]: prefix keys and compatibility tags; [`snapshot`]: KV snapshots;
 //! - [`cache`]: the bounded cache every cache uses;
@@ -19,8 +19,8 @@ pub mod cache;
 pub mod encoder;
 pub mod engine;
 pub mod engine_spec;
+pub mod entry;
 pub mod error;
-mod gguf;
 pub mod llama;
 pub mod models;
 pub mod placer;
@@ -28,14 +28,15 @@ mod prefill;
 pub mod prefix;
 pub mod prompt;
 #[cfg(feature = "rknn")]
-pub mod rknn;
+pub use encoder::rknn;
 pub mod snapshot;
 pub mod stream;
 pub mod text;
 mod threads;
 
-pub use answer::{AnswerReport, PreparePath, Question, Sampling, answer, answer_frame, answer_on, answer_placed};
+pub use answer::{AnswerReport, Question, Sampling, answer, answer_frame, answer_on, answer_placed};
 pub use engine::{DecodeRates, Engine, EngineConfig, KvLayout, KvMemory};
 pub use error::{Error, Result};
 pub use llama::{Device, KvType};
+pub use placer::PreparePath;
 pub use stream::{Frame, HistoryPolicy, Lag, Overload, Registration, Stream, StreamConfig, Version};

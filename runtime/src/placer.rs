@@ -16,10 +16,30 @@
 
 use std::sync::Arc;
 
-use crate::answer::PreparePath;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::stream::Version;
+
+/// How a question's history was made ready on the engine that answered it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreparePath {
+    /// Continued from the stream's resident KV (a branch of its sequence).
+    Resident,
+    /// Imported a KV snapshot from another engine.
+    Import,
+    /// Rebuilt from retained embeddings and text.
+    Replay,
+}
+
+impl PreparePath {
+    pub fn name(self) -> &'static str {
+        match self {
+            PreparePath::Resident => "resident",
+            PreparePath::Import => "import",
+            PreparePath::Replay => "replay",
+        }
+    }
+}
 
 /// The estimate of one complete path.
 #[derive(Debug, Clone)]

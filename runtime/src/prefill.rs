@@ -12,9 +12,9 @@
 
 use std::sync::Arc;
 
+use crate::entry::{Entry, Frame};
 use crate::error::Result;
 use crate::llama::{Batch, Context, Segment, Token};
-use crate::stream::{Entry, Frame};
 
 /// One homogeneous run of inputs.
 enum Piece {

@@ -52,7 +52,7 @@ pub struct Engine {
     shared: Arc<Shared>,
     free_streams: Mutex<VecDeque<i32>>,
     n_ctx_per_seq: u32,
-    /// Why [`crate::stream::HistoryPolicy::Slide`] cannot shift in place here, if it cannot.
+    /// Why a history cannot slide (`HistoryPolicy::Slide`) by shifting in place here, if it cannot.
     shift_refusal: Option<String>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }

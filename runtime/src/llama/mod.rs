@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 
 mod batch;
 mod context;
+mod gguf;
 mod model;
 mod mtmd;
 /// The plain-libmtmd reference the family checks compare the runtime with (the family test and

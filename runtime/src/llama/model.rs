@@ -33,7 +33,7 @@ pub fn check_readable(path: &Path, what: &str) -> Result<()> {
 }
 
 /// A loaded language model (weights + vocabulary). Immutable once loaded, so one copy is shared
-/// by every context that names the same file on the same device (see [`crate::models`]).
+/// by every context that names the same file on the same device (see the `models` module).
 pub struct Model {
     ptr: NonNull<sys::llama_model>,
     path: PathBuf,

@@ -120,7 +120,7 @@ impl Projector {
     pub fn load(path: &Path, model: Arc<Model>, use_gpu: bool, threads: i32) -> Result<Projector> {
         init_backend();
         check_readable(path, "mmproj")?;
-        crate::gguf::check_projector(path, &model)?;
+        super::gguf::check_projector(path, &model)?;
         let cpath = c_path(path)?;
         // SAFETY: default params are plain data; the model outlives the projector (Arc held).
         let ptr = unsafe {

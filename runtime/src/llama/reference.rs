@@ -15,6 +15,8 @@ use llama_cpp_sys_2 as sys;
 use super::model::c_path;
 use super::{Model, Token, init_backend};
 use crate::error::{Error, Result};
+// The one reference from `llama` back up to a module built on it: the reference must render the
+// runtime's own system prompt, so it reads the constant rather than a copy that could drift.
 use crate::prompt::DEFAULT_SYSTEM_PROMPT;
 
 /// Width of a [`picture`], the only size [`Reference::chunks`] takes.

@@ -10,8 +10,8 @@ use std::path::Path;
 use llama_cpp_2::gguf::GgufContext;
 use llama_cpp_sys_2 as sys;
 
+use super::Model;
 use crate::error::{Error, Result};
-use crate::llama::Model;
 
 /// Special tokens a projector type's wrapper text needs in the language model's vocabulary.
 fn required_tokens(projector_type: &str) -> &'static [&'static str] {

@@ -13,7 +13,7 @@ use std::path::Path;
 use parking_lot::Mutex;
 use rknn_rs::prelude::{Rknn, RknnTensorFormat, RknnTensorType};
 
-use crate::encoder::{Rgb, VisionEncoder};
+use super::{Rgb, VisionEncoder};
 use crate::error::{Error, Result};
 use crate::llama::{ImageEmbeddings, Segment, check_readable};
 

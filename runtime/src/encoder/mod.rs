@@ -15,6 +15,10 @@ use crate::error::{Error, Result};
 use crate::llama::{Projector, Segment};
 use crate::stream::Frame;
 
+/// The Rockchip NPU backend (the `rknn` cargo feature).
+#[cfg(feature = "rknn")]
+pub mod rknn;
+
 /// Byte order of a packed 8-bit RGB-family pixel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PixelLayout {
@@ -302,7 +306,7 @@ pub struct EncoderChoice {
 
 #[cfg(feature = "rknn")]
 fn open_rknn(model: &std::path::Path, width: usize) -> Result<Arc<dyn VisionEncoder>> {
-    Ok(Arc::new(crate::rknn::RknnEncoder::new(model, width)?))
+    Ok(Arc::new(rknn::RknnEncoder::new(model, width)?))
 }
 
 #[cfg(not(feature = "rknn"))]
