@@ -14,7 +14,7 @@ use llama_cpp_2::token::data_array::LlamaTokenDataArray;
 
 use crate::engine::{Engine, Generation, Progress, Stage, Worker};
 use crate::error::{Error, Result};
-use crate::llama::Token;
+use crate::llama::{Token, argmax};
 use crate::placer::{self, PreparePath};
 use crate::prefill::Prefill;
 use crate::snapshot::Snapshot;
@@ -49,17 +49,6 @@ impl Sampling {
             ])
         })
     }
-}
-
-fn argmax(logits: &[f32]) -> Token {
-    // First maximum on ties, like llama.cpp's greedy sampler.
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as Token
 }
 
 #[derive(Debug, Clone)]

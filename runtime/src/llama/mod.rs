@@ -147,6 +147,17 @@ pub(crate) fn stop_workers_before_exit() {
     }
 }
 
+/// The greedy choice: the first maximum on ties, like llama.cpp's greedy sampler.
+pub(crate) fn argmax(logits: &[f32]) -> Token {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as Token
+}
+
 /// Whether llama.cpp has a GPU device (Vulkan by default; Mesa's lavapipe counts only when
 /// GGML_VK_VISIBLE_DEVICES lists it).
 pub fn gpu_available() -> bool {

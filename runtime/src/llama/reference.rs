@@ -13,7 +13,7 @@ use std::ptr::{NonNull, null_mut};
 use llama_cpp_sys_2 as sys;
 
 use super::model::c_path;
-use super::{Model, Token, init_backend};
+use super::{Model, Token, argmax, init_backend};
 use crate::error::{Error, Result};
 // The one reference from `llama` back up to a module built on it: the reference must render the
 // runtime's own system prompt, so it reads the constant rather than a copy that could drift.
@@ -61,17 +61,6 @@ pub fn prompt(model: &Model, frames: usize, question: &str) -> Result<(String, u
         .map(|i| i + marker.len())
         .ok_or_else(|| Error::Config("the template dropped the frames".into()))?;
     Ok((full, history_end))
-}
-
-/// First maximum on ties, like the runtime's greedy sampler.
-fn argmax(logits: &[f32]) -> Token {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as Token
 }
 
 /// A language model and its projector loaded through llama-cpp-sys-2 alone, on the CPU.
