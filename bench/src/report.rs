@@ -318,20 +318,12 @@ mod tests {
 
     fn run(config: Config, answers: Vec<AnswerRecord>, window_ms: f64, rss_kib: u64) -> RunRecord {
         RunRecord {
-            config,
-            round: 0,
-            processes: 1,
             load_ms: 100.0,
             peak_rss_kib: rss_kib,
             window_ms,
             answers,
             decode_split: Some(DecodeSplit { busy_steps: 10, busy_ms: 500.0, idle_steps: 20, idle_ms: 400.0 }),
-            lag: None,
-            kv: None,
-            frame_cells: None,
-            foreign_cpu_pct: None,
-            discarded_busy_pct: vec![],
-            error: None,
+            ..RunRecord::empty(config, 0, 1)
         }
     }
 

@@ -642,7 +642,7 @@ impl ObjectImpl for VlmContext {
                     .build(),
                 glib::ParamSpecUInt64::builder("kv-bytes")
                     .nick("KV bytes in use")
-                    .blurb("Bytes of KV cells in use on every engine, a cell shared by several sequences counted once (updated after each engine step)")
+                    .blurb("Bytes of KV cells in use on every engine, a cell shared by several sequences counted once (refreshed every 50 ms while an engine works, and when it goes idle)")
                     .read_only()
                     .build(),
                 glib::ParamSpecUInt64::builder("kv-bytes-allocated")

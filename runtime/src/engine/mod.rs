@@ -77,7 +77,7 @@ struct Shared {
     busy_steps: Mutex<(u64, f64)>,
     /// Decode steps run with no ingestion waiting, and their total time (ms).
     idle_steps: Mutex<(u64, f64)>,
-    /// The KV memory after the last step.
+    /// The KV memory as last refreshed (at most 50 ms old while busy, current when idle).
     kv: Mutex<KvMemory>,
 }
 
@@ -247,7 +247,8 @@ impl Engine {
         }
     }
 
-    /// The KV memory as the engine's last step left it, shared cells counted once.
+    /// The KV memory, shared cells counted once: refreshed every 50 ms while the engine is busy
+    /// and whenever it goes idle.
     pub fn kv_memory(&self) -> KvMemory {
         *self.shared.kv.lock()
     }

@@ -299,6 +299,10 @@ fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result
     Ok(())
 }
 
+/// Least time between two refreshes of the published KV account while the engine is busy (it
+/// walks every cell in use); an engine going idle always refreshes it.
+const KV_REFRESH: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// The engine thread's loop.
 pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &EngineConfig) {
     calibrate(&mut w, &|| {
@@ -306,6 +310,7 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
     });
     shared.threads.store(w.tuner.threads(), Ordering::Relaxed);
     *shared.kv.lock() = w.kv_memory();
+    let mut kv_refreshed = Instant::now();
     crate::llama::stop_workers_before_exit();
     let mut s = Scheduler {
         budget_ms: config.step_budget_ms,
@@ -337,7 +342,10 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
                 s.take(job, &mut w);
             }
             s.step(&mut w, &shared);
-            *shared.kv.lock() = w.kv_memory();
+            if s.idle() || kv_refreshed.elapsed() >= KV_REFRESH {
+                *shared.kv.lock() = w.kv_memory();
+                kv_refreshed = Instant::now();
+            }
         }));
         if let Err(panic) = stepped {
             let what = crate::error::panic_message(panic.as_ref());
