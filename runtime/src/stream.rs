@@ -138,6 +138,9 @@ struct Record {
     cells: i32,
     key: PrefixKey,
     history: Arc<[Entry]>,
+    /// The epoch's cells were shifted in place (a slide): not what a prefill of `history` gives,
+    /// so its versions stay out of the prefix cache.
+    shifted: bool,
 }
 
 struct Timeline {
@@ -235,6 +238,7 @@ impl Stream {
             cells: prompt.prefix.len() as i32,
             key: PrefixKey::root(engine.model().identity(), &prompt.prefix),
             history: Arc::from(Vec::new()),
+            shifted: false,
         };
         let stream = Arc::new(Stream {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -357,7 +361,7 @@ impl Stream {
         if tail.cells + n_cells <= capacity {
             let (key, end, history) = (entry.extend(tail.key), tail.end + n_pos, with(&tail.history));
             let cells = tail.cells + n_cells;
-            let record = Record { number, serial, epoch: tail.epoch, end, cells, key, history };
+            let record = Record { number, serial, epoch: tail.epoch, end, cells, key, history, shifted: tail.shifted };
             return Ok(Plan { record, rebuild: Rebuild::Append, restart: None });
         }
         let frames = |h: &[Entry]| h.iter().filter(|e| matches!(e, Entry::Frame(_))).count();
@@ -392,7 +396,6 @@ impl Stream {
         let end = prefix_len + kept.iter().map(Entry::n_pos).sum::<i32>() + n_pos;
         let cells = prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells;
         let dropped = frames(&tail.history) - frames(kept);
-        let record = Record { number, serial, epoch: tail.epoch + 1, end, cells, key, history: with(kept) };
         // The dropped entries were at positions prefix_len.. of this epoch's sequence.
         let gone: i32 = tail.history[..tail.history.len() - kept.len()].iter().map(Entry::n_pos).sum();
         let rebuild = if self.config.history_policy == HistoryPolicy::Slide && self.engine.shift_refusal().is_none() {
@@ -400,6 +403,8 @@ impl Stream {
         } else {
             Rebuild::Whole
         };
+        let shifted = matches!(rebuild, Rebuild::Shift { .. });
+        let record = Record { number, serial, epoch: tail.epoch + 1, end, cells, key, history: with(kept), shifted };
         Ok(Plan { record, rebuild, restart: Some((frames(kept), dropped)) })
     }
 
@@ -510,9 +515,7 @@ impl Stream {
             self.changed.notify_all();
             return Ok(());
         }
-        // A shifted history is not what a prefill of its frames gives: it stays out of the cache.
-        let cache =
-            self.config.prefix_cache.clone().filter(|c| c.enabled() && !matches!(rebuild, Rebuild::Shift { .. }));
+        let cache = self.config.prefix_cache.clone().filter(|c| c.enabled() && !record.shifted);
         let tag = self.engine.compat_tag();
         let (start, entries) = if rebuild == Rebuild::Whole {
             (0, self.replay_entries(&record.history))

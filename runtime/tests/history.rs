@@ -344,13 +344,15 @@ fn a_slid_history_shifts_in_place_keeps_old_versions_and_agrees_with_a_reprefill
     // quarter of the 384 free.
     let engine = engine_with("cpu", 512);
     let enc = encoder();
-    let stream = open_with(&engine, "s", true, vlm_runtime::HistoryPolicy::Slide);
+    let cache = Arc::new(vlm_runtime::snapshot::PrefixCache::new(64, 1 << 30));
+    let stream = open_cached(&engine, "s", true, vlm_runtime::HistoryPolicy::Slide, Some(Arc::clone(&cache)));
     let never = Arc::new(AtomicBool::new(false));
     let frames: Vec<_> = (0..12).map(|v| frame(&enc, v)).collect();
     for f in &frames[..5] {
         stream.register(Arc::clone(f), &never).unwrap();
     }
     let v5 = stream.wait_version(5, &never).unwrap();
+    let cached_at_v5 = cache.stats().entries;
     let before = answer(&v5, &question("What changed?", 10), &never, |_| {}).unwrap();
 
     let registrations: Vec<_> = frames[5..].iter().map(|f| stream.register(Arc::clone(f), &never).unwrap()).collect();
@@ -362,6 +364,9 @@ fn a_slid_history_shifts_in_place_keeps_old_versions_and_agrees_with_a_reprefill
 
     // The pinned version of the old epoch answers from its own frames, unchanged.
     let v12 = stream.wait_version(12, &never).unwrap();
+    // The versions before the slide were stored in the prefix cache as they were prefilled; the
+    // slid ones are not what a prefill of their frames gives, so none of them was.
+    assert_eq!(cache.stats().entries, cached_at_v5 + (slide.number as usize - 1 - 5), "a slid version was cached");
     let after = answer(&v5, &question("What changed?", 10), &never, |_| {}).unwrap();
     assert_eq!((after.path, after.frames), (PreparePath::Replay, 5));
     assert_eq!(after.text, before.text, "a slide changed the history under a pinned version");
