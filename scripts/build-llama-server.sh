@@ -4,6 +4,8 @@
 #
 #   scripts/build-llama-server.sh            # CPU backend; prints the binary's path last
 #   PEER_BACKEND=cuda scripts/build-llama-server.sh   # same source, -DGGML_CUDA=ON (GPU machine)
+#   scripts/build-llama-server.sh rpc        # llama.cpp's `ggml-rpc-server` (the `rpc` engine's
+#                                            # server, issue 22) from the same source and tree
 #
 # Environment: PEER_CACHE (default /var/tmp/gst-vlm-peer), PEER_BACKEND (cpu | cuda | vulkan),
 # JOBS (default 2), PEER_CMAKE_ARGS (extra cmake arguments, appended last).
@@ -18,7 +20,9 @@
 # CPU flags follow the crate's own build (its CMakeCache: GGML_NATIVE=OFF with AVX, AVX2, FMA,
 # F16C, BMI2 on, AVX-512 off, OpenMP on), so both sides run the same kernels. No curl, no
 # OpenSSL, no web UI (nothing is downloaded at build time), static libraries, Release, and only
-# the llama-server target. Idempotent: an existing binary is reused.
+# the requested target. Idempotent: an existing binary is reused. The tree is configured with
+# GGML_RPC=ON, as the project's own llama.cpp is (.cargo/config.toml), so both build the same RPC
+# protocol version.
 set -euo pipefail
 
 VERSION=11434.0.0
@@ -26,7 +30,15 @@ CACHE=${PEER_CACHE:-/var/tmp/gst-vlm-peer}
 BACKEND=${PEER_BACKEND:-cpu}
 JOBS=${JOBS:-2}
 DIR="$CACHE/$VERSION"
-BIN="$DIR/build-$BACKEND/bin/llama-server"
+case "${1:-server}" in
+    server) TARGET=llama-server ;;
+    rpc) TARGET=ggml-rpc-server ;;
+    *)
+        echo "usage: $0 [server|rpc]" >&2
+        exit 2
+        ;;
+esac
+BIN="$DIR/build-$BACKEND/bin/$TARGET"
 
 if [ -x "$BIN" ]; then
     echo "$BIN"
@@ -72,9 +84,9 @@ nice -n 10 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
-    -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_APP=OFF -DGGML_RPC=ON \
     "${BACKEND_ARGS[@]}" "${EXTRA[@]}" >&2
-nice -n 10 cmake --build "$BUILD" --config Release --target llama-server -j "$JOBS" >&2
+nice -n 10 cmake --build "$BUILD" --config Release --target "$TARGET" -j "$JOBS" >&2
 
 test -x "$BIN"
 echo "$BIN"

@@ -97,4 +97,15 @@ notemplate="models/test-notemplate-lm.gguf"
 if [ ! -s "$notemplate" ] || [ models/test-qwen2vl-lm.gguf -nt "$notemplate" ]; then
   "$venv/bin/gguf-new-metadata" --force --remove-metadata tokenizer.chat_template models/test-qwen2vl-lm.gguf "$notemplate" >/dev/null 2>&1
 fi
+# 5. llama.cpp with its RPC backend (.cargo/config.toml sets GGML_RPC=ON). A build made before that
+# setting lacks libggml-rpc, and cargo would not notice: llama-cpp-sys-2's build script only watches
+# the GGML_* variables that were set when it last ran. Such a build is cleaned once here.
+target_dir=${CARGO_TARGET_DIR:-$root/target}
+for out in "$target_dir"/*/build/llama-cpp-sys-2-*/out; do
+  if [ -f "$out/lib/libllama.a" ] && [ ! -f "$out/lib/libggml-rpc.a" ]; then
+    say "llama.cpp in $target_dir was built without its RPC backend: cleaning it (rebuilt by cargo)"
+    cargo clean -q -p llama-cpp-sys-2
+    break
+  fi
+done
 say "ready: $model, $mmproj, models/test-{idefics3,qwen2vl,gemma3}-{lm,mmproj}.gguf, $notemplate"

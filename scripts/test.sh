@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The tests: set up (packages, headers, models), then build and run every test of the workspace
+# The tests: set up (packages, headers, models, llama.cpp's rpc-server), then build and run every
+# test of the workspace
 # (runtime unit and integration tests, element harness tests, every file in pipelines/, and the
 # RKNN encoder glue against a stand-in NPU runtime).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/setup.sh
+# llama.cpp's rpc-server from the same llama.cpp release, for the `rpc` engine's tests (built once
+# into /var/tmp/gst-vlm-peer: a few minutes on 2 cores the first time).
+VLM_RPC_SERVER=$(JOBS=$(nproc) scripts/build-llama-server.sh rpc | tail -n 1)
+export VLM_RPC_SERVER
 cargo test --workspace "$@"
 # The NPU (RKNN) glue, against the stand-in librknnrt built from runtime/rknn-standin (no NPU here).
 VLM_RKNN_STANDIN=1 cargo test -p vlm-runtime --features rknn --test rknn "$@"

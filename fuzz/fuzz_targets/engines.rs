@@ -1,4 +1,5 @@
-//! vlmcontext's `engines` string (`NAME[:cpu|gpu[:THREADS[:CORES]]]`, comma separated), parsed
+//! vlmcontext's `engines` string (`NAME[:cpu|gpu[:THREADS[:CORES]]]` or
+//! `NAME:rpc:HOST:PORT[+HOST:PORT...]`, comma separated), parsed
 //! by runtime/src/engine_spec.rs (included as it is, without llama.cpp). Must never panic or
 //! allocate without bound; what it accepts must be valid and must read back the same when
 //! written out again.
@@ -10,13 +11,17 @@ use libfuzzer_sys::fuzz_target;
 #[path = "../../runtime/src/engine_spec.rs"]
 mod engine_spec;
 
-use engine_spec::{EngineSpec, MAX_CORES, MAX_THREADS, parse_list};
+use engine_spec::{EngineSpec, MAX_CORES, MAX_RPC_SERVERS, MAX_THREADS, SpecDevice, parse_list};
 
 fn write(specs: &[EngineSpec]) -> String {
     specs
         .iter()
         .map(|e| {
-            let mut s = format!("{}:{}", e.name, if e.gpu { "gpu" } else { "cpu" });
+            let mut s = match &e.device {
+                SpecDevice::Cpu => format!("{}:cpu", e.name),
+                SpecDevice::Gpu => format!("{}:gpu", e.name),
+                SpecDevice::Rpc(endpoints) => return format!("{}:rpc:{}", e.name, endpoints.join("+")),
+            };
             if e.threads.is_some() || !e.cores.is_empty() {
                 // A core list needs a thread count before it.
                 s += &format!(":{}", e.threads.unwrap_or(1));
@@ -43,6 +48,10 @@ fuzz_target!(|data: &[u8]| {
                 assert!(specs[..i].iter().all(|o| o.name != e.name), "duplicate {}", e.name);
                 assert!(e.threads.is_none_or(|t| (1..=MAX_THREADS).contains(&t)));
                 assert!(e.cores.iter().all(|&c| c < MAX_CORES));
+                if let SpecDevice::Rpc(endpoints) = &e.device {
+                    assert!((1..=MAX_RPC_SERVERS).contains(&endpoints.len()));
+                    assert!(endpoints.iter().all(|p| p.split_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))));
+                }
             }
             let again = parse_list(&write(&specs)).expect("a written list parses");
             let fill = |v: Vec<EngineSpec>| {

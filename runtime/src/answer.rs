@@ -245,7 +245,7 @@ pub fn answer_on(
         }),
         start_ms,
     )?;
-    for event in rx {
+    while let Some(event) = engine.wait(&rx)? {
         match event {
             Event::Text(t) => on_text(&t),
             Event::Done(r) => return r,

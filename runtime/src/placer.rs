@@ -81,7 +81,8 @@ pub fn estimate(
         resident.start_backlog_ms() + history * resident.rates().export_ms_per_token
     };
     let mut paths = vec![];
-    for engine in stream.peers() {
+    // An engine that failed for good (its RPC server went away) is passed over.
+    for engine in stream.peers().into_iter().filter(|e| e.failure().is_none()) {
         let rates = engine.rates();
         let run = |path, queue_ms: f64, prepare_ms: f64| {
             let suffix_ms = suffix_tokens as f64 * rates.prefill_ms_per_token;
@@ -129,7 +130,8 @@ pub fn resident_engine(engines: &[Arc<Engine>]) -> Option<&Arc<Engine>> {
         .iter()
         .map(|e| {
             let (open, free) = e.stream_slots();
-            (e.rates().prefill_ms_per_token, open, free)
+            // A failed engine has no room.
+            (e.rates().prefill_ms_per_token, open, if e.failure().is_some() { 0 } else { free })
         })
         .collect();
     least_loaded(&loads).map(|i| &engines[i]).or(engines.first())
@@ -186,6 +188,9 @@ pub fn choose(
         (Some(best), Some(resident)) if best.total_ms() > resident.total_ms() * MOVE_FACTOR => Ok(resident.clone()),
         (Some(best), _) => Ok(best.clone()),
         (None, _) => {
+            if let Some(why) = version.stream.peers().iter().find(|e| e.name() == placement).and_then(|e| e.failure()) {
+                return Err(Error::Engine(why));
+            }
             let names: Vec<String> = version.stream.peers().iter().map(|e| e.name().to_owned()).collect();
             Err(Error::Config(format!(
                 "placement={placement} names no engine of this stream (engines: {})",

@@ -225,6 +225,15 @@ pub fn lookup(id: u64) -> Option<Arc<Stream>> {
     STREAMS.lock().get(&id).and_then(Weak::upgrade)
 }
 
+/// Fail every stream resident on `engine`, which failed for good: its frames will never be
+/// ingested, so what waits on them gets `error` (the other streams go on).
+pub(crate) fn fail_resident(engine: &Arc<Engine>, error: &Error) {
+    let streams: Vec<Arc<Stream>> = STREAMS.lock().values().filter_map(Weak::upgrade).collect();
+    for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine, engine)) {
+        stream.publish(Err(error.clone()));
+    }
+}
+
 impl Stream {
     /// Create a stream on `engine` and prefill its prompt prefix (version 0).
     pub fn open(engine: &Arc<Engine>, prompt: Arc<Prompt>, config: StreamConfig) -> Result<Arc<Stream>> {

@@ -1,6 +1,7 @@
 //! The engine's configuration: [`EngineConfig`], its defaults, the [`KvLayout`] and the parsing
 //! of engine lists.
 
+use crate::engine_spec::SpecDevice;
 use crate::error::{Error, Result};
 use crate::llama::{Device, KvType};
 
@@ -104,18 +105,23 @@ impl EngineConfig {
 }
 
 impl EngineConfig {
-    /// Engines from a list such as `cpu`, `cpu,gpu` or `big:cpu:4:4-7,little:cpu:4:0-3`: each
-    /// entry is `NAME[:DEVICE[:THREADS[:CORES]]]`, DEVICE `cpu` or `gpu` (default: `gpu` for a name
-    /// starting with "gpu", else `cpu`), THREADS defaulting to `base.threads`, CORES a list of
-    /// cores and ranges joined by `+` (`0-3`, `4+6`). Other fields come from `base`. The parsing
-    /// itself is [`crate::engine_spec::parse_list`].
+    /// Engines from a list such as `cpu`, `cpu,gpu`, `big:cpu:4:4-7,little:cpu:4:0-3` or
+    /// `cpu,far:rpc:10.0.0.2:50052`: each entry is `NAME[:DEVICE[:THREADS[:CORES]]]`, DEVICE `cpu`
+    /// or `gpu` (default: `gpu` for a name starting with "gpu", else `cpu`), THREADS defaulting to
+    /// `base.threads`, CORES a list of cores and ranges joined by `+` (`0-3`, `4+6`), or
+    /// `NAME:rpc:HOST:PORT[+HOST:PORT...]` (llama.cpp `rpc-server`s). Other fields come from
+    /// `base`. The parsing itself is [`crate::engine_spec::parse_list`].
     pub fn parse_list(spec: &str, base: &EngineConfig) -> Result<Vec<EngineConfig>> {
         let specs = crate::engine_spec::parse_list(spec).map_err(Error::Config)?;
         Ok(specs
             .into_iter()
             .map(|e| EngineConfig {
                 name: e.name,
-                device: if e.gpu { Device::Gpu } else { Device::Cpu },
+                device: match e.device {
+                    SpecDevice::Cpu => Device::Cpu,
+                    SpecDevice::Gpu => Device::Gpu,
+                    SpecDevice::Rpc(endpoints) => Device::Rpc(endpoints),
+                },
                 threads: e.threads.unwrap_or(base.threads),
                 cores: e.cores,
                 ..base.clone()

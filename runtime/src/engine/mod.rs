@@ -18,10 +18,15 @@
 //!    runs back to back.
 //!
 //! Ingestion that cannot keep up shows as lag on its stream, where the overload policy applies.
+//!
+//! An engine on RPC servers (`Device::Rpc`) can fail for good when a server goes away; the
+//! watchdog (`rpc_watch`) then declares it failed: the placer passes it over, what waits on it
+//! gets the reason, and the streams resident on it fail.
 
 mod calibrate;
 mod config;
 mod jobs;
+mod rpc_watch;
 mod scheduler;
 mod worker;
 
@@ -55,6 +60,9 @@ pub struct Engine {
     /// Why a history cannot slide (`HistoryPolicy::Slide`) by shifting in place here, if it cannot.
     shift_refusal: Option<String>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Releases the engine thread's registration (`llama::WorkerThread`) when the thread is
+    /// abandoned (failed for good).
+    release_thread: Box<dyn Fn() + Send + Sync>,
 }
 
 /// What the engine thread and the engine's handles share.
@@ -79,6 +87,11 @@ struct Shared {
     idle_steps: Mutex<(u64, f64)>,
     /// The KV memory as last refreshed (at most 50 ms old while busy, current when idle).
     kv: Mutex<KvMemory>,
+    /// Turns of the engine thread's loop (it turns at least every 200 ms while alive): what the
+    /// RPC watchdog reads to tell a busy engine from one stuck on a failed server.
+    turns: std::sync::atomic::AtomicU64,
+    /// Why the engine failed for good, once it has.
+    failure: Mutex<Option<String>>,
 }
 
 /// Decode rates an engine observed (see [`Engine::decode_rates`]).
@@ -117,19 +130,32 @@ impl Engine {
                 config.step_budget_ms, config.ingest_share
             )));
         }
-        let model = models::model(model_path, &config.device)?;
-        let ctx = Context::new(
-            Arc::clone(&model),
-            &ContextParams {
-                n_ctx_per_seq: config.context_per_sequence,
-                n_seq: config.max_streams + config.max_branches,
-                n_batch: 512,
-                threads: config.threads,
-                kv_unified: config.unified_cells(),
-                flash_attention: config.flash_attention,
-                kv_type: config.kv_type,
-            },
-        )?;
+        let params = ContextParams {
+            n_ctx_per_seq: config.context_per_sequence,
+            n_seq: config.max_streams + config.max_branches,
+            n_batch: 512,
+            threads: config.threads,
+            kv_unified: config.unified_cells(),
+            flash_attention: config.flash_attention,
+            kv_type: config.kv_type,
+        };
+        let (model, ctx) = match &config.device {
+            // A copy of its own (not shared through `models`: a load stuck on a failed server
+            // must not hold the registry), loaded where a failure cannot hang the caller.
+            Device::Rpc(endpoints) => {
+                let (path, device) = (model_path.to_path_buf(), config.device.clone());
+                crate::llama::rpc::guarded(endpoints, move || {
+                    let model = Arc::new(Model::load(&path, &device)?);
+                    let ctx = Context::new(Arc::clone(&model), &params)?;
+                    Ok((model, ctx))
+                })?
+            }
+            _ => {
+                let model = models::model(model_path, &config.device)?;
+                let ctx = Context::new(Arc::clone(&model), &params)?;
+                (model, ctx)
+            }
+        };
         let n_ctx_per_seq = ctx.n_ctx_per_seq();
         let shift_refusal = ctx.shift_refusal();
         let streams = config.max_streams as i32;
@@ -159,13 +185,19 @@ impl Engine {
             busy_steps: Mutex::new((0, 0.0)),
             idle_steps: Mutex::new((0, 0.0)),
             kv: Mutex::new(KvMemory::default()),
+            turns: Default::default(),
+            failure: Mutex::new(None),
         });
         let thread_shared = Arc::clone(&shared);
         let thread_config = config.clone();
+        let registration = crate::llama::WorkerThread::register();
+        let release = registration.releaser();
         let thread = std::thread::Builder::new()
             .name(format!("vlm-engine-{}", config.name))
             .spawn(move || {
-                let registration = crate::llama::WorkerThread::register();
+                if matches!(thread_config.device, Device::Rpc(_)) {
+                    crate::llama::rpc::block_sigpipe();
+                }
                 if !thread_config.cores.is_empty()
                     && let Err(e) = crate::llama::pin_current_thread(&thread_config.cores)
                 {
@@ -184,7 +216,11 @@ impl Engine {
             n_ctx_per_seq,
             shift_refusal,
             thread: Mutex::new(Some(thread)),
+            release_thread: Box::new(release),
         });
+        if matches!(engine.config.device, Device::Rpc(_)) {
+            rpc_watch::watch(&engine);
+        }
         // Return once the calibration run has measured the stage rates: work queued or placed
         // before would be estimated at zero cost.
         engine.call(|_| ())?;
@@ -309,7 +345,40 @@ impl Engine {
         self.send(Job::Urgent(Box::new(move |w| {
             let _ = tx.send(job(w));
         })))?;
-        rx.recv().map_err(|_| Error::Engine(format!("engine {} dropped a job", self.name())))
+        self.wait(&rx)?.ok_or_else(|| Error::Engine(format!("engine {} dropped a job", self.name())))
+    }
+
+    /// The next message on `rx` (`None` when its senders are gone), or the engine's failure: a
+    /// failed engine's thread never returns what it holds.
+    pub(crate) fn wait<T>(&self, rx: &mpsc::Receiver<T>) -> Result<Option<T>> {
+        loop {
+            match rx.recv_timeout(std::time::Duration::from_millis(100)) {
+                Ok(message) => return Ok(Some(message)),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Some(why) = self.failure() {
+                        return Err(Error::Engine(why));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Why this engine failed for good (an RPC server went away), if it has.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure.lock().clone()
+    }
+
+    /// Declare the engine failed for good: no more jobs, its thread (stuck on a failed server)
+    /// and what it holds abandoned, its resident streams failed.
+    fn fail(self: &Arc<Self>, why: String) {
+        crate::llama::log(crate::llama::LogLevel::Error, &why);
+        *self.shared.failure.lock() = Some(why.clone());
+        crate::llama::rpc::mark_failed(self.config.device.endpoints());
+        self.jobs.lock().take();
+        self.thread.lock().take();
+        (self.release_thread)();
+        crate::stream::fail_resident(self, &Error::Engine(why));
     }
 
     /// Most answers decoded together in one step so far.
@@ -319,7 +388,9 @@ impl Engine {
 
     fn send(&self, job: Job) -> Result<()> {
         let jobs = self.jobs.lock();
-        let tx = jobs.as_ref().ok_or_else(|| Error::Engine(format!("engine {} is stopped", self.name())))?;
+        let tx = jobs.as_ref().ok_or_else(|| {
+            Error::Engine(self.failure().unwrap_or_else(|| format!("engine {} is stopped", self.name())))
+        })?;
         tx.send(job).map_err(|_| Error::Engine(format!("engine {} thread has exited", self.config.name)))
     }
 
@@ -362,15 +433,21 @@ impl Engine {
     }
 
     /// Stop accepting jobs and wait for the queued ones to finish (a calibration run still going
-    /// is abandoned).
+    /// is abandoned; so is the thread of an engine that failed for good meanwhile).
     pub fn stop(&self) {
         self.shared.stopping.store(true, Ordering::Release);
         self.jobs.lock().take();
         // The last owner may be a job on the engine thread itself: it cannot join itself; the
         // thread then ends on its own once the queue is drained.
-        if let Some(t) = self.thread.lock().take()
-            && t.thread().id() != std::thread::current().id()
-        {
+        let Some(t) = self.thread.lock().take().filter(|t| t.thread().id() != std::thread::current().id()) else {
+            return;
+        };
+        // An RPC server that went away while the engine was idle is found out only now, when
+        // the thread frees its context there: the watchdog then declares the engine failed.
+        while !t.is_finished() && self.failure().is_none() {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        if t.is_finished() {
             let _ = t.join();
         }
     }

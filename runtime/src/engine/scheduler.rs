@@ -322,6 +322,7 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
         credit_ms: 0.0,
     };
     loop {
+        shared.turns.fetch_add(1, Ordering::Relaxed);
         if crate::llama::exiting() {
             return; // the process is exiting: drop the work, free the context
         }

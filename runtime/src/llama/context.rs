@@ -444,7 +444,13 @@ impl Context {
 
 impl Drop for Context {
     fn drop(&mut self) {
-        // SAFETY: the context is owned and not used after this.
-        unsafe { sys::llama_free(self.ptr.as_ptr()) }
+        let ptr = self.ptr.as_ptr() as usize;
+        // SAFETY: the context is owned and not used after this; it is freed once, here or on the
+        // thread `rpc::free` starts.
+        let free = move || unsafe { sys::llama_free(ptr as *mut sys::llama_context) };
+        match self.model.device() {
+            super::Device::Rpc(endpoints) => super::rpc::free(endpoints, free),
+            _ => free(),
+        }
     }
 }

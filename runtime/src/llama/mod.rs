@@ -13,6 +13,7 @@
 //! - `batch`: [`Batch`], a llama.cpp batch of tokens or embedding rows;
 //! - `context`: [`KvType`], [`ContextParams`] and [`Context`] (KV memory, decode, snapshots);
 //! - `mtmd`: libmtmd's [`Projector`] and what it encodes ([`ImageEmbeddings`], [`Segment`]);
+//! - `rpc`: llama.cpp's RPC backend (devices on `rpc-server`s) and containing its failures;
 //! - `reference`: plain libmtmd for the family checks (tests and an example), not the runtime.
 
 use std::ffi::{CStr, c_char, c_void};
@@ -33,6 +34,7 @@ mod mtmd;
 /// example); not used by the runtime.
 #[doc(hidden)]
 pub mod reference;
+pub(crate) mod rpc;
 
 pub use batch::Batch;
 pub use context::{Context, ContextParams, KvType};
@@ -83,19 +85,32 @@ static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 
 /// Held by a thread that runs llama.cpp work, for its whole life (drop it last, after the
 /// contexts it used are freed).
-pub(crate) struct WorkerThread(());
+pub(crate) struct WorkerThread(std::sync::Arc<std::sync::atomic::AtomicBool>);
 
 impl WorkerThread {
     pub(crate) fn register() -> WorkerThread {
         *WORKERS.0.lock() += 1;
-        WorkerThread(())
+        WorkerThread(Default::default())
+    }
+
+    /// Releases this registration from another thread, for a thread that will never end (stuck
+    /// on a failed RPC server): the exit hook then does not wait for it.
+    pub(crate) fn releaser(&self) -> impl Fn() + Send + Sync + 'static {
+        let released = std::sync::Arc::clone(&self.0);
+        move || release(&released)
+    }
+}
+
+fn release(released: &std::sync::atomic::AtomicBool) {
+    if !released.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        *WORKERS.0.lock() -= 1;
+        WORKERS.1.notify_all();
     }
 }
 
 impl Drop for WorkerThread {
     fn drop(&mut self) {
-        *WORKERS.0.lock() -= 1;
-        WORKERS.1.notify_all();
+        release(&self.0);
     }
 }
 
@@ -131,6 +146,7 @@ pub fn init_backend() {
             sys::llama_log_set(Some(log_callback), null_mut());
             sys::mtmd_log_set(Some(log_callback), null_mut());
             sys::mtmd_helper_log_set(Some(log_callback), null_mut());
+            sys::ggml_set_abort_callback(Some(rpc::on_abort));
             sys::llama_backend_init();
         }
     });
@@ -214,6 +230,9 @@ pub enum Device {
     Cpu,
     /// The first GPU device llama.cpp was built with (Vulkan by default).
     Gpu,
+    /// The devices of the llama.cpp `rpc-server`s at these `HOST:PORT` endpoints (every layer
+    /// there; the layers split by their memory when there are several).
+    Rpc(Vec<String>),
 }
 
 impl Device {
@@ -221,6 +240,15 @@ impl Device {
         match self {
             Device::Cpu => "cpu",
             Device::Gpu => "gpu",
+            Device::Rpc(_) => "rpc",
+        }
+    }
+
+    /// The RPC endpoints, for [`Device::Rpc`].
+    pub fn endpoints(&self) -> &[String] {
+        match self {
+            Device::Rpc(endpoints) => endpoints,
+            _ => &[],
         }
     }
 }

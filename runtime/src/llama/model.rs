@@ -57,9 +57,14 @@ impl Model {
         // that outlives the call.
         let ptr = unsafe {
             let mut params = sys::llama_model_default_params();
-            let mut devices: [sys::ggml_backend_dev_t; 2] = [null_mut(), null_mut()];
+            let mut devices: Vec<sys::ggml_backend_dev_t> = vec![null_mut(); 2];
             match device {
                 Device::Cpu => params.n_gpu_layers = 0,
+                Device::Rpc(endpoints) => {
+                    devices = super::rpc::devices(endpoints)?;
+                    devices.push(null_mut());
+                    params.n_gpu_layers = 999;
+                }
                 Device::Gpu => {
                     let gpu = gpu_device();
                     if gpu.is_null() {
@@ -276,7 +281,13 @@ impl Model {
 
 impl Drop for Model {
     fn drop(&mut self) {
-        // SAFETY: every Context and Projector holds an Arc<Model>, so none outlives this.
-        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+        let ptr = self.ptr.as_ptr() as usize;
+        // SAFETY: every Context and Projector holds an Arc<Model>, so none outlives this; the
+        // pointer is freed once, here or on the thread `rpc::free` starts.
+        let free = move || unsafe { sys::llama_model_free(ptr as *mut sys::llama_model) };
+        match &self.device {
+            Device::Rpc(endpoints) => super::rpc::free(endpoints, free),
+            _ => free(),
+        }
     }
 }

@@ -1,0 +1,200 @@
+//! The `rpc` engine: an engine whose layers run on llama.cpp's `rpc-server` (built from the same
+//! llama.cpp source by `scripts/build-llama-server.sh rpc`; `VLM_RPC_SERVER` names another),
+//! started here on 127.0.0.1 only (ggml's RPC protocol has no authentication). It answers like a
+//! local engine of the same backend kind (CPU on both sides here), takes snapshots from one, and
+//! when its server goes away the answer running there fails naming the endpoint, the placer
+//! moves on and nothing hangs.
+
+mod common;
+
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::{Device, Engine, EngineConfig, PreparePath, Stream, StreamConfig, answer_on, answer_placed};
+
+/// One `rpc-server` on a free port of 127.0.0.1, killed when dropped.
+struct RpcServer {
+    child: Child,
+    endpoint: String,
+}
+
+impl RpcServer {
+    fn start() -> RpcServer {
+        let bin = std::env::var_os("VLM_RPC_SERVER").map(PathBuf::from).unwrap_or_else(|| {
+            PathBuf::from(std::env::var("PEER_CACHE").unwrap_or_else(|_| "/var/tmp/gst-vlm-peer".into()))
+                .join("11434.0.0/build-cpu/bin/ggml-rpc-server")
+        });
+        assert!(bin.exists(), "no rpc-server at {}: `scripts/build-llama-server.sh rpc` builds it", bin.display());
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(&bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string(), "-t", "1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let endpoint = format!("127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while TcpStream::connect(&endpoint).is_err() {
+            assert!(Instant::now() < deadline, "rpc-server did not listen on {endpoint} within 60 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        RpcServer { child, endpoint }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for RpcServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn config(name: &str, device: Device) -> EngineConfig {
+    EngineConfig {
+        name: name.into(),
+        device,
+        threads: 1,
+        context_per_sequence: 1024,
+        max_streams: 2,
+        max_branches: 2,
+        ..EngineConfig::default()
+    }
+}
+
+fn never() -> Arc<AtomicBool> {
+    Arc::new(AtomicBool::new(false))
+}
+
+/// A stream resident on `resident` that `peers` may answer, holding `frames` frames.
+fn stream_on(resident: &Arc<Engine>, peers: &[&Arc<Engine>], name: &str, frames: u32) -> Arc<Stream> {
+    let prompt = Arc::new(Prompt::new(resident.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let peers = peers.iter().map(|e| Arc::clone(e)).collect();
+    let stream =
+        Stream::open(resident, prompt, StreamConfig { retain: true, peers, ..StreamConfig::new(name) }).unwrap();
+    let enc = encoder();
+    for v in 0..frames {
+        stream.register(frame(&enc, v), &never()).unwrap();
+    }
+    stream
+}
+
+#[test]
+fn an_rpc_engine_answers_like_a_local_one_both_ways_and_imports_its_snapshots() {
+    let server = RpcServer::start();
+    let local = Engine::start(&model_path(), config("local", Device::Cpu)).unwrap();
+    let far = Engine::start(&model_path(), config("far", Device::Rpc(vec![server.endpoint.clone()]))).unwrap();
+    assert_eq!(far.config().device.name(), "rpc");
+    assert!(far.rates().decode_ms_per_step > 0.0, "the RPC engine's rates are measured like any engine's");
+    let q = question("What is in the picture?", 12);
+
+    // Resident locally: answered there, and on the RPC engine after an import and a replay.
+    let s = stream_on(&local, &[&local, &far], "local-home", 3);
+    let version = s.wait_version(3, &never()).unwrap();
+    let resident = answer_on(&version, &q, &local, PreparePath::Resident, &never(), |_| {}).unwrap();
+    let imported = answer_on(&version, &q, &far, PreparePath::Import, &never(), |_| {}).unwrap();
+    let replayed = answer_on(&version, &q, &far, PreparePath::Replay, &never(), |_| {}).unwrap();
+    assert!(resident.tokens > 0);
+    assert_eq!((imported.engine.as_str(), imported.path), ("far", PreparePath::Import));
+    assert_eq!((replayed.engine.as_str(), replayed.path), ("far", PreparePath::Replay));
+    assert_eq!(imported.text, resident.text, "a snapshot imported into the RPC engine answered differently");
+    assert_eq!(replayed.text, resident.text, "a history replayed on the RPC engine answered differently");
+
+    // Resident on the RPC engine (its frames ingested there): the same answer, and a snapshot
+    // exported from it feeds the local engine.
+    let t = stream_on(&far, &[&far, &local], "far-home", 3);
+    let there_version = t.wait_version(3, &never()).unwrap();
+    let there = answer_on(&there_version, &q, &far, PreparePath::Resident, &never(), |_| {}).unwrap();
+    let back = answer_on(&there_version, &q, &local, PreparePath::Import, &never(), |_| {}).unwrap();
+    assert_eq!(there.engine, "far");
+    assert_eq!(there.text, resident.text, "a history ingested on the RPC engine answered differently");
+    assert_eq!(back.text, resident.text, "a snapshot exported from the RPC engine answered differently");
+
+    // The server goes away while the engines are idle: stopping finds out (when the engine frees
+    // its context there) and does not hang.
+    drop(server);
+    let (stopped_tx, stopped_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        drop((version, there_version, s, t, far, local));
+        let _ = stopped_tx.send(());
+    });
+    stopped_rx.recv_timeout(Duration::from_secs(30)).expect("stopping an engine whose server went away hung");
+}
+
+#[test]
+fn an_rpc_server_that_is_not_there_is_an_error_naming_it() {
+    // A port nothing listens on (bound, then released).
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let endpoint = format!("127.0.0.1:{port}");
+    let err = Engine::start(&model_path(), config("far", Device::Rpc(vec![endpoint.clone()]))).unwrap_err();
+    let err = err.to_string();
+    assert!(err.contains(&endpoint) && err.contains("not reachable"), "{err}");
+    let err = EngineConfig::parse_list("far:rpc:127.0.0.1", &EngineConfig::default()).unwrap_err().to_string();
+    assert!(err.contains("bad RPC endpoint list"), "{err}");
+}
+
+#[test]
+fn an_rpc_server_that_dies_mid_answer_fails_that_answer_and_the_placer_moves_on() {
+    let mut server = RpcServer::start();
+    let endpoint = server.endpoint.clone();
+    let local = Engine::start(&model_path(), config("local", Device::Cpu)).unwrap();
+    let far = Engine::start(&model_path(), config("far", Device::Rpc(vec![endpoint.clone()]))).unwrap();
+    let s = stream_on(&local, &[&local, &far], "local-home", 2);
+    let stranded = stream_on(&far, &[&far, &local], "far-home", 1);
+    let version = s.wait_version(2, &never()).unwrap();
+    stranded.wait_version(1, &never()).unwrap();
+
+    // A long answer on the RPC engine; the server is killed once it has produced text.
+    let (text_tx, text_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel();
+    let running = {
+        let version = version.clone();
+        let far = Arc::clone(&far);
+        std::thread::spawn(move || {
+            let long = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture at length.", 2000) };
+            let result = answer_on(&version, &long, &far, PreparePath::Replay, &never(), |_| {
+                let _ = text_tx.send(());
+            });
+            let _ = done_tx.send(result);
+        })
+    };
+    text_rx.recv_timeout(Duration::from_secs(120)).expect("the RPC engine produced no text");
+    server.kill();
+    let result = done_rx.recv_timeout(Duration::from_secs(60)).expect("the answer on the dead server never ended");
+    running.join().unwrap();
+    let err = result.expect_err("an answer whose server died cannot succeed").to_string();
+    assert!(err.contains(&endpoint) && err.contains("stopped answering"), "{err}");
+    let failure = far.failure().expect("the engine is declared failed");
+    assert!(failure.contains(&endpoint), "{failure}");
+
+    // The placer passes it over; naming it is refused with the reason.
+    let q = question("What is in the picture?", 8);
+    let report = answer_placed(&version, &q, "auto", &never(), |_| {}).unwrap();
+    assert_eq!(report.engine, "local");
+    let err = answer_placed(&version, &q, "far", &never(), |_| {}).unwrap_err().to_string();
+    assert!(err.contains(&endpoint), "{err}");
+    // The stream that lived there fails with the reason (the other goes on).
+    let err = stranded.register(frame(&encoder(), 7), &never()).unwrap_err().to_string();
+    assert!(err.contains(&endpoint), "{err}");
+    assert!(s.register(frame(&encoder(), 8), &never()).is_ok());
+    // The endpoint is not used again in this process, and stopping abandons the stuck thread.
+    let err = Engine::start(&model_path(), config("again", Device::Rpc(vec![endpoint.clone()]))).unwrap_err();
+    assert!(err.to_string().contains("failed earlier"), "{err}");
+    let (stopped_tx, stopped_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        far.stop();
+        drop((far, stranded));
+        let _ = stopped_tx.send(());
+    });
+    stopped_rx.recv_timeout(Duration::from_secs(30)).expect("stopping a failed engine hung");
+}
