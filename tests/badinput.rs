@@ -9,7 +9,8 @@
 //! - questions: 1 MiB of text, invalid UTF-8 on the query pad, `max-tokens` 1000000, a question
 //!   longer than the context, a burst of 1000 `ask` calls against `max-questions`;
 //! - lifecycle: a flushing seek mid-answer, two pipelines sharing one model file, a history
-//!   that overflows on one stream and an engine fault on one stream while the other answers.
+//!   that overflows on one stream, an engine fault on one stream while the other answers, and
+//!   a remote (RPC) engine whose server dies mid-answer.
 
 mod common;
 
@@ -725,5 +726,75 @@ fn an_engine_fault_on_one_stream_fails_it_while_the_other_keeps_answering() {
         assert_eq!(status(&a), "answered", "question {i} on stream 1: {a}");
         assert_eq!(field::<String>(&a, "engine"), healthy, "{a}");
     }
+    set_state(&pipeline, gst::State::Null, "stop");
+}
+
+/// A remote engine through the elements (`engines=local:cpu:1,far:rpc:127.0.0.1:PORT`, one
+/// stream per engine): placed there, a question is answered on it like on the local engine (the
+/// same greedy text over the local stream's history); then its `rpc-server` is killed
+/// while it answers. That question fails with a reason naming the endpoint, later questions of
+/// the local stream are answered locally, the stream that lived there fails with an error naming
+/// it, and NULL completes.
+#[test]
+fn an_rpc_engine_answers_through_the_elements_and_its_server_dying_fails_only_its_work() {
+    let _s = serial();
+    let mut server = RpcServer::start();
+    let endpoint = server.endpoint.clone();
+    let (pipeline, _bin, src, q, frames) =
+        two_streams(&format!("engines=local:cpu:1,far:rpc:{endpoint} max-streams=1"));
+    let bus = pipeline.bus().unwrap();
+    let mut log = Log::default();
+    push_rgb(&src[0], 0, 2);
+    push_rgb(&src[1], 0, 2);
+    frames[0].wait(2, "stream 0");
+    frames[1].wait(2, "stream 1");
+    // Which stream lives on the local engine (the placer puts them by measured cost).
+    let resident = |i: usize| {
+        let id = frames[i].stream().unwrap();
+        vlm_runtime::stream::lookup(id).expect("open").engine().name().to_owned()
+    };
+    let (home, away) = if resident(0) == "local" { (0, 1) } else { (1, 0) };
+    assert_eq!((resident(home).as_str(), resident(away).as_str()), ("local", "far"));
+    let (home_q, home_src) = (&q[home], &src[home]);
+
+    home_q.set_property("placement", "local");
+    let local = ask_and_wait(home_q, &bus, &mut log, "What is in the picture?");
+    home_q.set_property("placement", "far");
+    let far = ask_and_wait(home_q, &bus, &mut log, "What is in the picture?");
+    assert_eq!((status(&local), field::<String>(&local, "engine")), ("answered".into(), "local".into()), "{local}");
+    assert_eq!((status(&far), field::<String>(&far, "engine")), ("answered".into(), "far".into()), "{far}");
+    // Moved there by an import or a replay, whichever the placer found cheaper.
+    assert_ne!(field::<String>(&far, "path"), "resident", "{far}");
+    assert_eq!(field::<String>(&far, "text"), field::<String>(&local, "text"), "the RPC engine answered differently");
+
+    // A long answer on the RPC engine; its server is killed once the first piece is out.
+    let (piece_tx, piece_rx) = std::sync::mpsc::sync_channel(1);
+    home_q.static_pad("src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        let _ = piece_tx.try_send(());
+        gst::PadProbeReturn::Ok
+    });
+    home_q.set_property("max-tokens", 2000u32);
+    home_q.set_property("exact-tokens", true);
+    home_q.set_property("stream-tokens", true);
+    let id = home_q.emit_by_name::<Option<String>>("ask", &[&"Describe the picture at length."]).expect("accepted");
+    piece_rx.recv_timeout(Duration::from_secs(60)).expect("the RPC engine produced no text");
+    server.kill();
+    assert!(log.pump(&bus, Duration::from_secs(60), |l| !l.answers_of(home_q, &id).is_empty()), "no answer to {id}");
+    let failed = log.answers_of(home_q, &id)[0].clone();
+    assert_eq!(status(&failed), "failed", "{failed}");
+    assert!(field::<String>(&failed, "reason").contains(&endpoint), "the reason must name the endpoint: {failed}");
+
+    // The placer passes the failed engine over; the local stream goes on, over new frames too.
+    home_q.set_property("placement", "auto");
+    home_q.set_property("max-tokens", 4u32);
+    home_q.set_property("exact-tokens", false);
+    push_rgb(home_src, 2, 1);
+    frames[home].wait(3, "the local stream after the failure");
+    let after = ask_and_wait(home_q, &bus, &mut log, "And now?");
+    assert_eq!((status(&after), field::<String>(&after, "engine")), ("answered".into(), "local".into()), "{after}");
+    // The stream that lived on the RPC engine fails with an error naming the endpoint.
+    push_rgb(&src[away], 2, 1);
+    assert!(log.pump(&bus, Duration::from_secs(30), |l| !l.errors.is_empty()), "no error for the far stream: {log:?}");
+    assert!(log.errors.iter().any(|e| e.contains(&endpoint)), "the error must name the endpoint: {:?}", log.errors);
     set_state(&pipeline, gst::State::Null, "stop");
 }

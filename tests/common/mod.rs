@@ -101,3 +101,8 @@ pub fn launch(text: &str) -> gst::Element {
     init();
     gst::parse::launch(&description(text)).unwrap_or_else(|e| panic!("cannot parse {text}: {e}"))
 }
+
+/// llama.cpp's `rpc-server` for the `rpc` engine's tests (shared with the runtime's tests).
+#[path = "../../runtime/tests/common/rpc_server.rs"]
+mod rpc_server;
+pub use rpc_server::RpcServer;

@@ -4,6 +4,9 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+
+mod rpc_server;
+pub use rpc_server::RpcServer;
 use std::sync::Arc;
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
