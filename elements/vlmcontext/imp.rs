@@ -705,7 +705,7 @@ impl ObjectImpl for VlmContext {
                     .build(),
                 glib::ParamSpecString::builder("engines")
                     .nick("Engines")
-                    .blurb("Language engines, NAME[:cpu|gpu[:THREADS[:CORES]]] separated by commas (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3); a stream lives on the engine where its frames are ingested soonest (measured prefill rate x streams already there), and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
+                    .blurb("Language engines, NAME[:cpu|gpu[:THREADS[:CORES]]] or NAME:rpc:HOST:PORT[+HOST:PORT...] (llama.cpp rpc-servers: no authentication, reach them over SSH or a private network) separated by commas (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3 or cpu,far:rpc:127.0.0.1:50052); a stream lives on the engine where its frames are ingested soonest (measured prefill rate x streams already there), and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
                     .default_value(Some("cpu"))
                     .mutable_ready()
                     .build(),

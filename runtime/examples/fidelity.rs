@@ -3,6 +3,10 @@
 //! rates every engine measured. Prints tables and one JSON object.
 //!
 //!   GGML_VK_VISIBLE_DEVICES=0 cargo run -p vlm-runtime --example fidelity -- [--engines cpu,gpu] [--tokens 8]
+//!   cargo run -p vlm-runtime --example fidelity -- --engines local:cpu:1,far:rpc:127.0.0.1:50052
+//!
+//! (the second with llama.cpp's `ggml-rpc-server -H 127.0.0.1 -p 50052 -t 1` running: an RPC
+//! engine's stage costs against a local one's, network and protocol included).
 //!
 //! Without a GPU, Mesa's lavapipe stands in (about 30x slower than the CPU backend, and its first
 //! run compiles shaders for a minute or more): keep --tokens small. The comparison is reported,
@@ -33,6 +37,10 @@ struct Args {
     /// Frames per history.
     #[arg(long, default_value_t = 1)]
     frames: u32,
+    /// Flash attention on every engine (V stored untransposed: a snapshot is a few large copies
+    /// instead of one per V row, which matters over RPC).
+    #[arg(long)]
+    flash_attention: bool,
     #[arg(long)]
     json: Option<std::path::PathBuf>,
     #[command(flatten)]
@@ -44,7 +52,13 @@ const QUESTIONS: [&str; 4] =
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let base = EngineConfig { context_per_sequence: 512, max_streams: 2, max_branches: 2, ..EngineConfig::default() };
+    let base = EngineConfig {
+        context_per_sequence: 512,
+        max_streams: 2,
+        max_branches: 2,
+        flash_attention: args.flash_attention,
+        ..EngineConfig::default()
+    };
     let mut engines = vec![];
     for config in EngineConfig::parse_list(&args.engines, &base)? {
         let t = Instant::now();
@@ -137,27 +151,56 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }));
         }
     }
+    // The whole history replayed on every engine (chunks of the step budget, not the short
+    // question suffixes that also feed the prefill rate): its cost per cell.
+    let mut replay_ms_per_cell = vec![];
+    for e in &engines {
+        let q = Question {
+            id: "replay".into(),
+            text: QUESTIONS[0].into(),
+            max_tokens: 1,
+            ignore_eos: false,
+            sampling: Sampling::default(),
+            arrival: Instant::now(),
+        };
+        let report = answer_on(&version, &q, e, PreparePath::Replay, &never, |_| {})?;
+        replay_ms_per_cell.push(report.prepare_ms / version.cells as f64);
+    }
+    // A snapshot's bytes per KV cell: export and import per byte.
+    let bytes_per_cell = snapshot.bytes.len() as f64 / version.cells as f64;
     println!(
-        "\n{:<8} {:>16} {:>16} {:>16} {:>16}",
-        "engine", "prefill ms/tok", "decode ms/step", "export ms/tok", "import ms/tok"
+        "\n{:<8} {:>16} {:>14} {:>16} {:>16} {:>16} {:>12} {:>12}",
+        "engine",
+        "prefill ms/tok",
+        "replay ms/tok",
+        "decode ms/step",
+        "export ms/tok",
+        "import ms/tok",
+        "export MB/s",
+        "import MB/s"
     );
     let mut rates = vec![];
-    for e in &engines {
+    for (e, replay) in engines.iter().zip(&replay_ms_per_cell) {
         let r = e.rates();
+        let mb_s = |ms_per_token: f64| bytes_per_cell / ms_per_token / 1e3;
         println!(
-            "{:<8} {:>16.2} {:>16.2} {:>16.4} {:>16.4}",
+            "{:<8} {:>16.2} {:>14.2} {:>16.2} {:>16.4} {:>16.4} {:>12.0} {:>12.0}",
             e.name(),
             r.prefill_ms_per_token,
+            replay,
             r.decode_ms_per_step,
             r.export_ms_per_token,
-            r.import_ms_per_token
+            r.import_ms_per_token,
+            mb_s(r.export_ms_per_token),
+            mb_s(r.import_ms_per_token)
         );
         rates.push(serde_json::json!({
-            "engine": e.name(), "prefill_ms_per_token": r.prefill_ms_per_token, "decode_ms_per_step": r.decode_ms_per_step,
+            "engine": e.name(), "prefill_ms_per_token": r.prefill_ms_per_token, "replay_ms_per_cell": replay, "decode_ms_per_step": r.decode_ms_per_step,
             "export_ms_per_token": r.export_ms_per_token, "import_ms_per_token": r.import_ms_per_token,
         }));
     }
-    let json = serde_json::json!({"report": "fidelity-mixed-vs-reference", "engines": args.engines, "history_tokens": version.end,
+    let json = serde_json::json!({"report": "fidelity-mixed-vs-reference", "engines": args.engines, "flash_attention": args.flash_attention, "history_tokens": version.end,
+        "snapshot_bytes_per_cell": bytes_per_cell,
         "tokens": args.tokens, "round_trips": round_trips, "rows": rows, "rates": rates});
     println!("{json}");
     if let Some(path) = args.json {
