@@ -734,7 +734,8 @@ fn an_engine_fault_on_one_stream_fails_it_while_the_other_keeps_answering() {
 /// same greedy text over the local stream's history); then its `rpc-server` is killed
 /// while it answers. That question fails with a reason naming the endpoint, later questions of
 /// the local stream are answered locally, the stream that lived there fails with an error naming
-/// it, and NULL completes.
+/// it (it would move to the local engine, which has no free stream sequence at `max-streams=1`;
+/// `runtime/tests/rpc.rs` moves one), and NULL completes.
 #[test]
 fn an_rpc_engine_answers_through_the_elements_and_its_server_dying_fails_only_its_work() {
     let _s = serial();
@@ -792,7 +793,8 @@ fn an_rpc_engine_answers_through_the_elements_and_its_server_dying_fails_only_it
     frames[home].wait(3, "the local stream after the failure");
     let after = ask_and_wait(home_q, &bus, &mut log, "And now?");
     assert_eq!((status(&after), field::<String>(&after, "engine")), ("answered".into(), "local".into()), "{after}");
-    // The stream that lived on the RPC engine fails with an error naming the endpoint.
+    // The stream that lived on the RPC engine has nowhere to go: it fails with an error naming
+    // the endpoint.
     push_rgb(&src[away], 2, 1);
     assert!(log.pump(&bus, Duration::from_secs(30), |l| !l.errors.is_empty()), "no error for the far stream: {log:?}");
     assert!(log.errors.iter().any(|e| e.contains(&endpoint)), "the error must name the endpoint: {:?}", log.errors);

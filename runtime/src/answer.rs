@@ -111,7 +111,7 @@ pub fn answer(
     cancel: &Arc<AtomicBool>,
     on_text: impl FnMut(&str),
 ) -> Result<AnswerReport> {
-    let resident = Arc::clone(version.stream.engine());
+    let resident = version.stream.engine();
     let path = if version.stream.retain() { PreparePath::Resident } else { PreparePath::Replay };
     answer_on(version, question, &resident, path, cancel, on_text)
 }
@@ -177,13 +177,13 @@ pub fn snapshot(version: &Version) -> Result<Arc<Snapshot>> {
     let stream = Arc::clone(&version.stream);
     let (epoch, end, key, tag) = (version.epoch, version.end, version.key, stream.engine().compat_tag());
     let cells = version.cells as usize;
-    let engine = Arc::clone(stream.engine());
+    let (engine, seq) = stream.home();
     engine.call(move |w| {
         if !stream.retain() || stream.resident_epoch() != epoch {
             return Err(Error::Engine("the version is no longer resident: replay it instead".into()));
         }
         let started = Instant::now();
-        let bytes = w.ctx.seq_snapshot(stream.seq())?;
+        let bytes = w.ctx.seq_snapshot(seq)?;
         w.record(Stage::Export, cells, ms(started.elapsed()));
         Ok(Arc::new(Snapshot { key, tag, bytes, end }))
     })?
@@ -198,7 +198,7 @@ pub fn answer_on(
     cancel: &Arc<AtomicBool>,
     mut on_text: impl FnMut(&str),
 ) -> Result<AnswerReport> {
-    let resident = Arc::ptr_eq(engine, version.stream.engine());
+    let resident = Arc::ptr_eq(engine, &version.stream.engine());
     let rates = engine.rates();
     let suffix = version.stream.prompt().question_tokens(engine.model(), &question.text)?.len() as f64;
     // Moving the history costs per KV cell (token or embedding row), not per position.
@@ -337,7 +337,7 @@ impl Answer {
         let suffix = Entry::Text(suffix.into());
         let (path, entries) = match &self.preparation {
             Preparation::Branch if stream.resident_epoch() == version.epoch => {
-                w.ctx.seq_copy_prefix(stream.seq(), branch, version.end);
+                w.ctx.seq_copy_prefix(stream.home().1, branch, version.end);
                 (PreparePath::Resident, vec![suffix])
             }
             Preparation::Import(snapshot) => {

@@ -104,7 +104,7 @@ pub fn estimate(
                 ingest_delay_ms,
             }
         };
-        let here = Arc::ptr_eq(&engine, resident);
+        let here = Arc::ptr_eq(&engine, &resident);
         if here && resident_usable {
             paths.push(run(PreparePath::Resident, engine.start_backlog_ms(), 0.0));
         }
@@ -167,7 +167,7 @@ pub fn before_publication(pending: &Version, suffix_tokens: usize, expected_toke
         + expected_tokens as f64 * rates.decode_ms_per_step;
     estimate(pending, suffix_tokens, expected_tokens, false)
         .into_iter()
-        .find(|p| p.path == PreparePath::Replay && !Arc::ptr_eq(&p.engine, resident))
+        .find(|p| p.path == PreparePath::Replay && !Arc::ptr_eq(&p.engine, &resident))
         .filter(|moved| moved.total_ms() < there_ms * MOVE_FACTOR)
 }
 

@@ -156,6 +156,9 @@ struct Timeline {
     versions: VecDeque<Record>,
     /// The newest registered version (planned, maybe not yet published).
     tail: Record,
+    /// Versions registered after the newest published one, oldest first (at most
+    /// `max_pending`): what a move to another engine ingests there again.
+    planned: VecDeque<Record>,
     restarts: u64,
     slides: u64,
     failed: Option<Error>,
@@ -200,11 +203,19 @@ pub struct Registration {
     pub skipped: bool,
 }
 
+/// Where a stream lives.
+#[derive(Clone)]
+struct Home {
+    engine: Arc<Engine>,
+    seq: i32,
+}
+
 pub struct Stream {
     id: u64,
     config: StreamConfig,
-    engine: Arc<Engine>,
-    seq: i32,
+    /// The engine whose sequence `seq` holds the stream's history (its frames are ingested
+    /// there): changes only when that engine fails for good (`move_resident`).
+    home: Mutex<Home>,
     prompt: Arc<Prompt>,
     /// Epoch whose KV the stream's sequence holds now (changed only on the engine thread).
     resident_epoch: AtomicU32,
@@ -225,12 +236,18 @@ pub fn lookup(id: u64) -> Option<Arc<Stream>> {
     STREAMS.lock().get(&id).and_then(Weak::upgrade)
 }
 
-/// Fail every stream resident on `engine`, which failed for good: its frames will never be
-/// ingested, so what waits on them gets `error` (the other streams go on).
-pub(crate) fn fail_resident(engine: &Arc<Engine>, error: &Error) {
+/// Move every stream resident on `engine`, which failed for good, to the cheapest other engine
+/// of its peers with a free stream sequence: its registered versions are ingested there again
+/// from their retained entries (a new epoch; what waits on them gets them from there). A stream
+/// with nowhere to go fails with `error` (the other streams go on).
+pub(crate) fn move_resident(engine: &Arc<Engine>, error: &Error) {
     let streams: Vec<Arc<Stream>> = STREAMS.lock().values().filter_map(Weak::upgrade).collect();
-    for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine, engine)) {
-        stream.publish(Err(error.clone()));
+    for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine(), engine)) {
+        if let Err(e) = stream.move_home(engine) {
+            let why = format!("{error}; stream {} could not move to another engine: {e}", stream.name());
+            crate::llama::log(crate::llama::LogLevel::Error, &why);
+            stream.publish(Err(Error::Engine(why)));
+        }
     }
 }
 
@@ -252,8 +269,7 @@ impl Stream {
         let stream = Arc::new(Stream {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             config,
-            engine: Arc::clone(engine),
-            seq,
+            home: Mutex::new(Home { engine: Arc::clone(engine), seq }),
             prompt,
             resident_epoch: AtomicU32::new(0),
             closing: Arc::new(AtomicBool::new(false)),
@@ -267,6 +283,7 @@ impl Stream {
                 skipped: 0,
                 versions: VecDeque::new(),
                 tail: root.clone(),
+                planned: VecDeque::new(),
                 restarts: 0,
                 slides: 0,
                 failed: None,
@@ -291,14 +308,16 @@ impl Stream {
         &self.config.name
     }
 
-    pub fn engine(&self) -> &Arc<Engine> {
-        &self.engine
+    /// The engine the stream lives on (its frames are ingested there).
+    pub fn engine(&self) -> Arc<Engine> {
+        Arc::clone(&self.home.lock().engine)
     }
 
     /// Engines that may answer this stream's questions, the resident one first.
     pub fn peers(&self) -> Vec<Arc<Engine>> {
-        let mut peers = vec![Arc::clone(&self.engine)];
-        peers.extend(self.config.peers.iter().filter(|e| !Arc::ptr_eq(e, &self.engine)).cloned());
+        let engine = self.engine();
+        let mut peers = vec![Arc::clone(&engine)];
+        peers.extend(self.config.peers.iter().filter(|e| !Arc::ptr_eq(e, &engine)).cloned());
         peers
     }
 
@@ -310,8 +329,10 @@ impl Stream {
         self.config.retain
     }
 
-    pub(crate) fn seq(&self) -> i32 {
-        self.seq
+    /// The resident engine and the sequence that holds the history there, read together.
+    pub(crate) fn home(&self) -> (Arc<Engine>, i32) {
+        let home = self.home.lock();
+        (Arc::clone(&home.engine), home.seq)
     }
 
     pub(crate) fn prompt(&self) -> &Prompt {
@@ -362,7 +383,7 @@ impl Stream {
     /// applying the history policy.
     fn plan(&self, tail: &Record, entry: Entry, new_frame: bool) -> Result<Plan> {
         // Capacity in KV cells (positions may be fewer: M-RoPE).
-        let capacity = self.engine.n_ctx_per_seq() as i32 - self.config.answer_reserve;
+        let capacity = self.engine().n_ctx_per_seq() as i32 - self.config.answer_reserve;
         let (n_pos, n_cells) = (entry.n_pos(), entry.cells());
         let number = tail.number + new_frame as u64;
         let serial = tail.serial + 1;
@@ -377,7 +398,7 @@ impl Stream {
         let full = || Error::HistoryFull {
             frames: frames(&tail.history) as u64,
             used: tail.cells as u32,
-            cells: self.engine.n_ctx_per_seq(),
+            cells: self.engine().n_ctx_per_seq(),
         };
         // Keep the entries from the newest `keep` frames on, fewer if they do not fit; a slide
         // keeps what leaves a quarter of the cells free.
@@ -400,14 +421,14 @@ impl Stream {
         if prefix_len + n_cells > capacity {
             return Err(full());
         }
-        let root = PrefixKey::root(self.engine.model().identity(), &self.prompt.prefix);
+        let root = PrefixKey::root(self.engine().model().identity(), &self.prompt.prefix);
         let key = kept.iter().chain([&entry]).fold(root, |key, e| e.extend(key));
         let end = prefix_len + kept.iter().map(Entry::n_pos).sum::<i32>() + n_pos;
         let cells = prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells;
         let dropped = frames(&tail.history) - frames(kept);
         // The dropped entries were at positions prefix_len.. of this epoch's sequence.
         let gone: i32 = tail.history[..tail.history.len() - kept.len()].iter().map(Entry::n_pos).sum();
-        let rebuild = if self.config.history_policy == HistoryPolicy::Slide && self.engine.shift_refusal().is_none() {
+        let rebuild = if self.config.history_policy == HistoryPolicy::Slide && self.engine().shift_refusal().is_none() {
             Rebuild::Shift { from: prefix_len, to: prefix_len + gone }
         } else {
             Rebuild::Whole
@@ -428,7 +449,8 @@ impl Stream {
     /// A frame encoded for another language model (another width, or another vocabulary for its
     /// text markers) is refused before anything of it reaches the engine.
     fn check_frame(&self, frame: &Frame) -> Result<()> {
-        let model = self.engine.model();
+        let engine = self.engine();
+        let model = engine.model();
         for segment in &frame.segments {
             let Segment::Image(image) = segment else { continue };
             let source = image.model().filter(|m| m.identity() != model.identity());
@@ -452,7 +474,7 @@ impl Stream {
     /// user, so later frames and questions continue one valid conversation; no KV tail is
     /// concatenated: the text is prefilled on the stream's sequence.
     pub fn commit(self: &Arc<Self>, question: &str, answer: &[Token], cancel: &AtomicBool) -> Result<Registration> {
-        let mut tokens = self.prompt.question_tokens(self.engine.model(), question)?;
+        let mut tokens = self.prompt.question_tokens(self.engine().model(), question)?;
         tokens.extend_from_slice(answer);
         tokens.extend_from_slice(&self.prompt.reopen);
         self.append(Entry::Text(tokens.into()), false, cancel)
@@ -491,6 +513,9 @@ impl Stream {
             t.frame_serials.push_back((record.number, record.serial));
         }
         t.tail = record.clone();
+        if self.config.retain {
+            t.planned.push_back(record.clone());
+        }
         match rebuild {
             Rebuild::Whole => t.restarts += 1,
             Rebuild::Shift { .. } => t.slides += 1,
@@ -524,16 +549,17 @@ impl Stream {
             self.changed.notify_all();
             return Ok(());
         }
+        let (engine, seq) = self.home();
         let cache = self.config.prefix_cache.clone().filter(|c| c.enabled() && !record.shifted);
-        let tag = self.engine.compat_tag();
+        let tag = engine.compat_tag();
         let (start, entries) = if rebuild == Rebuild::Whole {
             (0, self.replay_entries(&record.history))
         } else {
             let entry = record.history.last().expect("an appended version has an entry").clone();
             (record.end - entry.n_pos(), vec![entry])
         };
-        let prefill = Prefill::new(self.seq, start, entries, false);
-        let cost_ms = prefill.remaining() as f64 * self.engine.rates().prefill_ms_per_token;
+        let prefill = Prefill::new(seq, start, entries, false);
+        let cost_ms = prefill.remaining() as f64 * engine.rates().prefill_ms_per_token;
         let cache_key = (record.key, tag.clone());
         let (s, key, lookup) = (Arc::clone(self), cache_key.clone(), cache.clone());
         let epoch = record.epoch;
@@ -543,21 +569,21 @@ impl Stream {
         let begin = move |w: &mut Worker| -> Option<Result<i32>> {
             s.resident_epoch.store(epoch, Ordering::Release);
             match rebuild {
-                Rebuild::Whole => w.ctx.seq_clear(s.seq),
-                Rebuild::Shift { from, to } => w.ctx.seq_shift_out(s.seq, from, to),
+                Rebuild::Whole => w.ctx.seq_clear(seq),
+                Rebuild::Shift { from, to } => w.ctx.seq_shift_out(seq, from, to),
                 Rebuild::Append => (),
             }
             let Some(snapshot) = lookup.as_ref()?.get(&key) else {
                 missed_too.store(true, Ordering::Release);
                 return None;
             };
-            Some(w.ctx.seq_restore(s.seq, &snapshot.bytes).map(|()| snapshot.end))
+            Some(w.ctx.seq_restore(seq, &snapshot.bytes).map(|()| snapshot.end))
         };
         let s = Arc::clone(self);
         let done = move |w: Option<&mut Worker>, end: Result<i32>| {
             if let (Ok(end), Some(cache), Some(w)) = (&end, &cache, w)
                 && missed.load(Ordering::Acquire)
-                && let Ok(bytes) = w.ctx.seq_snapshot(s.seq)
+                && let Ok(bytes) = w.ctx.seq_snapshot(seq)
             {
                 // A failed export only means nothing is cached.
                 cache.insert(cache_key, Arc::new(Snapshot { key: record.key, tag, bytes, end: *end }));
@@ -570,7 +596,7 @@ impl Stream {
                 }
             }));
         };
-        self.engine.ingest(Ingestion {
+        engine.ingest(Ingestion {
             prefill,
             begin: Some(Box::new(begin)),
             done: Some(Box::new(done)),
@@ -578,6 +604,51 @@ impl Stream {
             demand: Arc::clone(&self.demand),
             cost_ms,
         })
+    }
+
+    /// Live on another engine from now on: `failed` (the resident engine) failed for good, so the
+    /// versions registered but not published there are ingested again on the cheapest other
+    /// peer with a free stream sequence, under new epochs (the first rebuilt whole from its
+    /// retained entries, the next ones appended as before); with none pending, the newest
+    /// version is rebuilt there (one more record of the same frame), so the stream is resident
+    /// again. Published versions of the old epochs stay readable by replay.
+    fn move_home(self: &Arc<Self>, failed: &Arc<Engine>) -> Result<()> {
+        let others: Vec<Arc<Engine>> =
+            self.config.peers.iter().filter(|e| !Arc::ptr_eq(e, failed) && e.failure().is_none()).cloned().collect();
+        let engine = crate::placer::resident_engine(&others)
+            .ok_or_else(|| Error::Config("no other engine is configured for it".into()))?;
+        let seq = engine.take_stream_seq()?;
+        let mut t = self.timeline.lock();
+        if let Some(e) = &t.failed {
+            return Err(e.clone());
+        }
+        *self.home.lock() = Home { engine: Arc::clone(engine), seq };
+        let mut planned: Vec<Record> = t.planned.drain(..).collect();
+        if planned.is_empty() {
+            planned.push(Record { serial: t.tail.serial + 1, ..t.tail.clone() });
+        }
+        // New epochs after every epoch used so far, one for each old epoch among the planned.
+        let mut epoch = t.tail.epoch;
+        let mut previous: Option<u32> = None;
+        for mut record in planned {
+            let rebuild = if previous == Some(record.epoch) && !record.shifted {
+                Rebuild::Append
+            } else {
+                epoch += 1;
+                Rebuild::Whole
+            };
+            previous = Some(record.epoch);
+            record.epoch = epoch;
+            record.shifted = false;
+            t.tail = record.clone();
+            t.planned.push_back(record.clone());
+            self.ingest(&mut t, record, rebuild)?;
+        }
+        crate::llama::log(
+            crate::llama::LogLevel::Warn,
+            &format!("stream {} moved from engine {} to {}", self.name(), failed.name(), engine.name()),
+        );
+        Ok(())
     }
 
     /// Publish a version (or record the failure that prevents it) and wake waiters.
@@ -589,6 +660,9 @@ impl Stream {
     fn record_publication(t: &mut Timeline, record: Result<Record>) {
         match record {
             Ok(r) => {
+                while t.planned.front().is_some_and(|p| p.serial <= r.serial) {
+                    t.planned.pop_front();
+                }
                 t.published = r.number;
                 t.published_serial = r.serial;
                 while t.unpublished.front().is_some_and(|(n, _)| *n <= r.number) {
@@ -683,6 +757,7 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        self.engine.give_stream_seq(self.seq);
+        let home = self.home.lock();
+        home.engine.give_stream_seq(home.seq);
     }
 }

@@ -3,7 +3,7 @@
 //! started here on 127.0.0.1 only (ggml's RPC protocol has no authentication). It answers like a
 //! local engine of the same backend kind (CPU on both sides here), takes snapshots from one, and
 //! when its server goes away the answer running there fails naming the endpoint, the placer
-//! moves on and nothing hangs.
+//! moves on, the streams that lived there move to the local engine and nothing hangs.
 
 mod common;
 
@@ -140,9 +140,16 @@ fn an_rpc_server_that_dies_mid_answer_fails_that_answer_and_the_placer_moves_on(
     assert_eq!(report.engine, "local");
     let err = answer_placed(&version, &q, "far", &never(), |_| {}).unwrap_err().to_string();
     assert!(err.contains(&endpoint), "{err}");
-    // The stream that lived there fails with the reason (the other goes on).
-    let err = stranded.register(frame(&encoder(), 7), &never()).unwrap_err().to_string();
-    assert!(err.contains(&endpoint), "{err}");
+    // The stream that lived there has moved to the local engine (its history ingested there
+    // again from the retained frames) and goes on: a new frame, answered resident there as a
+    // replay of the same version answers.
+    assert_eq!(stranded.engine().name(), "local");
+    stranded.register(frame(&encoder(), 7), &never()).unwrap();
+    let moved = stranded.wait_version(2, &never()).unwrap();
+    let resident = answer_on(&moved, &q, &local, PreparePath::Resident, &never(), |_| {}).unwrap();
+    let replayed = answer_on(&moved, &q, &local, PreparePath::Replay, &never(), |_| {}).unwrap();
+    assert_eq!(resident.path, PreparePath::Resident);
+    assert_eq!(resident.text, replayed.text, "the moved history answers unlike its replay");
     assert!(s.register(frame(&encoder(), 8), &never()).is_ok());
     // The endpoint is not used again in this process, and stopping abandons the stuck thread.
     let err = Engine::start(&model_path(), config("again", Device::Rpc(vec![endpoint.clone()]))).unwrap_err();

@@ -105,4 +105,5 @@ pub fn launch(text: &str) -> gst::Element {
 /// llama.cpp's `rpc-server` for the `rpc` engine's tests (shared with the runtime's tests).
 #[path = "../../runtime/tests/common/rpc_server.rs"]
 mod rpc_server;
+#[allow(unused_imports)] // only the RPC tests start one
 pub use rpc_server::RpcServer;

@@ -21,7 +21,7 @@
 //!
 //! An engine on RPC servers (`Device::Rpc`) can fail for good when a server goes away; the
 //! watchdog (`rpc_watch`) then declares it failed: the placer passes it over, what waits on it
-//! gets the reason, and the streams resident on it fail.
+//! gets the reason, and the streams resident on it move to other engines.
 
 mod calibrate;
 mod config;
@@ -370,7 +370,7 @@ impl Engine {
     }
 
     /// Declare the engine failed for good: no more jobs, its thread (stuck on a failed server)
-    /// and what it holds abandoned, its resident streams failed.
+    /// and what it holds abandoned, its resident streams moved to other engines.
     fn fail(self: &Arc<Self>, why: String) {
         crate::llama::log(crate::llama::LogLevel::Error, &why);
         *self.shared.failure.lock() = Some(why.clone());
@@ -378,7 +378,7 @@ impl Engine {
         self.jobs.lock().take();
         self.thread.lock().take();
         (self.release_thread)();
-        crate::stream::fail_resident(self, &Error::Engine(why));
+        crate::stream::move_resident(self, &Error::Engine(why));
     }
 
     /// Most answers decoded together in one step so far.

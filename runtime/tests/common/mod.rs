@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 
 mod rpc_server;
+#[allow(unused_imports)] // only the RPC tests start one
 pub use rpc_server::RpcServer;
 use std::sync::Arc;
 
