@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's CUDA backend as shared libraries, plus `llama-server`, from one source tree,
+# Build llama.cpp's CUDA backend as shared libraries, plus `llama-server` and `ggml-rpc-server`
+# (the `rpc` engine's server, issue 22; RPC on, as the project's own llama.cpp), from one source tree,
 # for a gst-vlm built with shared llama.cpp libraries (issue 17). This is how the project ran on
 # the H200 machine, which has nvcc but no Rust toolchain or network:
 #
@@ -26,6 +27,6 @@ cmake -S "$OUT/llama.cpp" -B "$OUT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
-    -DLLAMA_BUILD_APP=OFF >&2
-cmake --build "$OUT/build" --target llama-server -j "$JOBS" >&2
+    -DLLAMA_BUILD_APP=OFF -DGGML_RPC=ON >&2
+cmake --build "$OUT/build" --target llama-server ggml-rpc-server -j "$JOBS" >&2
 echo "$OUT/build/bin"

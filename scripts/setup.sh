@@ -102,7 +102,7 @@ fi
 # the GGML_* variables that were set when it last ran. Such a build is cleaned once here.
 target_dir=${CARGO_TARGET_DIR:-$root/target}
 for out in "$target_dir"/*/build/llama-cpp-sys-2-*/out; do
-  if [ -f "$out/lib/libllama.a" ] && [ ! -f "$out/lib/libggml-rpc.a" ]; then
+  if compgen -G "$out/lib/libllama.*" >/dev/null && ! compgen -G "$out/lib/libggml-rpc.*" >/dev/null; then
     say "llama.cpp in $target_dir was built without its RPC backend: cleaning it (rebuilt by cargo)"
     cargo clean -q -p llama-cpp-sys-2
     break
