@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::snapshot::PrefixCache;
 use vlm_runtime::{
-    Engine, EngineConfig, Error, HistoryPolicy, KvLayout, KvType, Overload, Stream, StreamConfig, models,
+    Engine, EngineConfig, Error, Gpu, HistoryPolicy, KvLayout, KvType, Overload, Stream, StreamConfig, models,
 };
 
 use crate::events::{ModelQuery, StreamEvent};
@@ -108,6 +108,9 @@ struct Settings {
     ingest_share: f64,
     max_answers: u32,
     flash_attention: bool,
+    gpu_device: u32,
+    /// -1: every layer.
+    gpu_layers: i32,
     kv_layout: KvLayoutKind,
     kv_type: KvTypeKind,
     prefix_cache_size: u64,
@@ -132,6 +135,8 @@ impl Default for Settings {
             ingest_share: vlm_runtime::engine::DEFAULT_INGEST_SHARE,
             max_answers: DEFAULT_MAX_ANSWERS,
             flash_attention: false,
+            gpu_device: 0,
+            gpu_layers: -1,
             kv_layout: KvLayoutKind::PerSequence,
             kv_type: KvTypeKind::F16,
             prefix_cache_size: 0,
@@ -474,6 +479,7 @@ impl VlmContext {
             max_streams: s.max_streams,
             max_branches: s.max_answers,
             flash_attention: s.flash_attention,
+            gpu: Gpu { index: s.gpu_device as usize, layers: u32::try_from(s.gpu_layers).ok() },
             kv_layout: match s.kv_layout {
                 KvLayoutKind::PerSequence => KvLayout::PerSequence,
                 KvLayoutKind::Unified => KvLayout::Unified,
@@ -630,6 +636,19 @@ impl ObjectImpl for VlmContext {
                     .default_value(false)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecUInt::builder("gpu-device")
+                    .nick("GPU device")
+                    .blurb("Which GPU the gpu engines use (llama.cpp's --device): an index among llama.cpp's GPUs, discrete ones first, then integrated ones (0: the first); a GPU that is not there is an error naming the ones found")
+                    .default_value(0)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecInt::builder("gpu-layers")
+                    .nick("GPU layers")
+                    .blurb("Layers of the language model on the GPU for the gpu engines (llama.cpp's --n-gpu-layers / -ngl), the last ones; the others run on the CPU with the engine's threads. -1: all")
+                    .minimum(-1)
+                    .default_value(-1)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecEnum::builder_with_default("kv-layout", KvLayoutKind::PerSequence)
                     .nick("KV layout")
                     .blurb("per-sequence: context-size cells for every stream and every answer (max-streams + max-answers sequences), answers bit-identical to a re-prefill; unified: one pool of (max-streams + 1) x context-size + max-answers x 256 cells where an answer shares the cells of the version it reads (llama.cpp's kv_unified), greedy answers agreeing closely with a re-prefill")
@@ -750,6 +769,8 @@ impl ObjectImpl for VlmContext {
             "ingest-share" => s.ingest_share = value.get().unwrap(),
             "max-answers" => s.max_answers = value.get().unwrap(),
             "flash-attention" => s.flash_attention = value.get().unwrap(),
+            "gpu-device" => s.gpu_device = value.get().unwrap(),
+            "gpu-layers" => s.gpu_layers = value.get().unwrap(),
             "prefix-cache-size" => s.prefix_cache_size = value.get().unwrap(),
             "prefix-cache-entries" => s.prefix_cache_entries = value.get().unwrap(),
             "engines" => s.engines = value.get::<Option<String>>().unwrap().unwrap_or_default(),
@@ -804,6 +825,8 @@ impl ObjectImpl for VlmContext {
             "ingest-share" => s.ingest_share.to_value(),
             "max-answers" => s.max_answers.to_value(),
             "flash-attention" => s.flash_attention.to_value(),
+            "gpu-device" => s.gpu_device.to_value(),
+            "gpu-layers" => s.gpu_layers.to_value(),
             "prefix-cache-size" => s.prefix_cache_size.to_value(),
             "prefix-cache-entries" => s.prefix_cache_entries.to_value(),
             "engines" => s.engines.to_value(),

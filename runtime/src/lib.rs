@@ -37,6 +37,6 @@ mod threads;
 pub use answer::{AnswerReport, Question, Sampling, answer, answer_frame, answer_on, answer_placed};
 pub use engine::{DecodeRates, Engine, EngineConfig, KvLayout, KvMemory};
 pub use error::{Error, Result};
-pub use llama::{Device, KvType};
+pub use llama::{Device, Gpu, KvType};
 pub use placer::PreparePath;
 pub use stream::{Frame, HistoryPolicy, Lag, Overload, Registration, Stream, StreamConfig, Version};

@@ -40,7 +40,9 @@ pub fn model(path: &Path, device: &Device) -> Result<Arc<Model>> {
 pub fn any_loaded(path: &Path) -> Option<Arc<Model>> {
     let path = canonical(path);
     let models = MODELS.lock();
-    [Device::Cpu, Device::Gpu].iter().find_map(|d| models.get(&(path.clone(), d.clone())).and_then(Weak::upgrade))
+    let copies = || models.iter().filter(|((p, _), _)| *p == path);
+    let cpu = copies().find(|((_, d), _)| *d == Device::Cpu).and_then(|(_, w)| w.upgrade());
+    cpu.or_else(|| copies().find_map(|(_, w)| w.upgrade()))
 }
 
 /// The shared projector for `mmproj` bound to `model`, loading it on first use.

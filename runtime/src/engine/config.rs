@@ -3,7 +3,7 @@
 
 use crate::engine_spec::SpecDevice;
 use crate::error::{Error, Result};
-use crate::llama::{Device, KvType};
+use crate::llama::{Device, Gpu, KvType};
 
 /// How an engine is built.
 #[derive(Debug, Clone)]
@@ -24,6 +24,9 @@ pub struct EngineConfig {
     pub kv_layout: KvLayout,
     /// Element type of K and V (quantized types need flash attention).
     pub kv_type: KvType,
+    /// Which GPU, and how many layers on it, for the `gpu` engines of a list (vlmcontext's
+    /// `gpu-device` and `gpu-layers`).
+    pub gpu: Gpu,
     /// With [`KvLayout::Unified`]: the cells an answer may take beyond the version it reads
     /// (its question and its tokens).
     pub answer_cells: u32,
@@ -59,6 +62,7 @@ impl Default for EngineConfig {
             flash_attention: false,
             kv_layout: KvLayout::PerSequence,
             kv_type: KvType::F16,
+            gpu: Gpu::default(),
             answer_cells: 256,
             cores: Vec::new(),
             step_budget_ms: DEFAULT_STEP_BUDGET_MS,
@@ -110,7 +114,7 @@ impl EngineConfig {
     /// or `gpu` (default: `gpu` for a name starting with "gpu", else `cpu`), THREADS defaulting to
     /// `base.threads`, CORES a list of cores and ranges joined by `+` (`0-3`, `4+6`), or
     /// `NAME:rpc:HOST:PORT[+HOST:PORT...]` (llama.cpp `rpc-server`s). Other fields come from
-    /// `base`. The parsing itself is [`crate::engine_spec::parse_list`].
+    /// `base` (a `gpu` engine's GPU and layers from `base.gpu`). The parsing itself is [`crate::engine_spec::parse_list`].
     pub fn parse_list(spec: &str, base: &EngineConfig) -> Result<Vec<EngineConfig>> {
         let specs = crate::engine_spec::parse_list(spec).map_err(Error::Config)?;
         Ok(specs
@@ -119,7 +123,7 @@ impl EngineConfig {
                 name: e.name,
                 device: match e.device {
                     SpecDevice::Cpu => Device::Cpu,
-                    SpecDevice::Gpu => Device::Gpu,
+                    SpecDevice::Gpu => Device::Gpu(base.gpu.clone()),
                     SpecDevice::Rpc(endpoints) => Device::Rpc(endpoints),
                 },
                 threads: e.threads.unwrap_or(base.threads),

@@ -177,18 +177,36 @@ pub(crate) fn argmax(logits: &[f32]) -> Token {
 /// Whether llama.cpp has a GPU device (Vulkan by default; Mesa's lavapipe counts only when
 /// GGML_VK_VISIBLE_DEVICES lists it).
 pub fn gpu_available() -> bool {
-    !gpu_device().is_null()
+    !gpu_devices().is_empty()
 }
 
-/// llama.cpp's first discrete GPU, else its first integrated one (an RK3588's Mali is
-/// integrated, as libmtmd also accepts); null when it has neither.
-fn gpu_device() -> sys::ggml_backend_dev_t {
+/// llama.cpp's GPUs, discrete ones first, then integrated ones (an RK3588's Mali is integrated,
+/// as libmtmd also accepts): what [`Gpu::index`] counts.
+fn gpu_devices() -> Vec<sys::ggml_backend_dev_t> {
     init_backend();
     // SAFETY: the backend registry is initialised; the calls only look devices up.
     unsafe {
-        let discrete = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_GPU);
-        if discrete.is_null() { sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_IGPU) } else { discrete }
+        let all: Vec<_> = (0..sys::ggml_backend_dev_count()).map(|i| sys::ggml_backend_dev_get(i)).collect();
+        let of = |kind| all.iter().copied().filter(move |&d| sys::ggml_backend_dev_type(d) == kind);
+        of(sys::GGML_BACKEND_DEVICE_TYPE_GPU).chain(of(sys::GGML_BACKEND_DEVICE_TYPE_IGPU)).collect()
     }
+}
+
+/// The GPU `index` names, or why there is none.
+fn gpu_device(index: usize) -> Result<sys::ggml_backend_dev_t> {
+    let gpus = gpu_devices();
+    gpus.get(index).copied().ok_or_else(|| {
+        // SAFETY: valid device handles; their names are NUL-terminated and live for the process.
+        let names: Vec<String> = gpus
+            .iter()
+            .map(|&d| unsafe { CStr::from_ptr(sys::ggml_backend_dev_name(d)) }.to_string_lossy().into_owned())
+            .collect();
+        Error::Config(if gpus.is_empty() {
+            "no GPU device: llama.cpp found none (for Mesa's lavapipe set GGML_VK_VISIBLE_DEVICES=0)".into()
+        } else {
+            format!("no GPU {index}: llama.cpp found {} ({})", gpus.len(), names.join(", "))
+        })
+    })
 }
 
 /// Pin the calling thread (and the OpenMP workers it starts for llama.cpp, which inherit its
@@ -228,18 +246,33 @@ pub fn current_thread_cores() -> Vec<usize> {
 pub enum Device {
     /// llama.cpp's CPU backend.
     Cpu,
-    /// The first GPU device llama.cpp was built with (Vulkan by default).
-    Gpu,
+    /// A GPU of llama.cpp's (Vulkan by default; CUDA with the `cuda` feature), all or some of
+    /// the model's layers on it.
+    Gpu(Gpu),
     /// The devices of the llama.cpp `rpc-server`s at these `HOST:PORT` endpoints (every layer
     /// there; the layers split by their memory when there are several).
     Rpc(Vec<String>),
 }
 
+/// Which GPU, and how much of the model on it (llama.cpp's `--device` and `--n-gpu-layers`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Gpu {
+    /// Among llama.cpp's GPUs, discrete ones first, then integrated ones (0: the first).
+    pub index: usize,
+    /// Layers on the GPU, the last ones (the others run on the CPU); `None`: all of them.
+    pub layers: Option<u32>,
+}
+
 impl Device {
+    /// The first GPU, every layer on it.
+    pub fn gpu() -> Device {
+        Device::Gpu(Gpu::default())
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Device::Cpu => "cpu",
-            Device::Gpu => "gpu",
+            Device::Gpu(_) => "gpu",
             Device::Rpc(_) => "rpc",
         }
     }

@@ -65,16 +65,9 @@ impl Model {
                     devices.push(null_mut());
                     params.n_gpu_layers = 999;
                 }
-                Device::Gpu => {
-                    let gpu = gpu_device();
-                    if gpu.is_null() {
-                        return Err(Error::Config(
-                            "no GPU device: llama.cpp found none (for Mesa's lavapipe set GGML_VK_VISIBLE_DEVICES=0)"
-                                .into(),
-                        ));
-                    }
-                    devices[0] = gpu;
-                    params.n_gpu_layers = 999;
+                Device::Gpu(gpu) => {
+                    devices[0] = gpu_device(gpu.index)?;
+                    params.n_gpu_layers = gpu.layers.map_or(999, |n| n.min(999) as i32);
                 }
             }
             params.devices = devices.as_mut_ptr();
