@@ -1,7 +1,7 @@
 //! State changes that must always complete: shutdown after a start-up error with every pad
 //! linked (the query pad fed by `subparse` too), fast PLAYING⇄NULL cycles of one pipeline, and
-//! NULL after a stream's `sink_%u` pad was released during ingestion, and the model loading in
-//! the background from READY. Each is repeated; a state
+//! NULL after a stream's `sink_%u` pad was released during ingestion, the model loading in the
+//! background from READY, and NULL→PLAYING returning ASYNC while it loads. Each is repeated; a state
 //! change that does not return within its bound fails the test instead of hanging it.
 
 mod common;
@@ -85,6 +85,77 @@ fn the_model_loads_in_the_background_from_ready_and_is_not_loaded_again() {
     assert!(again.is_empty(), "the model was loaded again: {again:?}");
     let run = run(&pipeline);
     assert!(run.errors.is_empty(), "{:?}", run.errors);
+}
+
+/// An application's NULL→PLAYING from its main loop does not wait for the model: the state
+/// change returns ASYNC at once (the load goes on off the application's thread), the main loop
+/// keeps running, the load's Progress messages and then the pipeline's ASYNC_DONE reach its bus
+/// watch, and the pipeline answers. Frames that come meanwhile wait for the engines on their
+/// streaming thread.
+#[test]
+fn null_to_playing_from_a_main_loop_returns_async_and_completes_when_loaded() {
+    init();
+    // The process's default main context, as an application's (`timeout_add_local` and
+    // `idle_add_local_once` attach there); no other test uses it.
+    let context = gst::glib::MainContext::default();
+    let _owner = context.acquire().expect("the default main context is free");
+    let pipeline = launch(
+        "videotestsrc num-buffers=20 ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=4 ! fakesink \
+         filesrc location=pipelines/questions.srt ! subparse ! q.query",
+    );
+    let seen = {
+        let main_loop = gst::glib::MainLoop::new(Some(&context), false);
+        // (what, main-loop turns so far) in the order the main loop saw them.
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::<(String, u32)>::new()));
+        let turns = std::rc::Rc::new(std::cell::Cell::new(0u32));
+        let t = std::rc::Rc::clone(&turns);
+        let ticker = gst::glib::timeout_add_local(Duration::from_millis(5), move || {
+            t.set(t.get() + 1);
+            gst::glib::ControlFlow::Continue
+        });
+        let (s, t, l) = (std::rc::Rc::clone(&seen), std::rc::Rc::clone(&turns), main_loop.clone());
+        let _watch = pipeline
+            .bus()
+            .unwrap()
+            .add_watch_local(move |_, msg| {
+                let what = match msg.view() {
+                    gst::MessageView::Progress(p) if p.get().1 == "load-model" => {
+                        format!("progress {:?}", p.get().0)
+                    }
+                    gst::MessageView::AsyncDone(_)
+                        if msg.src().is_some_and(|o| o.type_() == gst::Pipeline::static_type()) =>
+                    {
+                        "async-done".into()
+                    }
+                    gst::MessageView::Eos(_) | gst::MessageView::Error(_) => {
+                        l.quit();
+                        format!("{:?}", msg.type_())
+                    }
+                    _ => return gst::glib::ControlFlow::Continue,
+                };
+                s.borrow_mut().push((what, t.get()));
+                gst::glib::ControlFlow::Continue
+            })
+            .unwrap();
+        let (s, t, p) = (std::rc::Rc::clone(&seen), std::rc::Rc::clone(&turns), pipeline.clone());
+        gst::glib::idle_add_local_once(move || {
+            let ret = p.set_state(gst::State::Playing);
+            s.borrow_mut().push((format!("set_state {ret:?}"), t.get()));
+        });
+        let l = main_loop.clone();
+        gst::glib::timeout_add_local_once(Duration::from_secs(120), move || l.quit());
+        main_loop.run();
+        ticker.remove();
+        seen.take()
+    };
+    pipeline.set_state(gst::State::Null).unwrap();
+    let index = |what: &str| seen.iter().position(|(w, _)| w == what).unwrap_or_else(|| panic!("no {what}: {seen:?}"));
+    let (set, complete, done) = (index("set_state Ok(Async)"), index("progress Complete"), index("async-done"));
+    assert!(set < complete && complete < done, "set_state returns, then the load completes, then PLAYING: {seen:?}");
+    assert!(seen[complete].1 > seen[set].1, "the main loop turned while the model loaded: {seen:?}");
+    assert_eq!(seen.last().unwrap().0, "Eos", "{seen:?}");
 }
 
 #[test]

@@ -167,6 +167,11 @@ struct State {
     /// (`placer::resident_engine`).
     engines: Vec<Arc<Engine>>,
     prompt: Option<Arc<Prompt>>,
+    /// READY→PAUSED is completing asynchronously: the engines are loading, and a stream's
+    /// first frame waits for them (`loaded` is notified when this ends).
+    loading: bool,
+    /// Set by PAUSED→READY to abandon that load and its asynchronous completion.
+    abandon: Arc<AtomicBool>,
 }
 
 /// Engines and prompt loaded for some settings.
@@ -183,6 +188,7 @@ type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
 pub struct VlmContext {
     settings: Mutex<Settings>,
     state: Mutex<State>,
+    loaded: parking_lot::Condvar,
     /// The load started at NULL→READY on a worker thread, with the settings it used.
     loading: Mutex<Option<Loading>>,
     pads: Mutex<Vec<Arc<StreamPads>>>,
@@ -205,7 +211,12 @@ impl VlmContext {
             return Ok(Arc::clone(s));
         }
         let (engine, engines, prompt) = {
-            let st = self.state.lock();
+            let mut st = self.state.lock();
+            // The first frame of a stream may come while the engines load (READY→PAUSED
+            // completing asynchronously): it waits for them, or for a flush or a stop.
+            while st.loading && !pads.cancel.load(Ordering::Acquire) {
+                self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
+            }
             let Some(p) = &st.prompt else {
                 return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"]));
             };
@@ -423,14 +434,6 @@ impl VlmContext {
         }
     }
 
-    /// The preloaded engines if they were loaded with the current settings (else they are
-    /// dropped), waiting for the load to end.
-    fn take_preloaded(&self) -> Option<Loaded> {
-        let loading = self.loading.lock().take()?;
-        let loaded = loading.handle.join().ok()?;
-        (loading.settings == *self.settings.lock()).then_some(loaded)
-    }
-
     /// Abandon a load still running, without waiting for it: its engines stop their
     /// calibration run at its next computation and are dropped on the loading thread.
     fn abandon_preload(&self) {
@@ -439,20 +442,92 @@ impl VlmContext {
         }
     }
 
-    fn start(&self) -> Result<(), gst::ErrorMessage> {
-        let s = self.settings.lock().clone();
-        let (engines, prompt) = match self.take_preloaded() {
-            Some(loaded) => loaded?,
-            None => self.load(&s, &Arc::new(AtomicBool::new(false)))?,
+    /// READY→PAUSED: with the engines loaded (or their load failed) at once, finish now;
+    /// otherwise finish asynchronously once the load started at NULL→READY ends, so that an
+    /// application's NULL→PLAYING never blocks its main loop (ASYNC_START now, ASYNC_DONE then,
+    /// as a sink that prerolls does).
+    fn start(&self) -> Result<gst::StateChangeSuccess, gst::ErrorMessage> {
+        let current = self.settings.lock().clone();
+        let mut preloaded = self.loading.lock().take();
+        if let Some(stale) = preloaded.take_if(|l| l.settings != current) {
+            stale.cancel.store(true, Ordering::Release);
+        }
+        if preloaded.is_none() {
+            // Nothing loading with these settings (set after NULL→READY): start it now.
+            self.preload();
+            preloaded = self.loading.lock().take();
+        }
+        let loading = match preloaded {
+            Some(l) if !l.handle.is_finished() => l,
+            done => {
+                self.install(self.take_loaded(done)?);
+                return Ok(gst::StateChangeSuccess::Success);
+            }
         };
+        // A stop meanwhile cancels the load (its calibration) and its completion.
+        let abandon = Arc::clone(&loading.cancel);
+        {
+            let mut st = self.state.lock();
+            st.loading = true;
+            st.abandon = Arc::clone(&abandon);
+        }
+        let this = self.ref_counted();
+        let finish = move || {
+            let loaded = this.take_loaded(Some(loading));
+            let mut st = this.state.lock();
+            if abandon.load(Ordering::Acquire) {
+                return; // stopped meanwhile: `stop` has reset the state
+            }
+            st.loading = false;
+            drop(st);
+            let obj = this.obj();
+            match loaded {
+                Ok(loaded) => {
+                    this.install(loaded);
+                    this.loaded.notify_all();
+                    let _ = obj.continue_state(gst::StateChangeSuccess::Success);
+                    let _ = obj.post_message(gst::message::AsyncDone::builder().src(&*obj).build());
+                }
+                Err(e) => {
+                    this.loaded.notify_all();
+                    this.post_error_message(e);
+                    obj.abort_state();
+                }
+            }
+        };
+        std::thread::Builder::new()
+            .name("vlmcontext-start".into())
+            .spawn(finish)
+            .map_err(|e| gst::error_msg!(gst::CoreError::StateChange, ["cannot start the loading thread: {}", e]))?;
+        let _ = self.obj().post_message(gst::message::AsyncStart::builder().src(&*self.obj()).build());
+        Ok(gst::StateChangeSuccess::Async)
+    }
+
+    /// The engines of `loading` if it loaded them with the current settings (waiting for it to
+    /// end), else loaded now.
+    fn take_loaded(&self, loading: Option<Loading>) -> Loaded {
+        let s = self.settings.lock().clone();
+        match loading {
+            Some(l) if l.settings == s => l
+                .handle
+                .join()
+                .unwrap_or_else(|_| Err(gst::error_msg!(gst::CoreError::StateChange, ["the loading thread panicked"]))),
+            _ => self.load(&s, &Arc::new(AtomicBool::new(false))),
+        }
+    }
+
+    /// Make loaded engines the element's.
+    fn install(&self, (engines, prompt): (Vec<Arc<Engine>>, Arc<Prompt>)) {
+        let s = self.settings.lock().clone();
         let mut cache = self.prefix_cache.lock();
         let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
         if cache.as_ref().is_none_or(|c| c.limits() != limits) {
             *cache = Some(Arc::new(PrefixCache::new(limits.0, limits.1)));
         }
         drop(cache);
-        *self.state.lock() = State { engines, prompt: Some(prompt) };
-        Ok(())
+        let mut st = self.state.lock();
+        st.engines = engines;
+        st.prompt = Some(prompt);
     }
 
     /// Load the model on every engine `s` names, with `Progress` messages; `cancel` abandons it.
@@ -535,8 +610,13 @@ impl VlmContext {
                 s.close();
             }
         }
-        // Streams still referenced downstream (by pending questions) keep the engine alive.
-        *self.state.lock() = State::default();
+        // Streams still referenced downstream (by pending questions) keep the engine alive; an
+        // asynchronous start still loading is abandoned.
+        let mut st = self.state.lock();
+        st.abandon.store(true, Ordering::Release);
+        *st = State::default();
+        drop(st);
+        self.loaded.notify_all();
     }
 }
 
@@ -988,13 +1068,18 @@ impl ElementImpl for VlmContext {
         match transition {
             gst::StateChange::NullToReady => self.preload(),
             gst::StateChange::ReadyToPaused => {
-                if let Err(e) = self.start() {
-                    self.post_error_message(e);
-                    return Err(gst::StateChangeError);
-                }
                 for p in self.pads.lock().iter() {
                     p.cancel.store(false, Ordering::Release);
                 }
+                let parent = self.parent_change_state(transition)?;
+                return match self.start() {
+                    Ok(gst::StateChangeSuccess::Async) => Ok(gst::StateChangeSuccess::Async),
+                    Ok(_) => Ok(parent),
+                    Err(e) => {
+                        self.post_error_message(e);
+                        Err(gst::StateChangeError)
+                    }
+                };
             }
             gst::StateChange::PausedToReady => self.stop(),
             // A load still running is abandoned, not waited for (an error elsewhere in the
