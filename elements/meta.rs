@@ -138,11 +138,20 @@ fn info() -> *const gst::ffi::GstMetaInfo {
     .0
 }
 
-/// Name of the custom meta (`GstCustomMeta`) on every `vlmquery` text buffer: its structure
-/// holds the answer's `id`, `stream` and `status` (`answered`, `cancelled`, `failed`, or
-/// `partial` for a piece streamed with `stream-tokens`). Applications read it with
-/// `gst_buffer_get_custom_meta (buffer, "VlmAnswerMeta")` (Python:
-/// `buffer.get_custom_meta("VlmAnswerMeta").get_structure()`).
+/// Name of the custom meta (`GstCustomMeta`) that names an answer's question, on two kinds of
+/// buffer:
+///
+/// - every `vlmquery` text buffer (`src`): `id`, `stream` and `status` (`answered`, `cancelled`,
+///   `failed`, or `partial` for the answer so far, streamed with `stream-tokens`);
+/// - the video buffers leaving `video_src`: each answered or failed question's answer rides on the
+///   first video buffer that leaves after its `vlm-answer` message and carries no other answer
+///   (one answer per buffer, in question order): `id`, `stream`, `status` (`answered` or
+///   `failed`), `text` (the answer, as in `vlm-answer`; empty when failed) and, unless answered
+///   with text, `reason`.
+///
+/// Applications read it with `gst_buffer_get_custom_meta (buffer, "VlmAnswerMeta")` and its
+/// structure (Python: `buffer.get_custom_meta("VlmAnswerMeta").get_structure()`; Rust:
+/// [`answer_of`]).
 pub const ANSWER_META: &str = "VlmAnswerMeta";
 
 /// Register [`ANSWER_META`] (once, at plugin load).
@@ -160,4 +169,20 @@ pub fn add_answer_meta(buffer: &mut gst::BufferRef, id: &str, stream: &str, stat
         s.set("stream", stream);
         s.set("status", status);
     }
+}
+
+/// Attach an answer (`id`, `stream`, `status`, `text`, maybe `reason`: the fields of `answer`,
+/// whatever its name) to a video buffer.
+pub fn add_video_answer_meta(buffer: &mut gst::BufferRef, answer: &gst::StructureRef) {
+    if let Ok(mut meta) = gst::meta::CustomMeta::add(buffer, ANSWER_META) {
+        let s = meta.mut_structure();
+        for (name, value) in answer.iter() {
+            s.set_value(name, value.clone());
+        }
+    }
+}
+
+/// The answer a buffer carries (a copy of [`ANSWER_META`]'s structure), if any.
+pub fn answer_of(buffer: &gst::BufferRef) -> Option<gst::Structure> {
+    gst::meta::CustomMeta::from_buffer(buffer, ANSWER_META).ok().map(|m| m.structure().to_owned())
 }

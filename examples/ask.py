@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """A minimal PyGObject application using gst-vlm: build a pipeline, ask with the `ask` signal and
-with a `vlm-question` event, read every answer from the bus (`vlm-answer`) and from an appsink.
+with a `vlm-question` event, read every answer from the bus (`vlm-answer`), from an appsink on
+the text pad (JSON) and from the video buffers leaving `video_src` (the `VlmAnswerMeta` custom
+meta on the first frame after each answer).
 
     GST_PLUGIN_PATH=target/debug /usr/bin/python3 examples/ask.py [MODEL MMPROJ]
 
 Run from the repository root (scripts/test.sh runs it); Debian's python3-gi and the GStreamer
-typelibs are needed (scripts/setup.sh installs them). Exits 1 unless both questions are answered.
+typelibs are needed (scripts/setup.sh installs them). Exits 1 unless both questions are answered
+and every answer found on a video buffer agrees with its `vlm-answer`.
 """
 import os
 import sys
@@ -24,7 +27,8 @@ pipeline = Gst.parse_launch(
     "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=160,height=120,framerate=30/1 "
     f"! videoconvert ! vlmencode mmproj={mmproj} interval=250000000 "
     f"! vlmcontext name=ctx model={model} ! vlmquery name=q max-tokens=8 output-format=json "
-    "! appsink name=answers sync=false emit-signals=true"
+    "! appsink name=answers sync=false emit-signals=true "
+    "q.video_src ! appsink name=video sync=false emit-signals=true"
 )
 query = pipeline.get_by_name("q")
 asked = []
@@ -64,6 +68,22 @@ def on_sample(appsink):
 
 pipeline.get_by_name("answers").connect("new-sample", on_sample)
 
+on_video = {}
+
+
+def on_frame_out(appsink):
+    """A video buffer leaving vlmquery: the answer it carries, if any (`VlmAnswerMeta`)."""
+    buf = appsink.emit("pull-sample").get_buffer()
+    meta = buf.get_custom_meta("VlmAnswerMeta")
+    if meta:
+        s = meta.get_structure()
+        on_video[s.get_string("id")] = (s.get_string("status"), s.get_string("text"))
+        print(f"[video] frame at {buf.pts / Gst.SECOND:.2f} s: {s.get_string('id')} {s.get_string('text')!r}")
+    return Gst.FlowReturn.OK
+
+
+pipeline.get_by_name("video").connect("new-sample", on_frame_out)
+
 
 def on_message(bus, msg):
     if msg.type == Gst.MessageType.ERROR:
@@ -73,7 +93,7 @@ def on_message(bus, msg):
         loop.quit()
     elif msg.type == Gst.MessageType.ELEMENT and msg.get_structure().get_name() == "vlm-answer":
         s = msg.get_structure()
-        answered[s.get_string("id")] = s.get_string("text")
+        answered[s.get_string("id")] = (s.get_string("status"), s.get_string("text"))
         print(f"[bus] {s.get_string('id')}: {s.get_string('text')!r} ({s.get_string('status')})")
 
 
@@ -85,5 +105,7 @@ pipeline.set_state(Gst.State.PLAYING)
 loop.run()
 pipeline.set_state(Gst.State.NULL)
 print(f"[appsink] {len(lines)} JSON lines: {''.join(lines).strip()}")
-ok = asked and all(a in answered for a in asked) and len(lines) == len(asked)
+# (An answer that completes after the last frame has no video buffer to ride on.)
+agree = all(answered.get(i) == v for i, v in on_video.items())
+ok = asked and all(a in answered for a in asked) and len(lines) == len(asked) and agree
 sys.exit(0 if ok else 1)

@@ -378,3 +378,83 @@ fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
     let answer = h.pull().expect("an answer after a flush of the query pad");
     assert!(answer.size() > 0);
 }
+
+#[test]
+fn vlmquery_streams_the_answer_so_far_frame_by_frame_where_it_is_drawn() {
+    // With video_src linked (the answers drawn on that video) the text pad follows it: each
+    // buffer holds the answer so far and ends where the newest frame ends, the next one starts
+    // there; the whole answer is shown for answer-duration (1 s), then GAP events.
+    init();
+    let stream = runtime_stream("follow");
+    let never = AtomicBool::new(false);
+    let f = frame(&encoder(), 0);
+    let number = stream.register(Arc::clone(&f), &never).unwrap().number;
+
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    let element = h.element().unwrap();
+    element.set_property("max-tokens", 24u32);
+    element.set_property("exact-tokens", true);
+    element.set_property("stream-tokens", true);
+    element.set_property("answer-duration", 1_000_000_000u64);
+    let video = gst::Pad::builder(gst::PadDirection::Sink)
+        .chain_function(|_, _, _| Ok(gst::FlowSuccess::Ok))
+        .event_function(|_, _, _| true)
+        .build();
+    element.static_pad("video_src").unwrap().link(&video).unwrap();
+    video.set_active(true).unwrap();
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    assert!(h.push_event(StreamEvent::event(stream.id(), "follow")));
+    let frame_at = |i: u64, registered: bool| {
+        let mut buf = picture(gst_video::VideoFormat::Rgb, 0);
+        {
+            let b = buf.get_mut().unwrap();
+            b.set_pts(gst::ClockTime::from_mseconds(100 * i));
+            b.set_duration(gst::ClockTime::from_mseconds(100));
+            if registered {
+                VlmFrameMeta::add(b, Arc::clone(&f)).set_position(stream.id(), number);
+            }
+        }
+        buf
+    };
+    assert_eq!(h.push(frame_at(0, true)), Ok(gst::FlowSuccess::Ok));
+    assert!(h.push_event(QuestionEvent::event("Tell me about the picture.", Some("follow"), None)));
+    // The video goes on, a frame every 20 ms, until the whole answer's display is over.
+    let mut buffers: Vec<(String, String, gst::ClockTime, gst::ClockTime)> = vec![];
+    let displayed = |b: &[(String, String, gst::ClockTime, gst::ClockTime)]| {
+        let first = b.iter().find(|b| b.1 == "answered").map(|b| b.2);
+        first.zip(b.last()).is_some_and(|(first, last)| last.2 + last.3 >= first + gst::ClockTime::from_seconds(1))
+    };
+    let mut i = 1;
+    while !displayed(&buffers) {
+        assert!(i < 3000, "no whole answer shown for 1 s after 300 s of video: {buffers:?}");
+        assert_eq!(h.push(frame_at(i, false)), Ok(gst::FlowSuccess::Ok));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        while let Some(b) = h.try_pull() {
+            let status = gst_vlm_elements::meta::answer_of(&b).unwrap().get::<String>("status").unwrap();
+            let text = String::from_utf8(b.map_readable().unwrap().to_vec()).unwrap();
+            buffers.push((text, status, b.pts().unwrap(), b.duration().expect("a display duration")));
+        }
+        i += 1;
+    }
+    // A few frames more: nothing shown after the display.
+    for j in i..i + 5 {
+        assert_eq!(h.push(frame_at(j, false)), Ok(gst::FlowSuccess::Ok));
+    }
+    assert!(h.push_event(gst::event::Eos::new()));
+    while h.pull_event().expect("EOS").type_() != gst::EventType::Eos {}
+    if let Some(b) = h.try_pull() {
+        panic!("a text buffer after the display: {b:?} after {buffers:?}");
+    }
+    let frame_end = |t: gst::ClockTime| t.mseconds().is_multiple_of(100);
+    assert!(buffers.windows(2).all(|w| w[0].2 + w[0].3 == w[1].2), "not back to back: {buffers:?}");
+    assert!(buffers.iter().all(|b| frame_end(b.2 + b.3)), "a buffer ends between frames: {buffers:?}");
+    let whole = buffers.iter().find(|b| b.1 == "answered").unwrap().0.clone();
+    let partial: Vec<&str> =
+        buffers.iter().take_while(|b| b.1 == "partial").map(|b| b.0.strip_suffix('\n').unwrap()).collect();
+    assert!(buffers.iter().skip(partial.len()).all(|b| b.1 == "answered" && b.0 == whole), "{buffers:?}");
+    assert!(partial.windows(2).all(|w| w[1].starts_with(w[0])), "the answer so far must grow: {partial:?}");
+    assert!(partial.iter().all(|p| whole.starts_with(p)), "{partial:?} / {whole:?}");
+    let distinct = partial.windows(2).filter(|w| w[0] != w[1]).count();
+    assert!(distinct >= 1, "24 tokens never showed the answer so far: {buffers:?}");
+}

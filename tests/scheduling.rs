@@ -171,13 +171,24 @@ fn stream_tokens_pushes_each_answer_as_it_is_generated_with_its_question_id() {
     let pushed = pushed.lock().unwrap();
     for id in ids.lock().unwrap().iter().map(|i| i.clone().expect("accepted")) {
         let answer = answer_of(&run, &id);
+        let whole = answer.get::<String>("text").unwrap();
         let mine: Vec<_> = pushed.iter().filter(|(_, i, _)| *i == id).collect();
         let (last, pieces) = mine.split_last().expect("buffers for the answer");
-        assert_eq!((last.0.as_str(), last.2.as_str()), ("\n", "answered"), "the answer ends with its newline");
+        assert_eq!(
+            (last.0.as_str(), last.2.as_str()),
+            (format!("{whole}\n").as_str(), "answered"),
+            "the whole answer last"
+        );
         assert!(pieces.len() >= 2, "32 tokens came out in one piece: {mine:?}");
         assert!(pieces.iter().all(|(_, _, status)| status == "partial"));
-        let streamed: String = pieces.iter().map(|(text, _, _)| text.as_str()).collect();
-        assert_eq!(streamed, answer.get::<String>("text").unwrap(), "the pieces make the answer");
+        // Each piece is the answer so far, a line: growing, each a beginning of the answer.
+        let mut so_far = "";
+        for (text, _, _) in pieces {
+            let text = text.strip_suffix('\n').expect("a line");
+            assert!(text.len() > so_far.len() && text.starts_with(so_far), "{text:?} after {so_far:?}");
+            assert!(whole.starts_with(text), "{text:?} does not begin {whole:?}");
+            so_far = text;
+        }
     }
     // One answer's buffers are not interleaved with another's.
     let order: Vec<&String> = pushed.iter().map(|(_, id, _)| id).collect();
@@ -188,31 +199,50 @@ fn stream_tokens_pushes_each_answer_as_it_is_generated_with_its_question_id() {
 #[test]
 fn video_leaves_vlmquery_and_textoverlay_draws_answers_with_its_defaults() {
     // No tee, textoverlay's default wait-text=true: the text pad's GAP events keep the video
-    // moving, the answers arrive timestamped where they completed, with a display duration.
-    let pipeline = launch(&format!(
-        "{SOURCE} ! vlmquery name=q max-tokens=6 answer-duration=500000000 \
-         q.video_src ! queue ! o.video_sink q.src ! queue ! o.text_sink \
-         textoverlay name=o ! fakesink name=out sync=false"
-    ));
-    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
-    let frames = count_buffers(bin, "out");
-    let texts = Arc::new(Mutex::new(vec![]));
-    let t2 = Arc::clone(&texts);
-    bin.by_name("o").unwrap().static_pad("text_sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-        if let Some(b) = info.buffer() {
-            t2.lock().unwrap().push((b.pts(), b.duration()));
+    // moving, the answer arrives timestamped where it completed and is shown for its display
+    // duration: with `display=replace` (the default) one buffer per frame it is on, each ending
+    // where that frame ends; with `queue` one buffer.
+    for display in ["replace", "queue"] {
+        let pipeline = launch(&format!(
+            "{SOURCE} ! vlmquery name=q max-tokens=6 answer-duration=500000000 display={display} \
+             q.video_src ! queue ! o.video_sink q.src ! queue ! o.text_sink \
+             textoverlay name=o ! fakesink name=out sync=false"
+        ));
+        let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+        let frames = count_buffers(bin, "out");
+        let texts = Arc::new(Mutex::new(vec![]));
+        let t2 = Arc::clone(&texts);
+        bin.by_name("o").unwrap().static_pad("text_sink").unwrap().add_probe(
+            gst::PadProbeType::BUFFER,
+            move |_, info| {
+                if let Some(b) = info.buffer() {
+                    t2.lock().unwrap().push((b.pts().unwrap(), b.duration().unwrap()));
+                }
+                gst::PadProbeReturn::Ok
+            },
+        );
+        let (run, ids) = run_asking(&pipeline, |n| if n == 3 { vec!["What is it?"] } else { vec![] });
+        assert!(run.errors.is_empty(), "{display}: {:?}", run.errors);
+        assert!(ids.lock().unwrap()[0].is_some());
+        assert_eq!(*frames.lock().unwrap(), 60, "{display}: every video frame went through textoverlay");
+        let texts = texts.lock().unwrap();
+        let (pts, _) = texts[0];
+        assert!(pts >= gst::ClockTime::from_mseconds(750), "{display}: shown from where it completed: {pts:?}");
+        let half_second = gst::ClockTime::from_mseconds(500);
+        if display == "queue" {
+            assert_eq!(*texts, [(pts, half_second)], "{display}: one answer buffer");
+        } else {
+            // Back to back, at most the display duration (the video may end first: 2 s).
+            assert!(texts.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0), "{display}: {texts:?}");
+            let (last, last_duration) = *texts.last().unwrap();
+            let shown = last + last_duration - pts;
+            assert!(shown > gst::ClockTime::ZERO && shown <= half_second, "{display}: {texts:?}");
+            assert!(
+                shown == half_second || last + last_duration >= gst::ClockTime::from_mseconds(1950),
+                "{display}: cut short before the video ended: {texts:?}"
+            );
         }
-        gst::PadProbeReturn::Ok
-    });
-    let (run, ids) = run_asking(&pipeline, |n| if n == 3 { vec!["What is it?"] } else { vec![] });
-    assert!(run.errors.is_empty(), "{:?}", run.errors);
-    assert!(ids.lock().unwrap()[0].is_some());
-    assert_eq!(*frames.lock().unwrap(), 60, "every video frame went through textoverlay");
-    let texts = texts.lock().unwrap();
-    assert_eq!(texts.len(), 1, "one answer buffer");
-    let (pts, duration) = texts[0];
-    assert_eq!(duration, Some(gst::ClockTime::from_mseconds(500)));
-    assert!(pts.is_some_and(|p| p >= gst::ClockTime::from_mseconds(750)), "shown from where it completed: {pts:?}");
+    }
 }
 
 #[test]
@@ -221,9 +251,11 @@ fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
     // still covers the answer's display time (5 s, past the 2 s of video) with a GAP, so
     // textoverlay (wait-text=true) lets every frame and EOS through instead of waiting for text.
     // The video plays in real time (sync=true), so the failure comes while frames still flow.
+    // (`display=queue`: under `replace`, the default, what is shown stays and the per-frame
+    // GAPs go on.)
     let long: &'static str = Box::leak(format!("Count{}?", " very".repeat(600)).into_boxed_str());
     let pipeline = launch(&format!(
-        "{SOURCE} context-size=512 ! vlmquery name=q max-tokens=6 \
+        "{SOURCE} context-size=512 ! vlmquery name=q max-tokens=6 display=queue \
          q.video_src ! queue ! o.video_sink q.src ! queue ! o.text_sink \
          textoverlay name=o ! fakesink name=out sync=true"
     ));
@@ -321,11 +353,15 @@ fn textoverlay_draws_the_answer_on_the_frames_of_its_display_duration() {
         d2.lock().unwrap().push((buffer.pts().unwrap(), light));
         Some(gst::FlowReturn::Ok.to_value())
     });
+    // (Where the answer's display starts, and how long it lasts: one buffer per frame it is on.)
     let shown = Arc::new(Mutex::new(None));
     let s2 = Arc::clone(&shown);
     bin.by_name("o").unwrap().static_pad("text_sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
         if let Some(b) = info.buffer() {
-            *s2.lock().unwrap() = Some((b.pts().unwrap(), b.duration().unwrap()));
+            let (pts, end) = (b.pts().unwrap(), b.pts().unwrap() + b.duration().unwrap());
+            let mut shown = s2.lock().unwrap();
+            let at = shown.map_or(pts, |(at, _)| at);
+            *shown = Some((at, end - at));
         }
         gst::PadProbeReturn::Ok
     });
@@ -345,4 +381,294 @@ fn textoverlay_draws_the_answer_on_the_frames_of_its_display_duration() {
         std::fs::copy(dir.join(format!("frame-{index:03}.png")), keep).unwrap();
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What reached a pad: text buffers (with their answer meta) and the events between them, in
+/// the order they came.
+#[derive(Debug, Clone)]
+enum TextItem {
+    Buffer { id: String, status: String, text: String, pts: Option<gst::ClockTime>, duration: Option<gst::ClockTime> },
+    Event(gst::EventType),
+}
+
+/// Record the text buffers and downstream events reaching `pad`.
+fn record_text(pad: &gst::Pad) -> Arc<Mutex<Vec<TextItem>>> {
+    let items = Arc::new(Mutex::new(vec![]));
+    let i2 = Arc::clone(&items);
+    pad.add_probe(gst::PadProbeType::BUFFER | gst::PadProbeType::EVENT_DOWNSTREAM, move |_, info| {
+        let item = match &info.data {
+            Some(gst::PadProbeData::Buffer(b)) => {
+                let answer = gst_vlm_elements::meta::answer_of(b).expect("answer meta");
+                let field = |name| answer.get::<String>(name).unwrap();
+                TextItem::Buffer {
+                    id: field("id"),
+                    status: field("status"),
+                    text: String::from_utf8(b.map_readable().unwrap().to_vec()).unwrap(),
+                    pts: b.pts(),
+                    duration: b.duration(),
+                }
+            }
+            Some(gst::PadProbeData::Event(e)) => TextItem::Event(e.type_()),
+            _ => return gst::PadProbeReturn::Ok,
+        };
+        i2.lock().unwrap().push(item);
+        gst::PadProbeReturn::Ok
+    });
+    items
+}
+
+/// (id, status, text, pts, duration) of the buffers among `items`.
+#[allow(clippy::type_complexity)]
+fn text_buffers(items: &[TextItem]) -> Vec<(&str, &str, &str, Option<gst::ClockTime>, Option<gst::ClockTime>)> {
+    items
+        .iter()
+        .filter_map(|i| match i {
+            TextItem::Buffer { id, status, text, pts, duration } => {
+                Some((id.as_str(), status.as_str(), text.as_str(), *pts, *duration))
+            }
+            TextItem::Event(_) => None,
+        })
+        .collect()
+}
+
+#[test]
+fn streamed_answers_reach_textoverlay_as_growing_text_and_every_question_is_answered_before_eos() {
+    // Live captions drawn on the video, as a user writes it: textoverlay with its defaults, the
+    // video in real time (sync=true, 5 s), three periodic captions (0, 2 and 4 s) and a question
+    // at the last encoded frame, still being answered when the video ends.
+    let pipeline = launch(
+        "videotestsrc pattern=ball num-buffers=150 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q max-tokens=12 stream-tokens=true caption-prompt=\"Describe the scene.\" caption-interval=2000000000 \
+         q.video_src ! queue ! o.video_sink q.src ! o.text_sink textoverlay name=o ! fakesink name=out sync=true",
+    );
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let frames = count_buffers(bin, "out");
+    let items = record_text(&bin.by_name("o").unwrap().static_pad("text_sink").unwrap());
+    let asked = std::sync::atomic::AtomicBool::new(false);
+    let (run, ids) = run_asking(&pipeline, move |n| {
+        let last = n >= 18 && !asked.swap(true, std::sync::atomic::Ordering::Relaxed);
+        if last { vec!["What is at the end?"] } else { vec![] }
+    });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert_eq!(*frames.lock().unwrap(), 150, "every video frame went through textoverlay");
+    // Every caption and the question: answered, on the bus before the pipeline's EOS (nothing
+    // is left to be cancelled unseen when the pipeline stops).
+    let asked = ids.lock().unwrap()[0].clone().expect("accepted");
+    let captions = run.answers.iter().filter(|a| a.get::<String>("question").unwrap() == "Describe the scene.").count();
+    assert_eq!(captions, 3, "{:?}", run.answers);
+    assert_eq!(run.answers.len(), 4, "{:?}", run.answers);
+    assert!(run.answers.iter().all(|a| a.get::<String>("status").unwrap() == "answered"), "{:?}", run.answers);
+    assert_eq!(answer_of(&run, &asked).get::<String>("status").unwrap(), "answered");
+    let items = items.lock().unwrap();
+    let buffers = text_buffers(&items);
+    // Each buffer is the answer so far: growing, and then the whole answer. (textoverlay keeps
+    // the first text buffer that reaches it after the video's EOS for ever and takes no other,
+    // so an answer still being generated then may end with a piece, and later ones reach it not
+    // at all.)
+    let video_end = gst::ClockTime::from_seconds(5);
+    for answer in &run.answers {
+        let (id, whole) = (answer.get::<String>("id").unwrap(), answer.get::<String>("text").unwrap());
+        let mine: Vec<_> = buffers.iter().filter(|b| b.0 == id).collect();
+        let done = mine.iter().position(|b| b.1 == "answered").unwrap_or(mine.len());
+        let ended = mine.last().is_none_or(|b| b.3.is_some_and(|pts| pts >= video_end));
+        assert!(done < mine.len() || ended, "{id}: its text stopped short while the video ran: {mine:?}");
+        assert!(mine[..done].iter().all(|b| b.1 == "partial"), "{id}: {mine:?}");
+        assert!(mine[done..].iter().all(|b| b.1 == "answered" && b.2 == format!("{whole}\n")), "{id}: {mine:?}");
+        let mut so_far = "";
+        for b in &mine[..done] {
+            let text = b.2.strip_suffix('\n').expect("a line");
+            assert!(
+                text.starts_with(so_far) && whole.starts_with(text),
+                "{id}: {text:?} after {so_far:?}, answer {whole:?}"
+            );
+            so_far = text;
+        }
+    }
+    // The first caption (asked at 0 s) was drawn whole while the video ran.
+    let first = &run.answers[0].get::<String>("id").unwrap();
+    assert!(
+        buffers.iter().any(|b| b.0 == first && b.1 == "answered" && b.3.is_some_and(|pts| pts < video_end)),
+        "{first}: never drawn whole: {buffers:?}"
+    );
+    // While the video runs (5 s), a buffer ends where the next begins: textoverlay, which holds
+    // a text buffer until the video passes its end, never holds one piece while the next waits.
+    for w in buffers.windows(2) {
+        if let ((_, _, _, Some(pts), Some(duration)), (_, _, _, Some(next), _)) = (w[0], w[1])
+            && pts < video_end
+        {
+            assert!(pts + duration <= next, "overlapping text buffers: {w:?}");
+        }
+    }
+}
+
+#[test]
+fn display_replace_shows_a_newer_answer_at_once_and_queue_keeps_each_for_its_duration() {
+    // Questions far closer than answer-duration (60 s, longer than the video): with `replace`
+    // the second answer goes to textoverlay as soon as it is there and cuts the first one's
+    // display short; with `queue` each answer is one buffer lasting 60 s, the second waiting
+    // behind the first.
+    for display in ["replace", "queue"] {
+        let pipeline = launch(&format!(
+            "videotestsrc pattern=ball num-buffers=120 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+             ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
+             ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+             ! vlmquery name=q max-tokens=6 answer-duration=60000000000 display={display} \
+             q.video_src ! queue ! o.video_sink q.src ! o.text_sink textoverlay name=o ! fakesink name=out sync=true"
+        ));
+        let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+        let items = record_text(&bin.by_name("o").unwrap().static_pad("text_sink").unwrap());
+        let (run, ids) = run_asking(&pipeline, |n| match n {
+            2 => vec!["What is it?"],
+            4 => vec!["Describe the colours."],
+            _ => vec![],
+        });
+        assert!(run.errors.is_empty(), "{display}: {:?}", run.errors);
+        let ids: Vec<String> = ids.lock().unwrap().iter().map(|i| i.clone().expect("accepted")).collect();
+        for id in &ids {
+            assert_eq!(answer_of(&run, id).get::<String>("status").unwrap(), "answered", "{display}");
+        }
+        let items = items.lock().unwrap();
+        let buffers = text_buffers(&items);
+        let first: Vec<_> = buffers.iter().filter(|b| b.0 == ids[0]).collect();
+        let second: Vec<_> = buffers.iter().filter(|b| b.0 == ids[1]).collect();
+        assert!(!first.is_empty() && !second.is_empty(), "{display}: {buffers:?}");
+        let end = |b: &&(&str, &str, &str, Option<gst::ClockTime>, Option<gst::ClockTime>)| b.3.unwrap() + b.4.unwrap();
+        let (first_end, second_start) = (end(first.last().unwrap()), second[0].3.unwrap());
+        if display == "replace" {
+            // The first answer's display ends where the second's begins.
+            assert!(first_end <= second_start, "{display}: the first answer still shown under the second: {buffers:?}");
+            // textoverlay took the second answer while the video ran: the text pad went on
+            // after it (a push held until the first answer's 60 s ended would never return).
+            let at = items
+                .iter()
+                .position(|i| matches!(i, TextItem::Buffer { id, .. } if *id == ids[1]))
+                .expect("the second answer");
+            let after = |i: &TextItem| {
+                matches!(i, TextItem::Buffer { .. } | TextItem::Event(gst::EventType::Gap | gst::EventType::Eos))
+            };
+            assert!(
+                items[at + 1..].iter().any(after),
+                "{display}: nothing reached textoverlay after the second answer: {items:?}"
+            );
+        } else {
+            assert_eq!((first.len(), second.len()), (1, 1), "{display}: one buffer per answer: {buffers:?}");
+            assert_eq!(first[0].4, Some(gst::ClockTime::from_seconds(60)), "{display}");
+            assert!(second_start < first_end, "{display}: the second answer waits behind the first: {buffers:?}");
+        }
+    }
+}
+
+#[test]
+fn each_answer_rides_on_the_next_video_buffer_as_a_meta_that_agrees_with_json() {
+    // Frames fed one at a time: two questions (one that fails: longer than the context), their
+    // answers on the bus, then three more frames. The first two of them carry the answers, in
+    // question order; the JSON lines, the vlm-answer messages and the metas agree.
+    init();
+    let long: String = format!("Count{}?", " very".repeat(600));
+    let pipeline = launch(
+        "appsrc name=src format=time caps=video/x-raw,format=RGB,width=64,height=48,framerate=10/1 \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf context-size=512 \
+         ! vlmquery name=q max-tokens=4 output-format=json ! appsink name=json sync=false \
+         q.video_src ! appsink name=video sync=false",
+    );
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
+    let q = bin.by_name("q").unwrap();
+    // The video appsink: each buffer's pts and the answer it carries.
+    let video =
+        Arc::new((Mutex::new(Vec::<(gst::ClockTime, Option<gst::Structure>)>::new()), std::sync::Condvar::new()));
+    let v2 = Arc::clone(&video);
+    bin.by_name("video").unwrap().downcast::<gst_app::AppSink>().unwrap().set_callbacks(
+        gst_app::AppSinkCallbacks::builder()
+            .new_sample(move |sink| {
+                let sample = sink.pull_sample().map_err(|_| gst::FlowError::Eos)?;
+                let buffer = sample.buffer().unwrap();
+                let metas =
+                    buffer.iter_meta::<gst::Meta>().filter(|m| m.api().name().starts_with("VlmAnswerMeta")).count();
+                assert!(metas <= 1, "one answer per video buffer");
+                v2.0.lock().unwrap().push((buffer.pts().unwrap(), gst_vlm_elements::meta::answer_of(buffer)));
+                v2.1.notify_all();
+                Ok(gst::FlowSuccess::Ok)
+            })
+            .build(),
+    );
+    let json = Arc::new(Mutex::new(Vec::<serde_json::Value>::new()));
+    let j2 = Arc::clone(&json);
+    bin.by_name("json").unwrap().downcast::<gst_app::AppSink>().unwrap().set_callbacks(
+        gst_app::AppSinkCallbacks::builder()
+            .new_sample(move |sink| {
+                let sample = sink.pull_sample().map_err(|_| gst::FlowError::Eos)?;
+                let map = sample.buffer().unwrap().map_readable().unwrap();
+                j2.lock().unwrap().push(serde_json::from_slice(&map).expect("a JSON line"));
+                Ok(gst::FlowSuccess::Ok)
+            })
+            .build(),
+    );
+    let push_frames = |from: u64, n: u64| {
+        for i in from..from + n {
+            let mut buffer = gst::Buffer::from_mut_slice(vec![(i * 40 % 256) as u8; 64 * 48 * 3]);
+            buffer.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(100 * i));
+            assert_eq!(src.push_buffer(buffer), Ok(gst::FlowSuccess::Ok));
+        }
+        let (seen, timeout) = video
+            .1
+            .wait_timeout_while(video.0.lock().unwrap(), std::time::Duration::from_secs(60), |v| {
+                (v.len() as u64) < from + n
+            })
+            .unwrap();
+        assert!(!timeout.timed_out(), "{} of {} frames left vlmquery", seen.len(), from + n);
+    };
+    let bus = pipeline.bus().unwrap();
+    // Read the bus (bounded) until `done` says so or EOS; vlm-answer messages into `answers`.
+    let pump = |answers: &mut Vec<gst::Structure>, done: &dyn Fn(&[gst::Structure]) -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while !done(answers) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let msg = bus.timed_pop(gst::ClockTime::from_nseconds(left.as_nanos() as u64)).expect("bus: timed out");
+            match msg.view() {
+                gst::MessageView::Error(e) => panic!("{} ({:?})", e.error(), e.debug()),
+                gst::MessageView::Eos(_) => return,
+                gst::MessageView::Element(e) if e.structure().is_some_and(|s| s.name() == "vlm-answer") => {
+                    answers.push(e.structure().unwrap().to_owned())
+                }
+                _ => (),
+            }
+        }
+    };
+    let mut answers = vec![];
+    pipeline.set_state(gst::State::Playing).unwrap();
+    push_frames(0, 2);
+    let asked: Vec<String> =
+        [q.emit_by_name::<Option<String>>("ask", &[&"What is it?"]), q.emit_by_name::<Option<String>>("ask", &[&long])]
+            .into_iter()
+            .map(|id| id.expect("accepted"))
+            .collect();
+    pump(&mut answers, &|a| a.len() == 2);
+    push_frames(2, 3);
+    assert_eq!(src.end_of_stream(), Ok(gst::FlowSuccess::Ok));
+    pump(&mut answers, &|_| false);
+    pipeline.set_state(gst::State::Null).unwrap();
+
+    let statuses: Vec<String> = answers.iter().map(|a| a.get::<String>("status").unwrap()).collect();
+    assert_eq!(statuses, ["answered", "failed"], "{answers:?}");
+    let video = video.0.lock().unwrap();
+    assert_eq!(video.len(), 5);
+    assert!(video[..2].iter().all(|(_, a)| a.is_none()), "an answer before it was there: {video:?}");
+    assert!(video[4].1.is_none(), "{video:?}");
+    let json = json.lock().unwrap();
+    for (i, id) in asked.iter().enumerate() {
+        let meta = video[2 + i].1.as_ref().unwrap_or_else(|| panic!("no answer on the frame after {id}'s: {video:?}"));
+        let message = answers.iter().find(|a| a.get::<String>("id").unwrap() == *id).unwrap();
+        let line = json.iter().find(|l| l["id"] == id.as_str()).unwrap_or_else(|| panic!("no JSON line for {id}"));
+        for field in ["id", "stream", "status", "text"] {
+            let value = meta.get::<String>(field).unwrap_or_else(|_| panic!("{field} missing: {meta}"));
+            assert_eq!(value, message.get::<String>(field).unwrap(), "{field}: {meta} / {message}");
+            assert_eq!(line[field], value.as_str(), "{field}: {meta} / {line}");
+        }
+    }
+    let failed = video[3].1.as_ref().unwrap();
+    assert!(failed.get::<String>("reason").is_ok_and(|r| !r.is_empty()), "{failed}");
 }

@@ -1,5 +1,5 @@
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
@@ -46,6 +46,23 @@ pub enum OutputFormat {
     #[enum_value(name = "JSON: one object a line with the vlm-answer message's fields", nick = "json")]
     Json,
 }
+/// How answers closer together than `answer-duration` are shown on the video.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmDisplay")]
+pub enum Display {
+    #[enum_value(
+        name = "Replace: a newer answer replaces the one on screen as soon as it comes (live views show the newest answer)",
+        nick = "replace"
+    )]
+    Replace,
+    #[enum_value(
+        name = "Queue: each answer keeps its whole answer-duration, a newer one waits for it (one text buffer per answer)",
+        nick = "queue"
+    )]
+    Queue,
+}
+const DEFAULT_DISPLAY: Display = Display::Replace;
+
 /// Frames remembered for binding timed questions to running times.
 const FRAME_HISTORY: usize = 4096;
 
@@ -57,6 +74,7 @@ struct Settings {
     stream_tokens: bool,
     output_format: OutputFormat,
     answer_duration: u64,
+    display: Display,
     caption_prompt: String,
     caption_interval: u64,
     max_questions: u32,
@@ -73,6 +91,7 @@ impl Default for Settings {
             stream_tokens: false,
             output_format: OutputFormat::Text,
             answer_duration: DEFAULT_ANSWER_DURATION,
+            display: DEFAULT_DISPLAY,
             caption_prompt: String::new(),
             caption_interval: DEFAULT_CAPTION_INTERVAL,
             max_questions: DEFAULT_MAX_QUESTIONS,
@@ -97,17 +116,22 @@ enum Outcome {
     Failed(String),
 }
 
-/// One accepted question: answered on its own thread, pushed in question order by the source
-/// pad's task.
+/// One accepted question: answered on its own thread; its `vlm-answer` is posted as soon as it
+/// and every question before it have ended (`VlmQuery::post_finished`), its text pushed in
+/// question order by the source pad's task.
 struct Pending {
     job: Job,
     cancel: Arc<AtomicBool>,
-    /// Filled by the answering thread (and taken by the source pad's task).
+    /// Filled by the answering thread (and taken when its `vlm-answer` is posted).
     outcome: Mutex<Option<Outcome>>,
-    /// With `stream-tokens`: text generated and not yet pushed (taken by the source pad's task).
-    partial: Mutex<String>,
-    /// Whether some of its text went out before the answer ended.
-    streamed: AtomicBool,
+    /// Its `vlm-answer` (taken by the source pad's task).
+    message: Mutex<Option<gst::Structure>>,
+    /// Its `vlm-answer` has been posted (exactly once: by `post_finished` or a flush).
+    posted: AtomicBool,
+    /// With `stream-tokens`: the answer so far.
+    text: Mutex<String>,
+    /// Bytes of `text` the source pad's task has taken.
+    text_taken: AtomicUsize,
     /// Set once the answering thread has its outcome (and, with ordered commits, committed).
     finished: AtomicBool,
     /// With ordered commits: the frame after which its answer was committed to the history.
@@ -179,6 +203,13 @@ struct Shared {
     /// How far the text pad has told downstream about (answers and GAP events), in the video
     /// segment's time.
     text_position: Option<gst::ClockTime>,
+    /// What the text pad shows while it follows the video (see `output::Shown`).
+    shown: Option<output::Shown>,
+    /// Answers posted and not yet attached to a video buffer (`VlmAnswerMeta`), in question
+    /// order: one per video buffer.
+    video_answers: VecDeque<gst::Structure>,
+    /// The query pad waits for room (`max-questions` pending).
+    query_waiting: bool,
     /// Ids of the most recent accepted questions: an id is answered once.
     recent_ids: VecDeque<String>,
 }
@@ -191,6 +222,9 @@ pub struct VlmQuery {
     video_srcpad: gst::Pad,
     settings: Mutex<Settings>,
     shared: Mutex<Shared>,
+    /// Held while `vlm-answer` messages are posted, so they go out in question order (taken
+    /// before `shared`).
+    post_order: Mutex<()>,
     changed: Condvar,
     answered: Mutex<u64>,
 }
@@ -199,6 +233,7 @@ impl VlmQuery {
     /// Cancel every pending question (each still gets its `vlm-answer`, `cancelled`) and stop
     /// the source task's output until `flush_stop`.
     fn flush_start(&self, reason: &str) {
+        let _order = self.post_order.lock();
         let pending = {
             let mut shared = self.shared.lock();
             shared.flushing = true;
@@ -212,7 +247,9 @@ impl VlmQuery {
             std::mem::take(&mut shared.pending)
         };
         for p in pending {
-            self.post_answer(&p, Outcome::Cancelled(reason.into()));
+            if !p.posted.swap(true, Ordering::AcqRel) {
+                self.post_answer(&p, Outcome::Cancelled(reason.into()));
+            }
         }
     }
 
@@ -286,6 +323,7 @@ impl ObjectSubclass for VlmQuery {
             settings: Mutex::new(Settings::default()),
             // Refusing until READY->PAUSED: a question accepted before would be dropped there.
             shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
+            post_order: Mutex::new(()),
             changed: Condvar::new(),
             answered: Mutex::new(0),
         }
@@ -328,7 +366,7 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecBoolean::builder("stream-tokens")
                     .nick("Stream tokens")
-                    .blurb("Push each answer's text as it is generated (live captions): text mode sends the pieces and then the newline, json mode one object per piece with status \"partial\" and then the whole answer; the oldest answer streams, later ones follow in question order")
+                    .blurb("Push each answer as it is generated (live captions): every buffer holds the answer so far (text: a line; json: an object with status \"partial\"), the last one the whole answer; drawn on video_src, each lasts until the next frame, the whole answer answer-duration; the oldest answer streams, later ones follow in question order")
                     .default_value(false)
                     .mutable_ready()
                     .build(),
@@ -339,10 +377,15 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecUInt64::builder("answer-duration")
                     .nick("Answer duration")
-                    .blurb("Display duration (ns) set on each answer buffer, e.g. for textoverlay")
+                    .blurb("Display duration (ns) of each answer, e.g. for textoverlay")
                     .maximum(gst::ClockTime::MAX.nseconds())
                     .default_value(DEFAULT_ANSWER_DURATION)
                     .mutable_playing()
+                    .build(),
+                glib::ParamSpecEnum::builder_with_default("display", DEFAULT_DISPLAY)
+                    .nick("Display")
+                    .blurb("How answers closer together than answer-duration are drawn on video_src (text output): replace (default, what a live view wants: a newer answer replaces the one on screen as soon as it comes, cutting its display short, instead of waiting for it to end; the text pad then follows the video, one buffer per frame shown) or queue (each answer keeps its whole answer-duration and a newer one waits for it: one buffer per answer)")
+                    .mutable_ready()
                     .build(),
                 glib::ParamSpecString::builder("caption-prompt")
                     .nick("Caption prompt")
@@ -439,6 +482,7 @@ impl ObjectImpl for VlmQuery {
             "stream-tokens" => s.stream_tokens = value.get().unwrap(),
             "output-format" => s.output_format = value.get().unwrap(),
             "answer-duration" => s.answer_duration = value.get().unwrap(),
+            "display" => s.display = value.get().unwrap(),
             "caption-prompt" => s.caption_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "caption-interval" => s.caption_interval = value.get().unwrap(),
             "max-questions" => s.max_questions = value.get().unwrap(),
@@ -461,6 +505,7 @@ impl ObjectImpl for VlmQuery {
             "stream-tokens" => s.stream_tokens.to_value(),
             "output-format" => s.output_format.to_value(),
             "answer-duration" => s.answer_duration.to_value(),
+            "display" => s.display.to_value(),
             "caption-prompt" => s.caption_prompt.to_value(),
             "caption-interval" => s.caption_interval.to_value(),
             "max-questions" => s.max_questions.to_value(),

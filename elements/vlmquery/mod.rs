@@ -19,26 +19,47 @@
 //! Each question is answered at once on its own thread, from a private branch of its version
 //! (greedy by default); a question whose frame is registered but not yet prefilled waits for it
 //! (with several engines the placer may instead replay that history on another engine).
-//! Answers are pushed in question order, each timestamped at the end of the newest video frame
-//! when it is pushed, with `answer-duration` as its duration; while there is nothing to say the text pad
-//! sends GAP events up to the newest frame, so overlays and sinks never wait and a non-live
-//! pipeline prerolls at once. `output-format=text` pushes each answered text and a newline (fit
-//! for `filesink`); `json` pushes one object a line with the `vlm-answer` fields, every outcome
-//! included. With `stream-tokens=true` the oldest pending answer's text goes out as it is
-//! generated (live captions): text mode pushes the pieces and then the newline, json mode one
-//! object per piece with `status` `partial`, then the whole answer. Every text buffer carries a
-//! custom meta `VlmAnswerMeta` (`id`, `stream`, `status`: `answered`, `cancelled`, `failed` or
-//! `partial`; `gst_buffer_get_custom_meta (buffer, "VlmAnswerMeta")`). EOS leaves after the last
-//! accepted question's answer; with `src` unlinked (answers read from the bus), `video_src`'s EOS
-//! waits for it too. With both linked (textoverlay), the video ends when it ends, and answers
-//! still being generated then are cancelled.
+//! Each question's `vlm-answer` message is posted as soon as its answer has ended (in question
+//! order), and its text is pushed in question order, timestamped at the end of the newest video
+//! frame (the first frame that can show it), lasting `answer-duration`; while there is nothing to
+//! say the text pad sends GAP events up to the newest frame, so overlays and sinks never wait and
+//! a non-live pipeline prerolls at once. `output-format=text` pushes each answered text and a
+//! newline (fit for `filesink`); `json` pushes one object a line with the `vlm-answer` fields,
+//! every outcome included.
+//!
+//! With `stream-tokens=true` the oldest pending answer goes out as it is generated (live
+//! captions), later ones follow in question order: every buffer holds the answer so far (text: a
+//! line; json: an object with `id`, `stream`, `status` `partial` and `text`, the answer so far),
+//! the last one the whole answer (its `vlm-answer` line in json), so a lost piece loses nothing
+//! and an overlay shows the growing answer.
+//!
+//! Drawn on the video (text output with `video_src` linked, e.g. into `textoverlay`, which holds
+//! one text buffer until the video passes its end), the text pad follows the video: what is shown
+//! goes out one buffer per frame, each ending where that frame ends (the answer so far while it
+//! streams, then the whole answer until `answer-duration` has passed), so no piece or answer is
+//! held behind another one's display. `display` decides what crowded answers do there: `replace`
+//! (the default: a live view wants the newest answer, so a newer answer replaces the one on
+//! screen as soon as it comes) or `queue` (each answer is one buffer and keeps its whole
+//! `answer-duration`; a newer one waits behind it). Elsewhere (json, or `video_src` unlinked)
+//! each answer is one buffer and each streamed piece one buffer without a duration.
+//!
+//! Every text buffer carries a custom meta `VlmAnswerMeta` (`id`, `stream`, `status`: `answered`,
+//! `cancelled`, `failed` or `partial`; `gst_buffer_get_custom_meta (buffer, "VlmAnswerMeta")`).
+//! The answers also ride on the video: each answered or failed question's answer is attached to
+//! the first buffer leaving `video_src` after its `vlm-answer` (one answer per buffer, in question
+//! order) as a `VlmAnswerMeta` with `id`, `stream`, `status`, `text` and, unless answered with
+//! text, `reason` (Python: `buffer.get_custom_meta("VlmAnswerMeta").get_structure()`), for
+//! recorders and message brokers. EOS leaves the text pad after the last accepted question's
+//! answer; the video's EOS waits until every accepted question has its `vlm-answer` on the bus
+//! (with `src` unlinked, until its answer is through), so a pipeline that ends with the video
+//! (textoverlay) ends after its last answer, which is answered, not cancelled.
 //!
 //! A question is refused at once, with a WARNING naming the cause, after EOS or when its `id`
 //! was already used; `ask` and `vlm-question` events are also refused (`ask` returns NULL) while
 //! flushing, before the element starts, or when `max-questions` are pending (`ask` also for
 //! empty text), where the `query` pad blocks instead (the video's own thread never waits for
-//! answers, which an overlay may hold until the video passes their time). A malformed `vlm-question` (no `text`, a `max-tokens` that is not a positive
-//! integer) is a WARNING.
+//! room, which an overlay may give only once the video passes an answer's time). A malformed
+//! `vlm-question` (no `text`, a `max-tokens` that is not a positive integer) is a WARNING.
 //!
 //! ## Example pipelines
 //!
@@ -50,13 +71,12 @@
 //!     filesrc location=pipelines/questions.srt ! subparse ! q.query
 //! ```
 //!
-//! Answers drawn on the video (`autovideosink` falls back to a fake sink without a display). The
-//! pipeline ends with the video, cancelling questions still being answered, so the video here
-//! runs past the last question (9.5 s) by more than its answer takes:
+//! Answers drawn on the video, streamed as they are generated (`autovideosink` falls back to a
+//! fake sink without a display):
 //!
 //! ```sh
 //! gst-launch-1.0 videotestsrc num-buffers=450 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf \
-//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=16 \
+//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=16 stream-tokens=true \
 //!     q.video_src ! textoverlay name=o ! videoconvert ! autovideosink \
 //!     q.src ! o.text_sink  filesrc location=pipelines/questions.srt ! subparse ! q.query
 //! ```
@@ -96,15 +116,19 @@
 //! answers; answered questions only), `engine`, `path` (`resident`, `import` or `replay`), `ttft-ms` and `wait-ms` (from the
 //! question's arrival), `queue-ms`, `prepare-ms`, `tokens`, `total-ms`, `estimate-ms` (the
 //! placer's, -1 when none), `lag-frames` and `lag-ms` (the stream's ingestion lag when the
-//! question arrived), `pts`. A failed question also posts a WARNING.
+//! question arrived), `pts`. A failed question also posts a WARNING. A question cancelled by a
+//! flush or a stop gets its `vlm-answer` (`cancelled`, `reason` says which) then; at the video's
+//! EOS nothing is left to cancel (see above), so `gst-launch-1.0 -m` shows every answer.
 //!
 //! ## Properties
 //!
 //! - `placement` (`auto`): the placer decides, or an engine's name forces it.
 //! - `max-tokens` (1-4096, 64): most tokens per answer (a question event's `max-tokens`
 //!   overrides it). `exact-tokens` (false): generate exactly `max-tokens` (measurements).
-//! - `stream-tokens` (false): push each answer's text as it is generated.
+//! - `stream-tokens` (false): push each answer as it is generated (the answer so far).
 //! - `output-format` (`text`/`json`, `text`); `answer-duration` (ns, 5000000000).
+//! - `display` (`replace`/`queue`, `replace`): on the video, a newer answer replaces the one on
+//!   screen at once, or waits for its `answer-duration` to end.
 //! - `caption-prompt` (empty = off); `caption-interval` (ns, 10000000000; 0 = every frame that
 //!   joins the history). A caption that finds `max-questions` pending is skipped.
 //! - `max-questions` (1-1024, 16): questions pending at once.

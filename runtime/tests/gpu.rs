@@ -26,12 +26,17 @@ fn gpu_layers_and_device_reach_llama_cpp() {
         let model = Model::load(&model_path(), &Device::Gpu(Gpu { index: 0, layers })).expect("load on the GPU");
         drop(model);
         let lines = lines.lock().unwrap();
-        lines.iter().find(|l| l.contains("offloaded")).cloned().unwrap_or_else(|| panic!("no offload line in {lines:?}"))
+        lines
+            .iter()
+            .find(|l| l.contains("offloaded"))
+            .cloned()
+            .unwrap_or_else(|| panic!("no offload line in {lines:?}"))
     };
     let two = offloaded(Some(2));
     assert!(two.contains("offloaded 2/"), "{two}");
     let all = offloaded(None);
-    let (done, total) = all.split_once("offloaded ").unwrap().1.split_once(" layers").unwrap().0.split_once('/').unwrap();
+    let (done, total) =
+        all.split_once("offloaded ").unwrap().1.split_once(" layers").unwrap().0.split_once('/').unwrap();
     assert_eq!(done, total, "every layer: {all}");
     let err = Model::load(&model_path(), &Device::Gpu(Gpu { index: 7, layers: None })).err().expect("no GPU 7");
     assert!(err.to_string().contains("no GPU 7: llama.cpp found 1"), "{err}");

@@ -3,7 +3,7 @@
 //! answering it on its own thread.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use gst::prelude::*;
@@ -79,10 +79,15 @@ impl VlmQuery {
             }
             // The query pad's flush, or a text pad that stopped (the queue will not drain).
             if shared.query_flushing || shared.srcresult.is_some() {
+                shared.query_waiting = false;
                 return Err(Refusal::Flushing);
             }
+            // (The video's EOS does not wait for a question that waits for room.)
+            shared.query_waiting = true;
+            self.changed.notify_all();
             self.changed.wait(shared);
         }
+        shared.query_waiting = false;
         if shared.recent_ids.contains(&job.question.id) {
             return Err(Refusal::Duplicate(job.question.id));
         }
@@ -105,8 +110,10 @@ impl VlmQuery {
             job: Job { stream, ..job },
             cancel: Arc::new(AtomicBool::new(false)),
             outcome: Mutex::new(None),
-            partial: Mutex::new(String::new()),
-            streamed: AtomicBool::new(false),
+            message: Mutex::new(None),
+            posted: AtomicBool::new(false),
+            text: Mutex::new(String::new()),
+            text_taken: AtomicUsize::new(0),
             finished: AtomicBool::new(false),
             committed_after: Mutex::new(None),
             thread: Mutex::new(None),
@@ -124,8 +131,12 @@ impl VlmQuery {
             });
             *p.outcome.lock() = Some(outcome);
             p.finished.store(true, Ordering::Release);
-            let _guard = this.shared.lock();
-            this.changed.notify_all();
+            {
+                let _guard = this.shared.lock();
+                this.changed.notify_all();
+            }
+            // Its vlm-answer goes out now, unless an earlier question is still being answered.
+            this.post_finished();
         });
         match thread {
             Ok(t) => *pending.thread.lock() = Some(t),
@@ -162,7 +173,7 @@ impl VlmQuery {
         let stream_tokens = self.settings.lock().stream_tokens;
         let result = vlm_runtime::answer_frame(&stream, frame, q, placement, &p.cancel, |piece| {
             if stream_tokens {
-                p.partial.lock().push_str(piece);
+                p.text.lock().push_str(piece);
                 let _shared = self.shared.lock();
                 self.changed.notify_all();
             }
@@ -261,12 +272,21 @@ impl VlmQuery {
             shared.video.pts = Some(pts);
             shared.video.end = Some(pts.saturating_add(buffer.duration().unwrap_or(gst::ClockTime::ZERO)));
         }
+        // The oldest answer not yet on a video buffer rides on this one.
+        let answer = shared.video_answers.pop_front();
         // The text pad's task sends a GAP up to this frame before it goes on, so an overlay
         // that waits for text at this frame's time is never stuck.
         self.changed.notify_all();
         drop(shared);
-        let video =
-            if self.video_srcpad.is_linked() { self.video_srcpad.push(buffer) } else { Ok(gst::FlowSuccess::Ok) };
+        let video = if self.video_srcpad.is_linked() {
+            let mut buffer = buffer;
+            if let Some(answer) = answer {
+                crate::meta::add_video_answer_meta(buffer.make_mut(), &answer);
+            }
+            self.video_srcpad.push(buffer)
+        } else {
+            Ok(gst::FlowSuccess::Ok)
+        };
         self.flow().and(video)
     }
 
@@ -368,13 +388,32 @@ impl VlmQuery {
                 shared.query_quiet_since = Some(Instant::now());
                 self.maybe_finish(&mut shared);
                 self.changed.notify_all();
-                // With no text pad linked the answers only go to the bus: the video's EOS waits
-                // for them, or the pipeline would end (and cancel them) first. (A linked text
-                // pad carries its own EOS after the last answer; the video must go on to EOS
-                // then, as an overlay holds answers until the video passes their time.)
-                if !self.srcpad.is_linked() {
-                    while !shared.flushing && !shared.all_answered && shared.srcresult.is_none() {
-                        self.changed.wait(&mut shared);
+                // The video's EOS waits until every accepted question has its vlm-answer on the
+                // bus, or the pipeline would end (and cancel them unseen) first: a pipeline that
+                // ends with the video (textoverlay) ends after its last answer. It does not wait
+                // for the text pad, which an overlay may hold until the video passes an answer's
+                // time; with no text pad linked the answers go to the bus only, and it waits for
+                // all of them to be through.
+                let linked = self.srcpad.is_linked();
+                loop {
+                    if shared.flushing || shared.srcresult.is_some() {
+                        break;
+                    }
+                    let recheck = self.maybe_finish(&mut shared);
+                    let done = if linked {
+                        (shared.eos || shared.query_waiting)
+                            && shared.pending.iter().all(|p| p.posted.load(Ordering::Acquire))
+                    } else {
+                        shared.all_answered
+                    };
+                    if done {
+                        break;
+                    }
+                    match recheck {
+                        Some(after) => {
+                            self.changed.wait_for(&mut shared, after);
+                        }
+                        None => self.changed.wait(&mut shared),
                     }
                 }
                 drop(shared);

@@ -1,6 +1,12 @@
-//! Output of `vlmquery`: the text pad's task, which pushes the answers in question order (text
-//! or JSON, streamed pieces, GAP events while there is nothing to say) and posts each question's
-//! `vlm-answer` message.
+//! Output of `vlmquery`: each question's `vlm-answer` message (posted in question order as soon
+//! as its answer has ended, whatever the text pad is doing), the text pad's task, which pushes
+//! the answers in question order (text or JSON, the answer so far while it streams, GAP events
+//! while there is nothing to say), and the answers queued for the video buffers' meta.
+//!
+//! Where the answers are drawn on `video_src` (text output with `video_src` linked), the text pad
+//! follows the video: what is shown goes out one buffer per frame, each ending where the newest
+//! frame ends, so an overlay (which holds one text buffer until the video passes its end) never
+//! holds an answer or a piece while a newer one waits. Elsewhere each answer is one buffer.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -8,9 +14,8 @@ use std::sync::atomic::Ordering;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 
-use super::{CAT, Outcome, OutputFormat, Pending, Shared, VlmQuery};
+use super::{CAT, Display, Outcome, OutputFormat, Pending, Shared, VlmQuery};
 use crate::text::without_nul;
-
 /// Fields of `vlm-answer` that hold a clock time. A `GstClockTime` field is a plain `guint64`
 /// in a structure (no type of its own to tell it by), so they are known by name: untimed
 /// (`GST_CLOCK_TIME_NONE`) is `null` in JSON, not 18446744073709551615.
@@ -40,22 +45,103 @@ fn json_line(s: &gst::StructureRef) -> String {
     serde_json::Value::Object(object).to_string() + "\n"
 }
 
+/// What the text pad shows while it follows the video.
+pub(in crate::vlmquery) struct Shown {
+    pending: Arc<Pending>,
+    /// The answer so far, or the whole answer.
+    text: String,
+    /// `partial` or `answered`.
+    status: &'static str,
+    /// Where the display ends: the whole answer's completion + `answer-duration`; `None` while
+    /// the answer streams (it lasts until its next piece).
+    until: Option<gst::ClockTime>,
+    /// A buffer of it went out: it has been drawn on a frame, so a newer answer may replace it.
+    pushed: bool,
+}
+
+/// A buffer's text: the answer (so far) and a newline, or in JSON its question's `id`, `stream`,
+/// `status` and the text (the whole answer's buffer is its `vlm-answer` instead).
+fn line(format: OutputFormat, p: &Pending, text: &str, status: &str) -> String {
+    match format {
+        OutputFormat::Text => format!("{text}\n"),
+        OutputFormat::Json => json_line(
+            &gst::Structure::builder("vlm-answer")
+                .field("id", &p.job.question.id)
+                .field("stream", p.job.stream.as_ref().map_or("", |s| s.name()))
+                .field("status", status)
+                .field("text", without_nul(text).as_ref())
+                .build(),
+        ),
+    }
+}
+
+/// What the source pad's task does next.
+enum Next {
+    /// One text buffer of a question's answer.
+    Text {
+        p: Arc<Pending>,
+        text: String,
+        pts: Option<gst::ClockTime>,
+        duration: Option<gst::ClockTime>,
+        status: String,
+    },
+    Gap(gst::ClockTime, gst::ClockTime),
+    Eos,
+}
+
+/// The settings the task reads.
+struct Output {
+    format: OutputFormat,
+    display: Display,
+    duration: gst::ClockTime,
+    stream_tokens: bool,
+}
+
 impl VlmQuery {
     pub(super) fn start_task(&self) {
         let this = self.ref_counted();
         let _ = self.srcpad.start_task(move || this.task_iteration());
     }
 
-    /// One iteration of the source pad's task: push the oldest question's answer once it has
-    /// one (answers go out in question order), or EOS after the last one.
-    fn task_iteration(&self) {
-        enum Next {
-            /// Text of the oldest answer generated so far (`stream-tokens`).
-            Partial(Arc<Pending>, Option<gst::ClockTime>),
-            Answer(Arc<Pending>, Option<gst::ClockTime>),
-            Gap(gst::ClockTime, gst::ClockTime),
-            Eos,
+    /// Post the `vlm-answer` of every question that has ended, in question order: up to the
+    /// oldest one still being answered. Called by each answering thread when it ends and by the
+    /// source pad's task, so the messages never wait for the text pad (which an overlay may hold
+    /// until the video passes an answer's time). Each answered or failed question's answer is
+    /// also queued for the next video buffer, before its message goes out.
+    pub(super) fn post_finished(&self) {
+        let _order = self.post_order.lock();
+        let queue: Vec<Arc<Pending>> = self.shared.lock().pending.iter().cloned().collect();
+        let mut posted = false;
+        for p in queue {
+            if p.posted.load(Ordering::Acquire) {
+                continue;
+            }
+            let Some(outcome) = p.outcome.lock().take() else { break };
+            let cancelled = matches!(outcome, Outcome::Cancelled(_));
+            let message = self.answer_message(&p, outcome);
+            if !cancelled {
+                let mut shared = self.shared.lock();
+                if !shared.flushing {
+                    shared.video_answers.push_back(video_answer(&message));
+                }
+            }
+            self.post_message(&message);
+            *p.message.lock() = Some(message);
+            p.posted.store(true, Ordering::Release);
+            posted = true;
         }
+        if posted {
+            let _shared = self.shared.lock();
+            self.changed.notify_all();
+        }
+    }
+
+    /// One iteration of the source pad's task: push the oldest question's answer once its
+    /// `vlm-answer` is out (answers go out in question order), the answer so far while it
+    /// streams, what is shown while the text pad follows the video, a GAP while there is nothing
+    /// to say, or EOS after the last answer.
+    fn task_iteration(&self) {
+        self.post_finished();
         let next = {
             let mut shared = self.shared.lock();
             loop {
@@ -64,43 +150,19 @@ impl VlmQuery {
                     let _ = self.srcpad.pause_task();
                     return;
                 }
-                // An answer (or a piece of it) is shown from where the video is when it came:
-                // the end of the newest frame (the next frame is the first that can show it).
-                let shown_at = |shared: &mut Shared, p: &Pending| {
-                    let at = shared.video.end.or(p.job.pts);
-                    if let Some(at) = at {
-                        let end =
-                            at.saturating_add(gst::ClockTime::from_nseconds(self.settings.lock().answer_duration));
-                        shared.text_position = shared.text_position.max(Some(end));
+                let output = {
+                    let s = self.settings.lock();
+                    Output {
+                        format: s.output_format,
+                        display: s.display,
+                        duration: gst::ClockTime::from_nseconds(s.answer_duration),
+                        stream_tokens: s.stream_tokens,
                     }
-                    at
                 };
                 // (Before the answers are looked at: it may end them now.)
                 let recheck = self.maybe_finish(&mut shared);
-                match shared.pending.front() {
-                    Some(p) if p.outcome.lock().is_some() => {
-                        let p = shared.pending.pop_front().expect("front");
-                        let at = shown_at(&mut shared, &p);
-                        break Next::Answer(p, at);
-                    }
-                    Some(p) if !p.partial.lock().is_empty() => {
-                        let p = Arc::clone(p);
-                        let at = shown_at(&mut shared, &p);
-                        break Next::Partial(p, at);
-                    }
-                    None if shared.eos => {
-                        shared.all_answered = true;
-                        break Next::Eos;
-                    }
-                    _ => (),
-                }
-                // Nothing to say up to the newest frame: tell downstream, so it never waits.
-                if let Some(end) = shared.video.end
-                    && shared.text_position.is_none_or(|t| t < end)
-                {
-                    let start = shared.text_position.unwrap_or(shared.video.pts.unwrap_or(end));
-                    shared.text_position = Some(end);
-                    break Next::Gap(start, end - start);
+                if let Some(next) = self.next_output(&mut shared, &output) {
+                    break next;
                 }
                 match recheck {
                     Some(after) => {
@@ -111,87 +173,178 @@ impl VlmQuery {
             }
         };
         self.changed.notify_all();
-        self.ensure_src_started();
-        let pending = match next {
-            Next::Gap(start, duration) => {
-                self.srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
-                return;
-            }
-            Next::Partial(p, at) => {
-                self.push_partial(&p, at);
-                return;
-            }
-            Next::Answer(p, at) => Some((p, at)),
-            Next::Eos => None,
-        };
-        let Some((p, at)) = pending else {
-            gst::debug!(CAT, imp = self, "all questions answered, EOS");
-            self.srcpad.push_event(gst::event::Eos::new());
-            let _ = self.srcpad.pause_task();
-            return;
-        };
-        if let Some(t) = p.thread.lock().take() {
+        // (Its answering thread has ended, or is ending: it takes the shared lock last.)
+        if let Next::Text { p, .. } = &next
+            && p.posted.load(Ordering::Acquire)
+            && let Some(t) = p.thread.lock().take()
+        {
             let _ = t.join();
         }
-        // The last pieces, generated after the task last looked.
-        let streamed = self.push_partial(&p, at);
-        let outcome = p.outcome.lock().take().expect("checked above");
-        let answered = matches!(outcome, Outcome::Answered(_));
-        let message = self.post_answer(&p, outcome);
-        let status = message.get::<String>("status").unwrap_or_default();
-        let (format, duration) = {
-            let s = self.settings.lock();
-            (s.output_format, gst::ClockTime::from_nseconds(s.answer_duration))
-        };
-        let line = match format {
-            // Streamed text ends with the newline alone, so the text pad's bytes are the same.
-            OutputFormat::Text if streamed => "\n".to_owned(),
-            OutputFormat::Text if answered => message.get::<String>("text").unwrap_or_default() + "\n",
-            // Nothing to show: say so for the time the answer would have taken, so an overlay
-            // waiting for text goes on.
-            OutputFormat::Text => {
-                if let Some(at) = at {
-                    self.srcpad.push_event(gst::event::Gap::builder(at).duration(duration).build());
-                }
-                return;
+        self.ensure_src_started();
+        match next {
+            Next::Gap(start, duration) => {
+                self.srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
             }
-            OutputFormat::Json => json_line(&message),
-        };
-        *self.answered.lock() += 1;
-        self.push_text(&p, at, line, &status);
-    }
-
-    /// With `stream-tokens`: push the text of `p` generated since the last push (text mode: the
-    /// text itself; json: an object with `status` `partial`). Returns whether `p` streamed any.
-    fn push_partial(&self, p: &Pending, at: Option<gst::ClockTime>) -> bool {
-        let piece = std::mem::take(&mut *p.partial.lock());
-        if !piece.is_empty() {
-            let line = match self.settings.lock().output_format {
-                OutputFormat::Text => piece,
-                OutputFormat::Json => json_line(
-                    &gst::Structure::builder("vlm-answer")
-                        .field("id", &p.job.question.id)
-                        .field("stream", p.job.stream.as_ref().map_or("", |s| s.name()))
-                        .field("status", "partial")
-                        .field("text", without_nul(&piece).as_ref())
-                        .build(),
-                ),
-            };
-            p.streamed.store(true, Ordering::Release);
-            self.push_text(p, at, line, "partial");
+            Next::Text { p, text, pts, duration, status } => self.push_text(&p, pts, duration, text, &status),
+            Next::Eos => {
+                gst::debug!(CAT, imp = self, "all questions answered, EOS");
+                self.srcpad.push_event(gst::event::Eos::new());
+                let _ = self.srcpad.pause_task();
+            }
         }
-        p.streamed.load(Ordering::Acquire)
     }
 
-    /// Push one text buffer of `p`'s answer, shown from `at` for `answer-duration`, with the
-    /// answer meta naming its question.
-    fn push_text(&self, p: &Pending, at: Option<gst::ClockTime>, text: String, status: &str) {
-        let duration = self.settings.lock().answer_duration;
+    /// What the text pad says next, if anything now (under the shared lock).
+    fn next_output(&self, shared: &mut Shared, output: &Output) -> Option<Next> {
+        let format = output.format;
+        // Drawn on the video: the text pad follows it, frame by frame.
+        let following = format == OutputFormat::Text
+            && self.video_srcpad.is_linked()
+            && shared.video.end.is_some()
+            && !shared.video.eos;
+        let replace = following && output.display == Display::Replace;
+        if !following && let Some(shown) = shared.shown.take() {
+            // The video has ended: a whole answer that was never drawn still goes out, once.
+            if shown.status == "answered" && !shown.pushed {
+                let at = shared.text_position.max(shared.video.end).or(shown.pending.job.pts);
+                let duration = shown.until.zip(at).map(|(until, at)| until.saturating_sub(at));
+                let text = line(format, &shown.pending, &shown.text, "answered");
+                return Some(Self::text(shared, shown.pending, text, at, duration, "answered"));
+            }
+        }
+        let front = shared.pending.front().cloned();
+        // The oldest question's answer, once its vlm-answer is out. Under `replace` it replaces
+        // what is shown, once that has been drawn on a frame.
+        if let Some(p) = front.as_ref().filter(|p| p.posted.load(Ordering::Acquire))
+            && !(replace && shared.shown.as_ref().is_some_and(|s| !s.pushed && !Arc::ptr_eq(&s.pending, p)))
+        {
+            let p = shared.pending.pop_front().expect("front");
+            if shared.shown.as_ref().is_some_and(|s| Arc::ptr_eq(&s.pending, &p)) {
+                shared.shown = None;
+            }
+            let message = p.message.lock().take().expect("posted");
+            let status = message.get::<String>("status").unwrap_or_default();
+            // An answer is shown from where the video is when it comes: the end of the newest
+            // frame (the next frame is the first that can show it).
+            let at = shared.video.end.or(p.job.pts);
+            let duration = output.duration;
+            match format {
+                OutputFormat::Json => {
+                    *self.answered.lock() += 1;
+                    return Some(Self::text(shared, p, json_line(&message), at, Some(duration), &status));
+                }
+                OutputFormat::Text if status == "answered" => {
+                    *self.answered.lock() += 1;
+                    let text = message.get::<String>("text").unwrap_or_default();
+                    if !replace {
+                        // (Following the video, from where its pieces ended: no frame between.)
+                        let at = if following { shared.text_position.min(at).or(at) } else { at };
+                        let text = line(format, &p, &text, "answered");
+                        return Some(Self::text(shared, p, text, at, Some(duration), "answered"));
+                    }
+                    let from = shared.text_position.max(shared.video.end).expect("following");
+                    let until = Some(from.saturating_add(duration));
+                    shared.shown = Some(Shown { pending: p, text, status: "answered", until, pushed: false });
+                }
+                // Nothing to show (failed, cancelled): drawn under `replace`, what is shown stays.
+                // Otherwise say so for the time the answer would have taken, so an overlay
+                // waiting for text goes on.
+                OutputFormat::Text => {
+                    if !replace && let Some(at) = at {
+                        shared.text_position = shared.text_position.max(Some(at.saturating_add(duration)));
+                        return Some(Next::Gap(at, duration));
+                    }
+                }
+            }
+        }
+        // Streaming: the oldest question's answer so far, when it has grown.
+        if output.stream_tokens
+            && let Some(p) = front.filter(|p| !p.posted.load(Ordering::Acquire))
+        {
+            let text = p.text.lock().clone();
+            let mine = shared.shown.as_ref().is_some_and(|s| Arc::ptr_eq(&s.pending, &p));
+            if text.len() > p.text_taken.load(Ordering::Acquire) {
+                if !following {
+                    p.text_taken.store(text.len(), Ordering::Release);
+                    let at = shared.video.end.or(p.job.pts);
+                    let text = line(format, &p, &text, "partial");
+                    return Some(Self::text(shared, p, text, at, None, "partial"));
+                }
+                // It replaces what is shown once that has been drawn on a frame.
+                if mine || shared.shown.as_ref().is_none_or(|s| s.pushed) {
+                    p.text_taken.store(text.len(), Ordering::Release);
+                    let pushed = mine && shared.shown.as_ref().is_some_and(|s| s.pushed);
+                    shared.shown = Some(Shown { pending: p, text, status: "partial", until: None, pushed });
+                }
+            }
+        }
+        // Following the video: what is shown covers it up to its newest frame.
+        if following
+            && let Some(end) = shared.video.end
+            && let Some(shown) = shared.shown.as_mut()
+        {
+            let from = shared.text_position.unwrap_or(shared.video.pts.unwrap_or(end));
+            let to = shown.until.map_or(end, |until| until.min(end));
+            if to > from {
+                shown.pushed = true;
+                let (p, status) = (Arc::clone(&shown.pending), shown.status);
+                let text = line(format, &p, &shown.text, status);
+                if shown.until.is_some_and(|until| until <= to) {
+                    shared.shown = None;
+                }
+                shared.text_position = Some(to);
+                return Some(Next::Text { p, text, pts: Some(from), duration: Some(to - from), status: status.into() });
+            }
+            if shown.until.is_some_and(|until| until <= from) {
+                shared.shown = None;
+            }
+        }
+        if shared.pending.is_empty() && shared.eos {
+            shared.all_answered = true;
+            return Some(Next::Eos);
+        }
+        // Nothing to say up to the newest frame: tell downstream, so it never waits.
+        if shared.shown.is_none()
+            && let Some(end) = shared.video.end
+            && shared.text_position.is_none_or(|t| t < end)
+        {
+            let start = shared.text_position.unwrap_or(shared.video.pts.unwrap_or(end));
+            shared.text_position = Some(end);
+            return Some(Next::Gap(start, end - start));
+        }
+        None
+    }
+
+    /// A text buffer of `p` shown from `at` for `duration`, advancing the text pad's position.
+    fn text(
+        shared: &mut Shared,
+        p: Arc<Pending>,
+        text: String,
+        at: Option<gst::ClockTime>,
+        duration: Option<gst::ClockTime>,
+        status: &str,
+    ) -> Next {
+        if let Some(at) = at {
+            shared.text_position = shared.text_position.max(Some(at.saturating_add(duration.unwrap_or_default())));
+        }
+        Next::Text { p, text, pts: at, duration, status: status.into() }
+    }
+
+    /// Push one text buffer of `p`'s answer, shown from `at` for `duration`, with the answer
+    /// meta naming its question.
+    fn push_text(
+        &self,
+        p: &Pending,
+        at: Option<gst::ClockTime>,
+        duration: Option<gst::ClockTime>,
+        text: String,
+        status: &str,
+    ) {
         let mut buffer = gst::Buffer::from_mut_slice(text.into_bytes());
         {
             let buffer = buffer.get_mut().unwrap();
             buffer.set_pts(at);
-            buffer.set_duration(gst::ClockTime::from_nseconds(duration));
+            buffer.set_duration(duration);
             let stream = p.job.stream.as_ref().map_or("", |s| s.name());
             crate::meta::add_answer_meta(buffer, &p.job.question.id, stream, status);
         }
@@ -240,6 +393,17 @@ impl VlmQuery {
 
     /// Post the question's one `vlm-answer` message (and return it).
     pub(super) fn post_answer(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
+        let message = self.answer_message(p, outcome);
+        self.post_message(&message);
+        message
+    }
+
+    fn post_message(&self, message: &gst::Structure) {
+        let _ = self.obj().post_message(gst::message::Element::builder(message.clone()).src(&*self.obj()).build());
+    }
+
+    /// The question's `vlm-answer` (a failed one's warning is posted here).
+    fn answer_message(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
         let q = &p.job.question;
         let stream = p.job.stream.as_ref().map_or("", |s| s.name());
         let mut msg = gst::Structure::builder("vlm-answer")
@@ -310,10 +474,20 @@ impl VlmQuery {
                     .field("total-ms", total)
             }
         };
-        let msg = msg.build();
-        let _ = self.obj().post_message(gst::message::Element::builder(msg.clone()).src(&*self.obj()).build());
-        msg
+        msg.build()
     }
+}
+
+/// What rides on a video buffer of an answer (`VlmAnswerMeta`): its `vlm-answer`'s `id`,
+/// `stream`, `status`, `text` and `reason`.
+fn video_answer(message: &gst::StructureRef) -> gst::Structure {
+    let mut answer = gst::Structure::new_empty(crate::meta::ANSWER_META);
+    for name in ["id", "stream", "status", "text", "reason"] {
+        if let Ok(value) = message.value(name) {
+            answer.set_value(name, value.clone());
+        }
+    }
+    answer
 }
 
 #[cfg(test)]
