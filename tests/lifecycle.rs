@@ -267,3 +267,54 @@ fn null_does_not_wait_for_a_load_in_progress() {
         "NULL waited for the load to complete: {before_null:?}"
     );
 }
+
+/// A live camera is not held up while `vlmencode` loads its projector (100-700 MB for real
+/// models): with `leaky`, frames pass without embeddings meanwhile, and embeddings come once it
+/// has loaded. The load is held at a point the test controls (downstream answers the
+/// language-model query only when released), so the frames that pass are seen while it is
+/// certainly still loading.
+#[test]
+fn a_live_encoder_lets_frames_pass_while_its_projector_loads() {
+    use gst_vlm_elements::events::ModelQuery;
+    use gst_vlm_elements::meta::VlmFrameMeta;
+    init();
+    let pipeline = launch(
+        "appsrc name=src is-live=true format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 leaky=true \
+         ! appsink name=sink sync=false",
+    );
+    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
+    let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
+    let sink = bin.by_name("sink").unwrap().downcast::<gst_app::AppSink>().unwrap();
+    let (release, released) = mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    sink.static_pad("sink").unwrap().add_probe(gst::PadProbeType::QUERY_DOWNSTREAM, move |_, info| {
+        let Some(query) = info.query_mut().filter(|q| ModelQuery::is(q)) else { return gst::PadProbeReturn::Ok };
+        let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(120));
+        ModelQuery::answer(query, &model());
+        gst::PadProbeReturn::Handled
+    });
+    let info = gst_video::VideoInfo::builder(gst_video::VideoFormat::Rgb, 64, 48).build().unwrap();
+    src.set_caps(Some(&info.to_caps().unwrap()));
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let push = |i: u64| {
+        let mut buffer = gst::Buffer::from_mut_slice(vec![(i * 40) as u8; info.size()]);
+        buffer.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(100 * i));
+        assert_eq!(src.push_buffer(buffer), Ok(gst::FlowSuccess::Ok));
+    };
+    let pull = || sink.try_pull_sample(gst::ClockTime::from_seconds(60)).expect("a frame").buffer_owned().unwrap();
+    for i in 0..3 {
+        push(i);
+        assert!(pull().meta::<VlmFrameMeta>().is_none(), "frame {i} passed before the projector could load");
+    }
+    release.send(()).unwrap();
+    // A frame every 20 ms (a camera) until one carries embeddings, for at most a minute.
+    let encoded = (3..3000).any(|i| {
+        push(i);
+        std::thread::sleep(Duration::from_millis(20));
+        pull().meta::<VlmFrameMeta>().is_some()
+    });
+    assert!(encoded, "no embeddings once the projector loaded");
+    let skipped = bin.by_name("vlmencode0").unwrap().property::<u64>("frames-skipped");
+    assert!(skipped >= 3, "frames passed while loading are counted as skipped: {skipped}");
+    pipeline.set_state(gst::State::Null).unwrap();
+}

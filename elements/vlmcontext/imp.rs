@@ -411,6 +411,14 @@ impl VlmContext {
 
     fn sink_query(&self, pads: &StreamPads, query: &mut gst::QueryRef) -> bool {
         if ModelQuery::is(query) {
+            // Asked by vlmencode's encoding task before it loads its projector: answered once
+            // the engines have loaded (READY→PAUSED completing asynchronously), so that the
+            // projector binds to their copy of the weights instead of loading another.
+            let mut st = self.state.lock();
+            while st.loading && !pads.cancel.load(Ordering::Acquire) {
+                self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
+            }
+            drop(st);
             ModelQuery::answer(query, &self.settings.lock().model);
             return true;
         }
@@ -457,8 +465,11 @@ impl VlmContext {
             self.preload();
             preloaded = self.loading.lock().take();
         }
+        // Asynchronous only inside a bin, which completes the pipeline's state on ASYNC_DONE; a
+        // lone element (a test harness, which requires a synchronous change) waits for the load.
+        let in_bin = self.obj().parent().is_some();
         let loading = match preloaded {
-            Some(l) if !l.handle.is_finished() => l,
+            Some(l) if in_bin && !l.handle.is_finished() => l,
             done => {
                 self.install(self.take_loaded(done)?);
                 return Ok(gst::StateChangeSuccess::Success);

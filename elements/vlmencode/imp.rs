@@ -128,6 +128,8 @@ struct State {
     info: Option<gst_video::VideoInfo>,
     segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     encoder: Option<Arc<FrameEncoder>>,
+    /// The projector is loading on a thread of its own (`leaky`: frames pass meanwhile).
+    loading: bool,
     /// The backend the encoder runs on (`cpu`, `gpu`, `rknn`).
     backend: &'static str,
     last_encoded: Option<gst::ClockTime>,
@@ -159,6 +161,9 @@ pub struct VlmEncode {
     stats: Mutex<Stats>,
     queue: Mutex<Queue>,
     changed: Condvar,
+    /// Held while the projector loads, so that the encoding task and a background load never
+    /// load it twice.
+    load: Mutex<()>,
 }
 
 impl VlmEncode {
@@ -170,6 +175,10 @@ impl VlmEncode {
     fn encoder(&self) -> Result<Arc<FrameEncoder>, gst::ErrorMessage> {
         if let Some(e) = self.state.lock().encoder.clone() {
             return Ok(e);
+        }
+        let _loading = self.load.lock();
+        if let Some(e) = self.state.lock().encoder.clone() {
+            return Ok(e); // loaded meanwhile by the other loader
         }
         let settings = self.settings.lock().clone();
         let model_path = if settings.model.is_empty() {
@@ -233,6 +242,33 @@ impl VlmEncode {
             Arc::new(FrameEncoder::new(choice.encoder, settings.cache_entries as usize, settings.cache_bytes as usize));
         self.state.lock().encoder = Some(Arc::clone(&encoder));
         Ok(encoder)
+    }
+
+    /// Whether the projector is loaded; if not, start loading it on a thread of its own (once).
+    /// A failure is posted and fails the stream.
+    fn encoder_ready(&self) -> bool {
+        let mut state = self.state.lock();
+        if state.encoder.is_some() {
+            return true;
+        }
+        if !state.loading {
+            state.loading = true;
+            let this = self.ref_counted();
+            let load = move || {
+                let loaded = this.encoder();
+                this.state.lock().loading = false;
+                if let Err(e) = loaded {
+                    this.post_error_message(e);
+                    this.queue.lock().flow = Some(gst::FlowError::Error);
+                    this.changed.notify_all();
+                }
+            };
+            if let Err(e) = std::thread::Builder::new().name("vlmencode-load".into()).spawn(load) {
+                gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading on the encoding task");
+                return true;
+            }
+        }
+        false
     }
 
     /// Whether the frame at running time `time` is due for encoding under `interval` and
@@ -305,15 +341,19 @@ impl VlmEncode {
             gst::trace!(CAT, imp = self, "frame {:?} not due", buffer.pts());
             return self.enqueue(Item::Frame(buffer, None), false);
         }
-        // Load the encoder here, on the streaming thread, so a bad file fails the stream at once.
-        self.encoder().map_err(|e| {
-            self.post_error_message(e);
-            gst::FlowError::Error
-        })?;
         let (max_pending, leaky) = {
             let s = self.settings.lock();
             (s.max_pending as usize, s.leaky)
         };
+        // The projector (100-700 MB for real models) never loads on this, the streaming thread:
+        // on the encoding task with the first frame due, or with `leaky` (a live camera) on a
+        // thread of its own while frames pass without embeddings. A bad file fails the stream
+        // from there.
+        if leaky && !self.encoder_ready() {
+            self.stats.lock().skipped += 1;
+            gst::debug!(CAT, imp = self, "projector loading: frame {:?} passes without embeddings", buffer.pts());
+            return self.enqueue(Item::Frame(buffer, None), false);
+        }
         if leaky && self.queue.lock().pending >= max_pending {
             self.stats.lock().skipped += 1;
             gst::debug!(CAT, imp = self, "encoder busy: frame {:?} passes without embeddings (leaky)", buffer.pts());
@@ -443,7 +483,10 @@ impl VlmEncode {
 
     /// Encode one frame (or take it from the cache) and attach the embeddings.
     fn encode(&self, buffer: &mut gst::Buffer, info: &gst_video::VideoInfo) -> Result<(), gst::FlowError> {
-        let encoder = self.state.lock().encoder.clone().ok_or(gst::FlowError::Flushing)?;
+        let encoder = self.encoder().map_err(|e| {
+            self.post_error_message(e);
+            gst::FlowError::Error
+        })?;
         let format = pixel_format(info).ok_or(gst::FlowError::NotNegotiated)?;
         let started = Instant::now();
         let (frame, hit) = {
@@ -558,6 +601,7 @@ impl ObjectSubclass for VlmEncode {
             stats: Mutex::default(),
             queue: Mutex::default(),
             changed: Condvar::new(),
+            load: Mutex::new(()),
         }
     }
 }
@@ -649,7 +693,7 @@ impl ObjectImpl for VlmEncode {
                 glib::ParamSpecUInt64::builder("frames-encoded").nick("Frames encoded").blurb("Frames given embeddings").read_only().build(),
                 glib::ParamSpecUInt64::builder("frames-skipped")
                     .nick("Frames skipped")
-                    .blurb("Due frames that passed without embeddings because of max-rate or, when leaky, a full encoder")
+                    .blurb("Due frames that passed without embeddings because of max-rate or, when leaky, a full encoder or a projector still loading")
                     .read_only()
                     .build(),
                 glib::ParamSpecUInt::builder("peak-pending")
