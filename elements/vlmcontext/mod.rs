@@ -11,14 +11,20 @@
 //! sends a sticky custom downstream event `vlm-stream` (`id`, `name`) naming its stream for
 //! `vlmquery`; `vlmcontext` answers `vlmencode`'s `vlm-model` query with its `model`.
 //!
-//! The model starts loading on a worker thread at NULL→READY, and READY→PAUSED waits for that
-//! load (or loads again if the settings changed meanwhile), with `Progress` messages (code
-//! `load-model`); an application that goes to READY early finds the engines loaded. Engines are
-//! declared by `engines`: `NAME[:cpu|gpu[:THREADS[:CORES]]]` separated by commas, e.g. `cpu,gpu`
-//! or `big:cpu:4:4-7,little:cpu:4:0-3` (CORES: cores and ranges joined by `+`); stream `i` is
-//! resident on engine `i` modulo their number, and `vlmquery`'s placer may answer on any of them.
-//! A GPU engine is llama.cpp's Vulkan device (for Mesa's lavapipe on a machine without a GPU,
-//! set `GGML_VK_VISIBLE_DEVICES=0`).
+//! The model starts loading on a worker thread at NULL→READY, with `Progress` messages (code
+//! `load-model`); READY→PAUSED returns ASYNC while that load runs (or loads again if the
+//! settings changed meanwhile) and completes with ASYNC_DONE once the engines are loaded, so an
+//! application's state change never blocks its main loop (outside a bin it waits instead). A
+//! stream's first frame waits for the engines. Engines are declared by `engines`:
+//! `NAME[:cpu|gpu[:THREADS[:CORES]]]` separated by commas, e.g. `cpu,gpu` or
+//! `big:cpu:4:4-7,little:cpu:4:0-3` (CORES: cores and ranges joined by `+`), or
+//! `NAME:rpc:HOST:PORT[+HOST:PORT...]`, an engine whose layers run on llama.cpp `rpc-server`s
+//! (no authentication: reach them over SSH or a private network; an engine whose server goes
+//! away fails its running answer with the reason and its streams move to the other engines). A
+//! stream lives on the engine where its ingestion costs least, and `vlmquery`'s placer may answer
+//! on any of them. A GPU engine is llama.cpp's GPU device `gpu-device` (Vulkan; CUDA with the
+//! `cuda` feature) with `gpu-layers` of the model on it (for Mesa's lavapipe on a machine without
+//! a GPU, set `GGML_VK_VISIBLE_DEVICES=0`).
 //!
 //! When ingestion is `max-pending` frames behind, `overload` applies: `block` holds upstream
 //! (backpressure, for files), `skip` lets the frame pass without joining the history (the
@@ -77,7 +83,11 @@
 //!   for bit). `kv-type` (`f16`/`q8_0`/`q4_0`, `f16`): the KV element type; quantized types need
 //!   `flash-attention=true`, and snapshots move only between engines of one type.
 //! - `flash-attention` (false): llama.cpp's `--flash-attn` on every engine (also a much smaller
-//!   compute buffer, most of all with `kv-layout=unified`).
+//!   compute buffer, most of all with `kv-layout=unified`; use it with an `rpc` engine, whose
+//!   snapshots it makes ~100x faster).
+//! - `gpu-device` (0): llama.cpp's `--device` for the `gpu` engines, an index among its GPUs
+//!   (discrete first). `gpu-layers` (-1 = all): llama.cpp's `--n-gpu-layers`, the last N layers
+//!   on the GPU, the rest on the CPU.
 //! - `max-pending` (1-1024, 2): frames per stream registered but not yet prefilled (the lag
 //!   bound). `overload` (`auto`/`block`/`skip`, `auto`).
 //! - `step-budget-ms` (150): most prefill between two decode steps. `ingest-share` (0-0.9,
