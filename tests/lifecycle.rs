@@ -192,6 +192,11 @@ fn releasing_a_stream_pad_during_ingestion_leaves_the_rest_running_and_null_comp
         );
         let bin = pipeline.downcast_ref::<gst::Bin>().unwrap().clone();
         set_state_within(&pipeline, gst::State::Playing, Duration::from_secs(30), &format!("run {i}"));
+        // As an application does before changing the pipeline: wait until it is PLAYING (the
+        // change completes asynchronously once the model has loaded; a branch removed before
+        // would be set PLAYING again by the bin completing it).
+        let (reached, _, _) = pipeline.state(gst::ClockTime::from_seconds(120));
+        assert_eq!(reached, Ok(gst::StateChangeSuccess::Success), "run {i}: not PLAYING");
         std::thread::sleep(Duration::from_millis(600));
         // Take the first stream out while its frames are being ingested, as an application does:
         // stop and remove its branch, then release its pad.
@@ -279,7 +284,7 @@ fn a_live_encoder_lets_frames_pass_while_its_projector_loads() {
     use gst_vlm_elements::meta::VlmFrameMeta;
     init();
     let pipeline = launch(
-        "appsrc name=src is-live=true format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 leaky=true \
+        "appsrc name=src is-live=true format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 leaky=true \
          ! appsink name=sink sync=false",
     );
     let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
@@ -314,7 +319,7 @@ fn a_live_encoder_lets_frames_pass_while_its_projector_loads() {
         pull().meta::<VlmFrameMeta>().is_some()
     });
     assert!(encoded, "no embeddings once the projector loaded");
-    let skipped = bin.by_name("vlmencode0").unwrap().property::<u64>("frames-skipped");
+    let skipped = bin.by_name("enc").unwrap().property::<u64>("frames-skipped");
     assert!(skipped >= 3, "frames passed while loading are counted as skipped: {skipped}");
     pipeline.set_state(gst::State::Null).unwrap();
 }

@@ -292,7 +292,9 @@ fn a_leaky_encoder_skips_frames_and_counts_them() {
     let (encoded, skipped) = (enc.property::<u64>("frames-encoded"), enc.property::<u64>("frames-skipped"));
     assert_eq!(encoded + skipped, 60, "every frame is either encoded or counted as skipped");
     assert!(skipped > 0, "a source 100x faster than the encoder must make a leaky encoder skip");
-    assert_eq!(enc.property::<u32>("peak-pending"), 1);
+    // Never more than one frame waits for the encoder (none at all when every frame passed while
+    // the projector loaded: a leaky encoder never holds frames for it).
+    assert!(enc.property::<u32>("peak-pending") <= 1);
 }
 
 #[test]
