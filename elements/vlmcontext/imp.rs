@@ -8,16 +8,51 @@ use gst::subclass::prelude::*;
 use parking_lot::Mutex;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::snapshot::PrefixCache;
-use vlm_runtime::{
-    Engine, EngineConfig, Error, Gpu, HistoryPolicy, KvLayout, KvType, Overload, Stream, StreamConfig, models,
-};
+use vlm_runtime::{Engine, Stream, models};
 
-use crate::events::{ModelQuery, StreamEvent};
-use crate::meta::VlmFrameMeta;
+// Each its own `impl VlmContext`: loading the engines, and the stream behind a pair of pads (its
+// buffers, events and queries). The element, its properties, pads and state changes stay here.
+mod load;
+mod streams;
+
+use load::Loading;
 
 pub(crate) static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new("vlmcontext", gst::DebugColorFlags::empty(), Some("gst-vlm versioned stream history"))
 });
+
+// Property names, each used by its ParamSpec and by `set_property` or `property`.
+const PROP_MODEL: &str = "model";
+const PROP_RETAIN: &str = "retain";
+const PROP_SYSTEM_PROMPT: &str = "system-prompt";
+const PROP_CONTEXT_SIZE: &str = "context-size";
+const PROP_MAX_STREAMS: &str = "max-streams";
+const PROP_MAX_PENDING: &str = "max-pending";
+const PROP_OVERLOAD: &str = "overload";
+const PROP_STEP_BUDGET_MS: &str = "step-budget-ms";
+const PROP_INGEST_SHARE: &str = "ingest-share";
+const PROP_MAX_ANSWERS: &str = "max-answers";
+const PROP_FLASH_ATTENTION: &str = "flash-attention";
+const PROP_GPU_DEVICE: &str = "gpu-device";
+const PROP_GPU_LAYERS: &str = "gpu-layers";
+const PROP_KV_LAYOUT: &str = "kv-layout";
+const PROP_KV_TYPE: &str = "kv-type";
+const PROP_KV_BYTES: &str = "kv-bytes";
+const PROP_KV_BYTES_ALLOCATED: &str = "kv-bytes-allocated";
+const PROP_FRAMES_SKIPPED: &str = "frames-skipped";
+const PROP_MAX_LAG_MS: &str = "max-lag-ms";
+const PROP_HISTORY_POLICY: &str = "history-policy";
+const PROP_HISTORY_KEEP: &str = "history-keep";
+const PROP_HISTORY_RESTARTS: &str = "history-restarts";
+const PROP_HISTORY_SLIDES: &str = "history-slides";
+const PROP_PREFIX_CACHE_SIZE: &str = "prefix-cache-size";
+const PROP_PREFIX_CACHE_ENTRIES: &str = "prefix-cache-entries";
+const PROP_PREFIX_CACHE_HITS: &str = "prefix-cache-hits";
+const PROP_PREFIX_CACHE_MISSES: &str = "prefix-cache-misses";
+const PROP_ENGINES: &str = "engines";
+const PROP_THREADS: &str = "threads";
+const PROP_MODEL_OWNERS: &str = "model-owners";
+const PROP_FRAMES_DROPPED: &str = "frames-dropped";
 
 const DEFAULT_CONTEXT_SIZE: u32 = 2048;
 const DEFAULT_MAX_STREAMS: u32 = 2;
@@ -174,16 +209,6 @@ struct State {
     abandon: Arc<AtomicBool>,
 }
 
-/// Engines and prompt loaded for some settings.
-/// A load of the engines running on its own thread (see `VlmContext::preload`).
-struct Loading {
-    settings: Settings,
-    handle: std::thread::JoinHandle<Loaded>,
-    cancel: Arc<AtomicBool>,
-}
-
-type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
-
 #[derive(Default)]
 pub struct VlmContext {
     settings: Mutex<Settings>,
@@ -199,435 +224,6 @@ pub struct VlmContext {
 impl VlmContext {
     fn pads_of(&self, pad: &gst::Pad) -> Option<Arc<StreamPads>> {
         self.pads.lock().iter().find(|p| &p.sink == pad || &p.src == pad).cloned()
-    }
-
-    /// The runtime stream of `pads`, opened on first use.
-    ///
-    /// Locks are taken one at a time, none held across the upstream latency query or the
-    /// stream's opening (`stop` takes the pads and then a pad's stream; `property` takes no
-    /// other lock with the settings).
-    fn stream(&self, pads: &StreamPads) -> Result<Arc<Stream>, gst::ErrorMessage> {
-        if let Some(s) = pads.stream.lock().as_ref() {
-            return Ok(Arc::clone(s));
-        }
-        let (engine, engines, prompt) = {
-            let mut st = self.state.lock();
-            // The first frame of a stream may come while the engines load (READY→PAUSED
-            // completing asynchronously): it waits for them, or for a flush or a stop.
-            while st.loading && !pads.cancel.load(Ordering::Acquire) {
-                self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
-            }
-            let Some(p) = &st.prompt else {
-                return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"]));
-            };
-            // Where its frames are ingested soonest.
-            let resident = vlm_runtime::placer::resident_engine(&st.engines)
-                .ok_or_else(|| gst::error_msg!(gst::CoreError::StateChange, ["no engine"]))?;
-            (Arc::clone(resident), st.engines.clone(), Arc::clone(p))
-        };
-        let settings = self.settings.lock().clone();
-        let name = pads.sink.downcast_ref::<super::VlmContextSinkPad>().map(|p| p.stream_name());
-        let config = StreamConfig {
-            name: name.unwrap_or_else(|| pads.sink.name().to_string()),
-            retain: settings.retain,
-            max_pending: settings.max_pending as usize,
-            overload: match settings.overload {
-                OverloadKind::Block => Overload::Block,
-                OverloadKind::Skip => Overload::Skip,
-                OverloadKind::Auto if self.upstream_is_live(&pads.sink) => Overload::Skip,
-                OverloadKind::Auto => Overload::Block,
-            },
-            answer_reserve: ANSWER_RESERVE,
-            history_policy: match settings.history_policy {
-                HistoryPolicyKind::Restart => HistoryPolicy::Restart { keep: settings.history_keep as usize },
-                HistoryPolicyKind::Stop => HistoryPolicy::Stop,
-                HistoryPolicyKind::Slide => HistoryPolicy::Slide,
-            },
-            prefix_cache: self.prefix_cache.lock().clone(),
-            peers: engines,
-        };
-        let stream = Stream::open(&engine, prompt, config).map_err(|e| {
-            gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])
-        })?;
-        let mut slot = pads.stream.lock();
-        if let Some(opened) = slot.as_ref() {
-            // Opened meanwhile by another of the pad's threads: keep that one.
-            stream.close();
-            return Ok(Arc::clone(opened));
-        }
-        gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
-        *slot = Some(Arc::clone(&stream));
-        Ok(stream)
-    }
-
-    /// Whether the stream comes from a live source (its frames cannot wait).
-    fn upstream_is_live(&self, sink: &gst::Pad) -> bool {
-        let mut q = gst::query::Latency::new();
-        sink.peer_query(&mut q) && q.result().0
-    }
-
-    fn sink_chain(&self, pads: &StreamPads, mut buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
-        // Flushing, stopping (PAUSED->READY runs before the pads deactivate) or released.
-        if pads.cancel.load(Ordering::Acquire) {
-            return Err(gst::FlowError::Flushing);
-        }
-        let frame = buffer.meta::<VlmFrameMeta>().and_then(|m| m.frame().cloned());
-        if let Some(frame) = frame {
-            let stream = self.stream(pads).map_err(|e| {
-                self.post_error_message(e);
-                gst::FlowError::Error
-            })?;
-            let lag = stream.lag();
-            {
-                let mut max = pads.max_lag_ms.lock();
-                *max = max.max(lag.ms);
-            }
-            match stream.register(frame, &pads.cancel) {
-                Ok(registration) if registration.skipped => self.frame_skipped(pads, &stream, lag),
-                Ok(registration) => {
-                    let number = registration.number;
-                    gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
-                    if let Some((kept, dropped)) = registration.restart {
-                        self.history_restarted(pads, &stream, number, (kept, dropped), registration.slid);
-                    }
-                    let buf = buffer.make_mut();
-                    if let Some(mut m) = buf.meta_mut::<VlmFrameMeta>() {
-                        m.set_position(stream.id(), number);
-                    }
-                }
-                Err(Error::Cancelled) => return Err(gst::FlowError::Flushing),
-                Err(e @ Error::HistoryFull { .. }) => {
-                    let mut dropped = pads.dropped.lock();
-                    if *dropped == 0 {
-                        gst::element_imp_warning!(
-                            self,
-                            gst::ResourceError::NoSpaceLeft,
-                            (
-                                "{}: {}; later frames pass without joining the history (raise context-size)",
-                                pads.sink.name(),
-                                e
-                            )
-                        );
-                    }
-                    *dropped += 1;
-                }
-                Err(e) => {
-                    gst::element_imp_error!(
-                        self,
-                        gst::StreamError::Failed,
-                        ("{}: frame not taken into the history: {}", pads.sink.name(), e)
-                    );
-                    return Err(gst::FlowError::Error);
-                }
-            }
-        }
-        pads.src.push(buffer)
-    }
-
-    /// The overload policy skipped a frame: count it; tell the application when a run of skips
-    /// starts and then every 10 skipped frames.
-    fn frame_skipped(&self, pads: &StreamPads, stream: &Stream, lag: vlm_runtime::Lag) {
-        let skipped = {
-            let mut n = pads.skipped.lock();
-            *n += 1;
-            *n
-        };
-        gst::debug!(CAT, obj = pads.sink, "ingestion {} frames / {:.0} ms behind: frame skipped", lag.frames, lag.ms);
-        if skipped == 1 || skipped.is_multiple_of(10) {
-            let s = gst::Structure::builder("vlm-overload")
-                .field("stream", stream.name())
-                .field("policy", "skip")
-                .field("lag-frames", lag.frames)
-                .field("lag-ms", lag.ms)
-                .field("skipped", skipped)
-                .build();
-            let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
-        }
-    }
-
-    /// The history policy restarted (or slid) a stream's history: count it and tell the
-    /// application.
-    fn history_restarted(
-        &self,
-        pads: &StreamPads,
-        stream: &Stream,
-        frame: u64,
-        (kept, dropped): (usize, usize),
-        slid: bool,
-    ) {
-        let (policy, how) = if slid {
-            *pads.slides.lock() += 1;
-            ("slide", "slid in place")
-        } else {
-            *pads.restarts.lock() += 1;
-            ("restart", "restarted")
-        };
-        gst::info!(
-            CAT,
-            obj = pads.sink,
-            "history full at frame {frame}: {how}, keeping the newest {kept} frames ({dropped} dropped)"
-        );
-        if !slid
-            && self.settings.lock().history_policy == HistoryPolicyKind::Slide
-            && let Some(why) = stream.engine().shift_refusal()
-        {
-            gst::info!(CAT, obj = pads.sink, "history-policy=slide restarts instead: {why}");
-        }
-        let s = gst::Structure::builder("vlm-history")
-            .field("stream", stream.name())
-            .field("policy", policy)
-            .field("frame", frame)
-            .field("kept", kept as u32)
-            .field("dropped", dropped as u32)
-            .field("restarts", stream.restarts())
-            .field("slides", stream.slides())
-            .build();
-        let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
-    }
-
-    fn sink_event(&self, pads: &StreamPads, event: gst::Event) -> bool {
-        match event.view() {
-            gst::EventView::FlushStart(_) => {
-                pads.cancel.store(true, Ordering::Release);
-                if let Some(stream) = pads.stream.lock().as_ref() {
-                    stream.wake();
-                }
-            }
-            gst::EventView::FlushStop(_) => pads.cancel.store(false, Ordering::Release),
-            gst::EventView::StreamStart(_) => {
-                let forwarded = pads.src.push_event(event);
-                return match self.stream(pads) {
-                    Ok(stream) => forwarded && pads.src.push_event(StreamEvent::event(stream.id(), stream.name())),
-                    Err(e) => {
-                        self.post_error_message(e);
-                        false
-                    }
-                };
-            }
-            _ => (),
-        }
-        pads.src.push_event(event)
-    }
-
-    fn sink_query(&self, pads: &StreamPads, query: &mut gst::QueryRef) -> bool {
-        if ModelQuery::is(query) {
-            // Asked by vlmencode's encoding task before it loads its projector: answered once
-            // the engines have loaded (READY→PAUSED completing asynchronously), so that the
-            // projector binds to their copy of the weights instead of loading another.
-            let mut st = self.state.lock();
-            while st.loading && !pads.cancel.load(Ordering::Acquire) {
-                self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
-            }
-            drop(st);
-            ModelQuery::answer(query, &self.settings.lock().model);
-            return true;
-        }
-        pads.src.peer_query(query)
-    }
-
-    /// Start loading the engines on a worker thread (at NULL→READY), so an application that
-    /// goes to READY early finds them loaded when it starts streaming.
-    fn preload(&self) {
-        let s = self.settings.lock().clone();
-        if s.model.is_empty() {
-            return;
-        }
-        let this = self.ref_counted();
-        let settings = s.clone();
-        let cancel = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&cancel);
-        match std::thread::Builder::new().name("vlmcontext-load".into()).spawn(move || this.load(&settings, &flag)) {
-            Ok(handle) => *self.loading.lock() = Some(Loading { settings: s, handle, cancel }),
-            Err(e) => gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading at READY->PAUSED"),
-        }
-    }
-
-    /// Abandon a load still running, without waiting for it: its engines stop their
-    /// calibration run at its next computation and are dropped on the loading thread.
-    fn abandon_preload(&self) {
-        if let Some(loading) = self.loading.lock().take() {
-            loading.cancel.store(true, Ordering::Release);
-        }
-    }
-
-    /// READY→PAUSED: with the engines loaded (or their load failed) at once, finish now;
-    /// otherwise finish asynchronously once the load started at NULL→READY ends, so that an
-    /// application's NULL→PLAYING never blocks its main loop (ASYNC_START now, ASYNC_DONE then,
-    /// as a sink that prerolls does).
-    fn start(&self) -> Result<gst::StateChangeSuccess, gst::ErrorMessage> {
-        let current = self.settings.lock().clone();
-        let mut preloaded = self.loading.lock().take();
-        if let Some(stale) = preloaded.take_if(|l| l.settings != current) {
-            stale.cancel.store(true, Ordering::Release);
-        }
-        if preloaded.is_none() {
-            // Nothing loading with these settings (set after NULL→READY): start it now.
-            self.preload();
-            preloaded = self.loading.lock().take();
-        }
-        // Asynchronous only inside a bin, which completes the pipeline's state on ASYNC_DONE; a
-        // lone element (a test harness, which requires a synchronous change) waits for the load.
-        let in_bin = self.obj().parent().is_some();
-        let loading = match preloaded {
-            Some(l) if in_bin && !l.handle.is_finished() => l,
-            done => {
-                self.install(self.take_loaded(done)?);
-                return Ok(gst::StateChangeSuccess::Success);
-            }
-        };
-        // A stop meanwhile cancels the load (its calibration) and its completion.
-        let abandon = Arc::clone(&loading.cancel);
-        {
-            let mut st = self.state.lock();
-            st.loading = true;
-            st.abandon = Arc::clone(&abandon);
-        }
-        let this = self.ref_counted();
-        let finish = move || {
-            let loaded = this.take_loaded(Some(loading));
-            let mut st = this.state.lock();
-            if abandon.load(Ordering::Acquire) {
-                return; // stopped meanwhile: `stop` has reset the state
-            }
-            st.loading = false;
-            drop(st);
-            let obj = this.obj();
-            match loaded {
-                Ok(loaded) => {
-                    this.install(loaded);
-                    this.loaded.notify_all();
-                    let _ = obj.continue_state(gst::StateChangeSuccess::Success);
-                    let _ = obj.post_message(gst::message::AsyncDone::builder().src(&*obj).build());
-                }
-                Err(e) => {
-                    this.loaded.notify_all();
-                    this.post_error_message(e);
-                    obj.abort_state();
-                }
-            }
-        };
-        std::thread::Builder::new()
-            .name("vlmcontext-start".into())
-            .spawn(finish)
-            .map_err(|e| gst::error_msg!(gst::CoreError::StateChange, ["cannot start the loading thread: {}", e]))?;
-        let _ = self.obj().post_message(gst::message::AsyncStart::builder().src(&*self.obj()).build());
-        Ok(gst::StateChangeSuccess::Async)
-    }
-
-    /// The engines of `loading` if it loaded them with the current settings (waiting for it to
-    /// end), else loaded now.
-    fn take_loaded(&self, loading: Option<Loading>) -> Loaded {
-        let s = self.settings.lock().clone();
-        match loading {
-            Some(l) if l.settings == s => l
-                .handle
-                .join()
-                .unwrap_or_else(|_| Err(gst::error_msg!(gst::CoreError::StateChange, ["the loading thread panicked"]))),
-            _ => self.load(&s, &Arc::new(AtomicBool::new(false))),
-        }
-    }
-
-    /// Make loaded engines the element's.
-    fn install(&self, (engines, prompt): (Vec<Arc<Engine>>, Arc<Prompt>)) {
-        let s = self.settings.lock().clone();
-        let mut cache = self.prefix_cache.lock();
-        let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
-        if cache.as_ref().is_none_or(|c| c.limits() != limits) {
-            *cache = Some(Arc::new(PrefixCache::new(limits.0, limits.1)));
-        }
-        drop(cache);
-        let mut st = self.state.lock();
-        st.engines = engines;
-        st.prompt = Some(prompt);
-    }
-
-    /// Load the model on every engine `s` names, with `Progress` messages; `cancel` abandons it.
-    fn load(&self, s: &Settings, cancel: &Arc<AtomicBool>) -> Loaded {
-        // The message names the cause (the file, the property); the debug text the details.
-        let fail = |e: Error| {
-            if !matches!(e, Error::Cancelled) {
-                self.progress(gst::ProgressType::Error, &format!("loading {} failed", s.model));
-            }
-            match e {
-                Error::File { .. } => {
-                    gst::error_msg!(gst::ResourceError::OpenRead, ("{}", e), ["vlmcontext model={}", s.model])
-                }
-                Error::Config(_) => {
-                    gst::error_msg!(gst::ResourceError::Settings, ("{}", e), ["vlmcontext engines={}", s.engines])
-                }
-                e => gst::error_msg!(gst::ResourceError::Failed, ("{}", e), ["vlmcontext model={}", s.model]),
-            }
-        };
-        self.progress(gst::ProgressType::Start, &format!("loading {} ({} engines)", s.model, s.engines));
-        let base = EngineConfig {
-            threads: s.threads as i32,
-            context_per_sequence: s.context_size,
-            max_streams: s.max_streams,
-            max_branches: s.max_answers,
-            flash_attention: s.flash_attention,
-            gpu: Gpu { index: s.gpu_device as usize, layers: u32::try_from(s.gpu_layers).ok() },
-            kv_layout: match s.kv_layout {
-                KvLayoutKind::PerSequence => KvLayout::PerSequence,
-                KvLayoutKind::Unified => KvLayout::Unified,
-            },
-            kv_type: match s.kv_type {
-                KvTypeKind::F16 => KvType::F16,
-                KvTypeKind::Q8_0 => KvType::Q8_0,
-                KvTypeKind::Q4_0 => KvType::Q4_0,
-            },
-            answer_cells: ANSWER_RESERVE as u32,
-            step_budget_ms: s.step_budget_ms,
-            ingest_share: s.ingest_share,
-            ..EngineConfig::default()
-        };
-        let mut engines = vec![];
-        for config in EngineConfig::parse_list(&s.engines, &base).map_err(fail)? {
-            let engine = Engine::start_cancellable(&PathBuf::from(&s.model), config, cancel).map_err(fail)?;
-            gst::info!(
-                CAT,
-                imp = self,
-                "engine {} ready: {} ({} owners of its weights), {} cells per sequence, rates {:?}",
-                engine.name(),
-                s.model,
-                models::model_owners(&PathBuf::from(&s.model)),
-                engine.n_ctx_per_seq(),
-                engine.rates()
-            );
-            engines.push(engine);
-        }
-        let prompt = Prompt::new(engines[0].model(), &s.system_prompt)
-            .map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ("{}", e), ["vlmcontext model={}", s.model]))?;
-        if !engines[0].model().has_chat_template() {
-            gst::element_imp_warning!(
-                self,
-                gst::LibraryError::Settings,
-                ("{} has no chat template: questions are laid out in ChatML, as llama.cpp does", s.model)
-            );
-        }
-        self.progress(gst::ProgressType::Complete, &format!("{} loaded", s.model));
-        Ok((engines, Arc::new(prompt)))
-    }
-
-    /// A `Progress` message about model loading.
-    fn progress(&self, kind: gst::ProgressType, text: &str) {
-        let msg = gst::message::Progress::builder(kind, "load-model", text).src(&*self.obj()).build();
-        let _ = self.obj().post_message(msg);
-    }
-
-    fn stop(&self) {
-        for pads in self.pads.lock().iter() {
-            pads.cancel.store(true, Ordering::Release);
-            if let Some(s) = pads.stream.lock().take() {
-                s.close();
-            }
-        }
-        // Streams still referenced downstream (by pending questions) keep the engine alive; an
-        // asynchronous start still loading is abandoned.
-        let mut st = self.state.lock();
-        st.abandon.store(true, Ordering::Release);
-        *st = State::default();
-        drop(st);
-        self.loaded.notify_all();
     }
 }
 
@@ -655,20 +251,20 @@ impl ObjectImpl for VlmContext {
         static PROPS: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
             let d = Settings::default();
             vec![
-                glib::ParamSpecString::builder("model").nick("Model").blurb("Path to the language-model GGUF").mutable_ready().build(),
-                glib::ParamSpecBoolean::builder("retain")
+                glib::ParamSpecString::builder(PROP_MODEL).nick("Model").blurb("Path to the language-model GGUF").mutable_ready().build(),
+                glib::ParamSpecBoolean::builder(PROP_RETAIN)
                     .nick("Retain")
                     .blurb("Keep each stream's language KV; false re-prefills the whole history for every question (the baseline)")
                     .default_value(true)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecString::builder("system-prompt")
+                glib::ParamSpecString::builder(PROP_SYSTEM_PROMPT)
                     .nick("System prompt")
                     .blurb("System message that starts every stream's history")
                     .default_value(Some(DEFAULT_SYSTEM_PROMPT))
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("context-size")
+                glib::ParamSpecUInt::builder(PROP_CONTEXT_SIZE)
                     .nick("Context size")
                     .blurb("KV cells per stream (history + question + answer)")
                     .minimum(512)
@@ -676,7 +272,7 @@ impl ObjectImpl for VlmContext {
                     .default_value(DEFAULT_CONTEXT_SIZE)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("max-streams")
+                glib::ParamSpecUInt::builder(PROP_MAX_STREAMS)
                     .nick("Max streams")
                     .blurb("Streams (sink pads) the engine holds KV for")
                     .minimum(1)
@@ -684,7 +280,7 @@ impl ObjectImpl for VlmContext {
                     .default_value(DEFAULT_MAX_STREAMS)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("max-pending")
+                glib::ParamSpecUInt::builder(PROP_MAX_PENDING)
                     .nick("Max pending frames")
                     .blurb("Frames per stream registered but not yet prefilled (the lag bound); past it the overload policy applies")
                     .minimum(1)
@@ -692,12 +288,12 @@ impl ObjectImpl for VlmContext {
                     .default_value(DEFAULT_MAX_PENDING)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecEnum::builder_with_default("overload", OverloadKind::Auto)
+                glib::ParamSpecEnum::builder_with_default(PROP_OVERLOAD, OverloadKind::Auto)
                     .nick("Overload policy")
                     .blurb("What happens to a new frame while max-pending frames of its stream still wait for ingestion: block upstream, or skip it (the stream's sampling rate falls to what the engine ingests, so questions never wait behind a queue of frames); auto skips for live sources and blocks otherwise")
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecDouble::builder("step-budget-ms")
+                glib::ParamSpecDouble::builder(PROP_STEP_BUDGET_MS)
                     .nick("Step budget")
                     .blurb("Most prefill (frame ingestion, question prefill; from measured rates) run between two decode steps of the answers being generated")
                     .minimum(1.0)
@@ -705,7 +301,7 @@ impl ObjectImpl for VlmContext {
                     .default_value(vlm_runtime::engine::DEFAULT_STEP_BUDGET_MS)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecDouble::builder("ingest-share")
+                glib::ParamSpecDouble::builder(PROP_INGEST_SHARE)
                     .nick("Ingest share")
                     .blurb("Share of an engine's time that frame ingestion takes while answers are being generated (more while a question waits for a frame: then a step budget every step); answers keep the rest of their decode rate")
                     .minimum(0.0)
@@ -713,7 +309,7 @@ impl ObjectImpl for VlmContext {
                     .default_value(vlm_runtime::engine::DEFAULT_INGEST_SHARE)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("max-answers")
+                glib::ParamSpecUInt::builder(PROP_MAX_ANSWERS)
                     .nick("Max answers")
                     .blurb("Answers generated at once per engine (each has a KV sequence of context-size cells, or with kv-layout=unified 256 cells of the pool); more wait for one to end")
                     .minimum(1)
@@ -721,105 +317,105 @@ impl ObjectImpl for VlmContext {
                     .default_value(DEFAULT_MAX_ANSWERS)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecBoolean::builder("flash-attention")
+                glib::ParamSpecBoolean::builder(PROP_FLASH_ATTENTION)
                     .nick("Flash attention")
                     .blurb("Flash attention on every engine (llama.cpp's --flash-attn): faster on GPUs; it stores V untransposed, so KV snapshots move only between engines that agree on it (a mismatch is refused)")
                     .default_value(false)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("gpu-device")
+                glib::ParamSpecUInt::builder(PROP_GPU_DEVICE)
                     .nick("GPU device")
                     .blurb("Which GPU the gpu engines use (llama.cpp's --device): an index among llama.cpp's GPUs, discrete ones first, then integrated ones (0: the first); a GPU that is not there is an error naming the ones found")
                     .default_value(0)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecInt::builder("gpu-layers")
+                glib::ParamSpecInt::builder(PROP_GPU_LAYERS)
                     .nick("GPU layers")
                     .blurb("Layers of the language model on the GPU for the gpu engines (llama.cpp's --n-gpu-layers / -ngl), the last ones; the others run on the CPU with the engine's threads. -1: all")
                     .minimum(-1)
                     .default_value(-1)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecEnum::builder_with_default("kv-layout", KvLayoutKind::PerSequence)
+                glib::ParamSpecEnum::builder_with_default(PROP_KV_LAYOUT, KvLayoutKind::PerSequence)
                     .nick("KV layout")
                     .blurb("per-sequence: context-size cells for every stream and every answer (max-streams + max-answers sequences), answers bit-identical to a re-prefill; unified: one pool of (max-streams + 1) x context-size + max-answers x 256 cells where an answer shares the cells of the version it reads (llama.cpp's kv_unified), greedy answers agreeing closely with a re-prefill")
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecEnum::builder_with_default("kv-type", KvTypeKind::F16)
+                glib::ParamSpecEnum::builder_with_default(PROP_KV_TYPE, KvTypeKind::F16)
                     .nick("KV type")
                     .blurb("Element type of K and V (llama.cpp's --cache-type-k/-v): q8_0 and q4_0 need flash-attention=true; snapshots move only between engines of one type")
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt64::builder("kv-bytes")
+                glib::ParamSpecUInt64::builder(PROP_KV_BYTES)
                     .nick("KV bytes in use")
                     .blurb("Bytes of KV cells in use on every engine, a cell shared by several sequences counted once (refreshed every 50 ms while an engine works, and when it goes idle)")
                     .read_only()
                     .build(),
-                glib::ParamSpecUInt64::builder("kv-bytes-allocated")
+                glib::ParamSpecUInt64::builder(PROP_KV_BYTES_ALLOCATED)
                     .nick("KV bytes allocated")
                     .blurb("Bytes of KV cells the engines' contexts allocated")
                     .read_only()
                     .build(),
-                glib::ParamSpecUInt64::builder("frames-skipped")
+                glib::ParamSpecUInt64::builder(PROP_FRAMES_SKIPPED)
                     .nick("Frames skipped")
                     .blurb("Frames the overload policy kept out of the history because ingestion was max-pending frames behind")
                     .read_only()
                     .build(),
-                glib::ParamSpecDouble::builder("max-lag-ms")
+                glib::ParamSpecDouble::builder(PROP_MAX_LAG_MS)
                     .nick("Max lag")
                     .blurb("Largest ingestion lag seen when a frame arrived: age of the oldest frame registered but not yet published (ms)")
                     .read_only()
                     .build(),
-                glib::ParamSpecEnum::builder_with_default("history-policy", HistoryPolicyKind::Restart)
+                glib::ParamSpecEnum::builder_with_default(PROP_HISTORY_POLICY, HistoryPolicyKind::Restart)
                     .nick("History policy")
                     .blurb("What happens when a stream's history would overflow context-size")
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("history-keep")
+                glib::ParamSpecUInt::builder(PROP_HISTORY_KEEP)
                     .nick("History keep")
                     .blurb("Newest frames kept when history-policy=restart starts the history again")
                     .maximum(4096)
                     .default_value(DEFAULT_HISTORY_KEEP)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt64::builder("history-restarts")
+                glib::ParamSpecUInt64::builder(PROP_HISTORY_RESTARTS)
                     .nick("History restarts")
                     .blurb("Times a stream's history was restarted by history-policy (prefilled again)")
                     .read_only()
                     .build(),
-                glib::ParamSpecUInt64::builder("history-slides")
+                glib::ParamSpecUInt64::builder(PROP_HISTORY_SLIDES)
                     .nick("History slides")
                     .blurb("Times history-policy=slide shifted a stream's history in place")
                     .read_only()
                     .build(),
-                glib::ParamSpecUInt64::builder("prefix-cache-size")
+                glib::ParamSpecUInt64::builder(PROP_PREFIX_CACHE_SIZE)
                     .nick("Prefix cache size")
                     .blurb("Bytes of KV snapshots kept to let a stream (or a new session) with an identical history import it instead of prefilling; 0 = off")
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("prefix-cache-entries")
+                glib::ParamSpecUInt::builder(PROP_PREFIX_CACHE_ENTRIES)
                     .nick("Prefix cache entries")
                     .blurb("Most KV snapshots kept in the prefix cache")
                     .default_value(DEFAULT_PREFIX_CACHE_ENTRIES)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt64::builder("prefix-cache-hits")
+                glib::ParamSpecUInt64::builder(PROP_PREFIX_CACHE_HITS)
                     .nick("Prefix cache hits")
                     .blurb("Frames whose history was imported from the prefix cache instead of prefilled")
                     .read_only()
                     .build(),
-                glib::ParamSpecUInt64::builder("prefix-cache-misses")
+                glib::ParamSpecUInt64::builder(PROP_PREFIX_CACHE_MISSES)
                     .nick("Prefix cache misses")
                     .blurb("Prefix cache look-ups that found nothing (the first of a session included)")
                     .read_only()
                     .build(),
-                glib::ParamSpecString::builder("engines")
+                glib::ParamSpecString::builder(PROP_ENGINES)
                     .nick("Engines")
                     .blurb("Language engines, NAME[:cpu|gpu[:THREADS[:CORES]]] or NAME:rpc:HOST:PORT[+HOST:PORT...] (llama.cpp rpc-servers: no authentication, reach them over SSH or a private network) separated by commas (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3 or cpu,far:rpc:127.0.0.1:50052); a stream lives on the engine where its frames are ingested soonest (measured prefill rate x streams already there), and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
                     .default_value(Some("cpu"))
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("threads")
+                glib::ParamSpecUInt::builder(PROP_THREADS)
                     .nick("Threads")
                     .blurb("CPU threads of the language engine")
                     .minimum(1)
@@ -827,12 +423,12 @@ impl ObjectImpl for VlmContext {
                     .default_value(d.threads)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("model-owners")
+                glib::ParamSpecUInt::builder(PROP_MODEL_OWNERS)
                     .nick("Model owners")
                     .blurb("Owners of this model's loaded weights in the process (one copy shared by all)")
                     .read_only()
                     .build(),
-                glib::ParamSpecUInt64::builder("frames-dropped")
+                glib::ParamSpecUInt64::builder(PROP_FRAMES_DROPPED)
                     .nick("Frames dropped")
                     .blurb("Encoded frames that did not join a history because it was full")
                     .read_only()
@@ -845,27 +441,27 @@ impl ObjectImpl for VlmContext {
     fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
         let mut s = self.settings.lock();
         match pspec.name() {
-            "model" => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
-            "retain" => s.retain = value.get().unwrap(),
-            "system-prompt" => s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
-            "context-size" => s.context_size = value.get().unwrap(),
-            "max-streams" => s.max_streams = value.get().unwrap(),
-            "max-pending" => s.max_pending = value.get().unwrap(),
-            "history-policy" => s.history_policy = value.get().unwrap(),
-            "kv-layout" => s.kv_layout = value.get().unwrap(),
-            "kv-type" => s.kv_type = value.get().unwrap(),
-            "history-keep" => s.history_keep = value.get().unwrap(),
-            "overload" => s.overload = value.get().unwrap(),
-            "step-budget-ms" => s.step_budget_ms = value.get().unwrap(),
-            "ingest-share" => s.ingest_share = value.get().unwrap(),
-            "max-answers" => s.max_answers = value.get().unwrap(),
-            "flash-attention" => s.flash_attention = value.get().unwrap(),
-            "gpu-device" => s.gpu_device = value.get().unwrap(),
-            "gpu-layers" => s.gpu_layers = value.get().unwrap(),
-            "prefix-cache-size" => s.prefix_cache_size = value.get().unwrap(),
-            "prefix-cache-entries" => s.prefix_cache_entries = value.get().unwrap(),
-            "engines" => s.engines = value.get::<Option<String>>().unwrap().unwrap_or_default(),
-            "threads" => s.threads = value.get().unwrap(),
+            PROP_MODEL => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
+            PROP_RETAIN => s.retain = value.get().unwrap(),
+            PROP_SYSTEM_PROMPT => s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
+            PROP_CONTEXT_SIZE => s.context_size = value.get().unwrap(),
+            PROP_MAX_STREAMS => s.max_streams = value.get().unwrap(),
+            PROP_MAX_PENDING => s.max_pending = value.get().unwrap(),
+            PROP_HISTORY_POLICY => s.history_policy = value.get().unwrap(),
+            PROP_KV_LAYOUT => s.kv_layout = value.get().unwrap(),
+            PROP_KV_TYPE => s.kv_type = value.get().unwrap(),
+            PROP_HISTORY_KEEP => s.history_keep = value.get().unwrap(),
+            PROP_OVERLOAD => s.overload = value.get().unwrap(),
+            PROP_STEP_BUDGET_MS => s.step_budget_ms = value.get().unwrap(),
+            PROP_INGEST_SHARE => s.ingest_share = value.get().unwrap(),
+            PROP_MAX_ANSWERS => s.max_answers = value.get().unwrap(),
+            PROP_FLASH_ATTENTION => s.flash_attention = value.get().unwrap(),
+            PROP_GPU_DEVICE => s.gpu_device = value.get().unwrap(),
+            PROP_GPU_LAYERS => s.gpu_layers = value.get().unwrap(),
+            PROP_PREFIX_CACHE_SIZE => s.prefix_cache_size = value.get().unwrap(),
+            PROP_PREFIX_CACHE_ENTRIES => s.prefix_cache_entries = value.get().unwrap(),
+            PROP_ENGINES => s.engines = value.get::<Option<String>>().unwrap().unwrap_or_default(),
+            PROP_THREADS => s.threads = value.get().unwrap(),
             _ => unreachable!(),
         }
     }
@@ -878,51 +474,51 @@ impl ObjectImpl for VlmContext {
             self.prefix_cache.lock().as_ref().map_or(0, |c| stat(c.stats())).to_value()
         };
         match pspec.name() {
-            "frames-skipped" => return sum(|p| *p.skipped.lock()),
-            "history-restarts" => return sum(|p| *p.restarts.lock()),
-            "history-slides" => return sum(|p| *p.slides.lock()),
-            "frames-dropped" => return sum(|p| *p.dropped.lock()),
-            "max-lag-ms" => {
+            PROP_FRAMES_SKIPPED => return sum(|p| *p.skipped.lock()),
+            PROP_HISTORY_RESTARTS => return sum(|p| *p.restarts.lock()),
+            PROP_HISTORY_SLIDES => return sum(|p| *p.slides.lock()),
+            PROP_FRAMES_DROPPED => return sum(|p| *p.dropped.lock()),
+            PROP_MAX_LAG_MS => {
                 return self.pads.lock().iter().map(|p| *p.max_lag_ms.lock()).fold(0.0, f64::max).to_value();
             }
-            "kv-bytes" | "kv-bytes-allocated" => {
+            PROP_KV_BYTES | PROP_KV_BYTES_ALLOCATED => {
                 let st = self.state.lock();
                 let kv = st.engines.iter().map(|e| e.kv_memory());
-                let bytes: usize = if pspec.name() == "kv-bytes" {
+                let bytes: usize = if pspec.name() == PROP_KV_BYTES {
                     kv.map(|m| m.in_use_bytes).sum()
                 } else {
                     kv.map(|m| m.allocated_bytes()).sum()
                 };
                 return (bytes as u64).to_value();
             }
-            "prefix-cache-hits" => return cache(|s| s.hits),
-            "prefix-cache-misses" => return cache(|s| s.misses),
+            PROP_PREFIX_CACHE_HITS => return cache(|s| s.hits),
+            PROP_PREFIX_CACHE_MISSES => return cache(|s| s.misses),
             _ => (),
         }
         let s = self.settings.lock().clone();
         match pspec.name() {
-            "model" => s.model.to_value(),
-            "retain" => s.retain.to_value(),
-            "system-prompt" => s.system_prompt.to_value(),
-            "context-size" => s.context_size.to_value(),
-            "max-streams" => s.max_streams.to_value(),
-            "max-pending" => s.max_pending.to_value(),
-            "history-policy" => s.history_policy.to_value(),
-            "kv-layout" => s.kv_layout.to_value(),
-            "kv-type" => s.kv_type.to_value(),
-            "history-keep" => s.history_keep.to_value(),
-            "overload" => s.overload.to_value(),
-            "step-budget-ms" => s.step_budget_ms.to_value(),
-            "ingest-share" => s.ingest_share.to_value(),
-            "max-answers" => s.max_answers.to_value(),
-            "flash-attention" => s.flash_attention.to_value(),
-            "gpu-device" => s.gpu_device.to_value(),
-            "gpu-layers" => s.gpu_layers.to_value(),
-            "prefix-cache-size" => s.prefix_cache_size.to_value(),
-            "prefix-cache-entries" => s.prefix_cache_entries.to_value(),
-            "engines" => s.engines.to_value(),
-            "threads" => s.threads.to_value(),
-            "model-owners" => (models::model_owners(&PathBuf::from(&s.model)) as u32).to_value(),
+            PROP_MODEL => s.model.to_value(),
+            PROP_RETAIN => s.retain.to_value(),
+            PROP_SYSTEM_PROMPT => s.system_prompt.to_value(),
+            PROP_CONTEXT_SIZE => s.context_size.to_value(),
+            PROP_MAX_STREAMS => s.max_streams.to_value(),
+            PROP_MAX_PENDING => s.max_pending.to_value(),
+            PROP_HISTORY_POLICY => s.history_policy.to_value(),
+            PROP_KV_LAYOUT => s.kv_layout.to_value(),
+            PROP_KV_TYPE => s.kv_type.to_value(),
+            PROP_HISTORY_KEEP => s.history_keep.to_value(),
+            PROP_OVERLOAD => s.overload.to_value(),
+            PROP_STEP_BUDGET_MS => s.step_budget_ms.to_value(),
+            PROP_INGEST_SHARE => s.ingest_share.to_value(),
+            PROP_MAX_ANSWERS => s.max_answers.to_value(),
+            PROP_FLASH_ATTENTION => s.flash_attention.to_value(),
+            PROP_GPU_DEVICE => s.gpu_device.to_value(),
+            PROP_GPU_LAYERS => s.gpu_layers.to_value(),
+            PROP_PREFIX_CACHE_SIZE => s.prefix_cache_size.to_value(),
+            PROP_PREFIX_CACHE_ENTRIES => s.prefix_cache_entries.to_value(),
+            PROP_ENGINES => s.engines.to_value(),
+            PROP_THREADS => s.threads.to_value(),
+            PROP_MODEL_OWNERS => (models::model_owners(&PathBuf::from(&s.model)) as u32).to_value(),
             _ => unreachable!(),
         }
     }

@@ -1,0 +1,232 @@
+//! Loading the engines of `vlmcontext`: started on a worker thread at NULL→READY, made the
+//! element's at READY→PAUSED (asynchronously inside a bin), dropped at PAUSED→READY; a load
+//! still running at READY→NULL is abandoned.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use vlm_runtime::prompt::Prompt;
+use vlm_runtime::snapshot::PrefixCache;
+use vlm_runtime::{Engine, EngineConfig, Error, Gpu, KvLayout, KvType, models};
+
+use super::{ANSWER_RESERVE, CAT, KvLayoutKind, KvTypeKind, Settings, State, VlmContext};
+
+/// A load of the engines running on its own thread (see `VlmContext::preload`).
+pub(super) struct Loading {
+    settings: Settings,
+    handle: std::thread::JoinHandle<Loaded>,
+    cancel: Arc<AtomicBool>,
+}
+
+/// Engines and prompt loaded for some settings.
+type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
+
+impl VlmContext {
+    /// Start loading the engines on a worker thread (at NULL→READY), so an application that
+    /// goes to READY early finds them loaded when it starts streaming.
+    pub(super) fn preload(&self) {
+        let s = self.settings.lock().clone();
+        if s.model.is_empty() {
+            return;
+        }
+        let this = self.ref_counted();
+        let settings = s.clone();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&cancel);
+        match std::thread::Builder::new().name("vlmcontext-load".into()).spawn(move || this.load(&settings, &flag)) {
+            Ok(handle) => *self.loading.lock() = Some(Loading { settings: s, handle, cancel }),
+            Err(e) => gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading at READY->PAUSED"),
+        }
+    }
+
+    /// Abandon a load still running, without waiting for it: its engines stop their
+    /// calibration run at its next computation and are dropped on the loading thread.
+    pub(super) fn abandon_preload(&self) {
+        if let Some(loading) = self.loading.lock().take() {
+            loading.cancel.store(true, Ordering::Release);
+        }
+    }
+
+    /// READY→PAUSED: with the engines loaded (or their load failed) at once, finish now;
+    /// otherwise finish asynchronously once the load started at NULL→READY ends, so that an
+    /// application's NULL→PLAYING never blocks its main loop (ASYNC_START now, ASYNC_DONE then,
+    /// as a sink that prerolls does).
+    pub(super) fn start(&self) -> Result<gst::StateChangeSuccess, gst::ErrorMessage> {
+        let current = self.settings.lock().clone();
+        let mut preloaded = self.loading.lock().take();
+        if let Some(stale) = preloaded.take_if(|l| l.settings != current) {
+            stale.cancel.store(true, Ordering::Release);
+        }
+        if preloaded.is_none() {
+            // Nothing loading with these settings (set after NULL→READY): start it now.
+            self.preload();
+            preloaded = self.loading.lock().take();
+        }
+        // Asynchronous only inside a bin, which completes the pipeline's state on ASYNC_DONE; a
+        // lone element (a test harness, which requires a synchronous change) waits for the load.
+        let in_bin = self.obj().parent().is_some();
+        let loading = match preloaded {
+            Some(l) if in_bin && !l.handle.is_finished() => l,
+            done => {
+                self.install(self.take_loaded(done)?);
+                return Ok(gst::StateChangeSuccess::Success);
+            }
+        };
+        // A stop meanwhile cancels the load (its calibration) and its completion.
+        let abandon = Arc::clone(&loading.cancel);
+        {
+            let mut st = self.state.lock();
+            st.loading = true;
+            st.abandon = Arc::clone(&abandon);
+        }
+        let this = self.ref_counted();
+        let finish = move || {
+            let loaded = this.take_loaded(Some(loading));
+            let mut st = this.state.lock();
+            if abandon.load(Ordering::Acquire) {
+                return; // stopped meanwhile: `stop` has reset the state
+            }
+            st.loading = false;
+            drop(st);
+            let obj = this.obj();
+            match loaded {
+                Ok(loaded) => {
+                    this.install(loaded);
+                    this.loaded.notify_all();
+                    let _ = obj.continue_state(gst::StateChangeSuccess::Success);
+                    let _ = obj.post_message(gst::message::AsyncDone::builder().src(&*obj).build());
+                }
+                Err(e) => {
+                    this.loaded.notify_all();
+                    this.post_error_message(e);
+                    obj.abort_state();
+                }
+            }
+        };
+        std::thread::Builder::new()
+            .name("vlmcontext-start".into())
+            .spawn(finish)
+            .map_err(|e| gst::error_msg!(gst::CoreError::StateChange, ["cannot start the loading thread: {}", e]))?;
+        let _ = self.obj().post_message(gst::message::AsyncStart::builder().src(&*self.obj()).build());
+        Ok(gst::StateChangeSuccess::Async)
+    }
+
+    /// The engines of `loading` if it loaded them with the current settings (waiting for it to
+    /// end), else loaded now.
+    fn take_loaded(&self, loading: Option<Loading>) -> Loaded {
+        let s = self.settings.lock().clone();
+        match loading {
+            Some(l) if l.settings == s => l
+                .handle
+                .join()
+                .unwrap_or_else(|_| Err(gst::error_msg!(gst::CoreError::StateChange, ["the loading thread panicked"]))),
+            _ => self.load(&s, &Arc::new(AtomicBool::new(false))),
+        }
+    }
+
+    /// Make loaded engines the element's.
+    fn install(&self, (engines, prompt): (Vec<Arc<Engine>>, Arc<Prompt>)) {
+        let s = self.settings.lock().clone();
+        let mut cache = self.prefix_cache.lock();
+        let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
+        if cache.as_ref().is_none_or(|c| c.limits() != limits) {
+            *cache = Some(Arc::new(PrefixCache::new(limits.0, limits.1)));
+        }
+        drop(cache);
+        let mut st = self.state.lock();
+        st.engines = engines;
+        st.prompt = Some(prompt);
+    }
+
+    /// Load the model on every engine `s` names, with `Progress` messages; `cancel` abandons it.
+    fn load(&self, s: &Settings, cancel: &Arc<AtomicBool>) -> Loaded {
+        // The message names the cause (the file, the property); the debug text the details.
+        let fail = |e: Error| {
+            if !matches!(e, Error::Cancelled) {
+                self.progress(gst::ProgressType::Error, &format!("loading {} failed", s.model));
+            }
+            match e {
+                Error::File { .. } => {
+                    gst::error_msg!(gst::ResourceError::OpenRead, ("{}", e), ["vlmcontext model={}", s.model])
+                }
+                Error::Config(_) => {
+                    gst::error_msg!(gst::ResourceError::Settings, ("{}", e), ["vlmcontext engines={}", s.engines])
+                }
+                e => gst::error_msg!(gst::ResourceError::Failed, ("{}", e), ["vlmcontext model={}", s.model]),
+            }
+        };
+        self.progress(gst::ProgressType::Start, &format!("loading {} ({} engines)", s.model, s.engines));
+        let base = EngineConfig {
+            threads: s.threads as i32,
+            context_per_sequence: s.context_size,
+            max_streams: s.max_streams,
+            max_branches: s.max_answers,
+            flash_attention: s.flash_attention,
+            gpu: Gpu { index: s.gpu_device as usize, layers: u32::try_from(s.gpu_layers).ok() },
+            kv_layout: match s.kv_layout {
+                KvLayoutKind::PerSequence => KvLayout::PerSequence,
+                KvLayoutKind::Unified => KvLayout::Unified,
+            },
+            kv_type: match s.kv_type {
+                KvTypeKind::F16 => KvType::F16,
+                KvTypeKind::Q8_0 => KvType::Q8_0,
+                KvTypeKind::Q4_0 => KvType::Q4_0,
+            },
+            answer_cells: ANSWER_RESERVE as u32,
+            step_budget_ms: s.step_budget_ms,
+            ingest_share: s.ingest_share,
+            ..EngineConfig::default()
+        };
+        let mut engines = vec![];
+        for config in EngineConfig::parse_list(&s.engines, &base).map_err(fail)? {
+            let engine = Engine::start_cancellable(&PathBuf::from(&s.model), config, cancel).map_err(fail)?;
+            gst::info!(
+                CAT,
+                imp = self,
+                "engine {} ready: {} ({} owners of its weights), {} cells per sequence, rates {:?}",
+                engine.name(),
+                s.model,
+                models::model_owners(&PathBuf::from(&s.model)),
+                engine.n_ctx_per_seq(),
+                engine.rates()
+            );
+            engines.push(engine);
+        }
+        let prompt = Prompt::new(engines[0].model(), &s.system_prompt)
+            .map_err(|e| gst::error_msg!(gst::LibraryError::Settings, ("{}", e), ["vlmcontext model={}", s.model]))?;
+        if !engines[0].model().has_chat_template() {
+            gst::element_imp_warning!(
+                self,
+                gst::LibraryError::Settings,
+                ("{} has no chat template: questions are laid out in ChatML, as llama.cpp does", s.model)
+            );
+        }
+        self.progress(gst::ProgressType::Complete, &format!("{} loaded", s.model));
+        Ok((engines, Arc::new(prompt)))
+    }
+
+    /// A `Progress` message about model loading.
+    fn progress(&self, kind: gst::ProgressType, text: &str) {
+        let msg = gst::message::Progress::builder(kind, "load-model", text).src(&*self.obj()).build();
+        let _ = self.obj().post_message(msg);
+    }
+
+    pub(super) fn stop(&self) {
+        for pads in self.pads.lock().iter() {
+            pads.cancel.store(true, Ordering::Release);
+            if let Some(s) = pads.stream.lock().take() {
+                s.close();
+            }
+        }
+        // Streams still referenced downstream (by pending questions) keep the engine alive; an
+        // asynchronous start still loading is abandoned.
+        let mut st = self.state.lock();
+        st.abandon.store(true, Ordering::Release);
+        *st = State::default();
+        drop(st);
+        self.loaded.notify_all();
+    }
+}

@@ -1,0 +1,244 @@
+//! The streams of `vlmcontext`: the runtime stream behind a pair of pads, opened on first use; the
+//! sink pad's buffers (each frame registered in its history), events and queries; the pad's
+//! counters (frames skipped or dropped, history restarts and slides, largest lag).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use vlm_runtime::{Error, HistoryPolicy, Overload, Stream, StreamConfig};
+
+use super::{ANSWER_RESERVE, CAT, HistoryPolicyKind, OverloadKind, StreamPads, VlmContext};
+use crate::events::{ModelQuery, StreamEvent};
+use crate::meta::VlmFrameMeta;
+
+impl VlmContext {
+    /// The runtime stream of `pads`, opened on first use.
+    ///
+    /// Locks are taken one at a time, none held across the upstream latency query or the
+    /// stream's opening (`stop` takes the pads and then a pad's stream; `property` takes no
+    /// other lock with the settings).
+    fn stream(&self, pads: &StreamPads) -> Result<Arc<Stream>, gst::ErrorMessage> {
+        if let Some(s) = pads.stream.lock().as_ref() {
+            return Ok(Arc::clone(s));
+        }
+        let (engine, engines, prompt) = {
+            let mut st = self.state.lock();
+            // The first frame of a stream may come while the engines load (READY→PAUSED
+            // completing asynchronously): it waits for them, or for a flush or a stop.
+            while st.loading && !pads.cancel.load(Ordering::Acquire) {
+                self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
+            }
+            let Some(p) = &st.prompt else {
+                return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"]));
+            };
+            // Where its frames are ingested soonest.
+            let resident = vlm_runtime::placer::resident_engine(&st.engines)
+                .ok_or_else(|| gst::error_msg!(gst::CoreError::StateChange, ["no engine"]))?;
+            (Arc::clone(resident), st.engines.clone(), Arc::clone(p))
+        };
+        let settings = self.settings.lock().clone();
+        let name = pads.sink.downcast_ref::<crate::vlmcontext::VlmContextSinkPad>().map(|p| p.stream_name());
+        let config = StreamConfig {
+            name: name.unwrap_or_else(|| pads.sink.name().to_string()),
+            retain: settings.retain,
+            max_pending: settings.max_pending as usize,
+            overload: match settings.overload {
+                OverloadKind::Block => Overload::Block,
+                OverloadKind::Skip => Overload::Skip,
+                OverloadKind::Auto if self.upstream_is_live(&pads.sink) => Overload::Skip,
+                OverloadKind::Auto => Overload::Block,
+            },
+            answer_reserve: ANSWER_RESERVE,
+            history_policy: match settings.history_policy {
+                HistoryPolicyKind::Restart => HistoryPolicy::Restart { keep: settings.history_keep as usize },
+                HistoryPolicyKind::Stop => HistoryPolicy::Stop,
+                HistoryPolicyKind::Slide => HistoryPolicy::Slide,
+            },
+            prefix_cache: self.prefix_cache.lock().clone(),
+            peers: engines,
+        };
+        let stream = Stream::open(&engine, prompt, config).map_err(|e| {
+            gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])
+        })?;
+        let mut slot = pads.stream.lock();
+        if let Some(opened) = slot.as_ref() {
+            // Opened meanwhile by another of the pad's threads: keep that one.
+            stream.close();
+            return Ok(Arc::clone(opened));
+        }
+        gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
+        *slot = Some(Arc::clone(&stream));
+        Ok(stream)
+    }
+
+    /// Whether the stream comes from a live source (its frames cannot wait).
+    fn upstream_is_live(&self, sink: &gst::Pad) -> bool {
+        let mut q = gst::query::Latency::new();
+        sink.peer_query(&mut q) && q.result().0
+    }
+
+    pub(super) fn sink_chain(
+        &self,
+        pads: &StreamPads,
+        mut buffer: gst::Buffer,
+    ) -> Result<gst::FlowSuccess, gst::FlowError> {
+        // Flushing, stopping (PAUSED->READY runs before the pads deactivate) or released.
+        if pads.cancel.load(Ordering::Acquire) {
+            return Err(gst::FlowError::Flushing);
+        }
+        let frame = buffer.meta::<VlmFrameMeta>().and_then(|m| m.frame().cloned());
+        if let Some(frame) = frame {
+            let stream = self.stream(pads).map_err(|e| {
+                self.post_error_message(e);
+                gst::FlowError::Error
+            })?;
+            let lag = stream.lag();
+            {
+                let mut max = pads.max_lag_ms.lock();
+                *max = max.max(lag.ms);
+            }
+            match stream.register(frame, &pads.cancel) {
+                Ok(registration) if registration.skipped => self.frame_skipped(pads, &stream, lag),
+                Ok(registration) => {
+                    let number = registration.number;
+                    gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
+                    if let Some((kept, dropped)) = registration.restart {
+                        self.history_restarted(pads, &stream, number, (kept, dropped), registration.slid);
+                    }
+                    let buf = buffer.make_mut();
+                    if let Some(mut m) = buf.meta_mut::<VlmFrameMeta>() {
+                        m.set_position(stream.id(), number);
+                    }
+                }
+                Err(Error::Cancelled) => return Err(gst::FlowError::Flushing),
+                Err(e @ Error::HistoryFull { .. }) => {
+                    let mut dropped = pads.dropped.lock();
+                    if *dropped == 0 {
+                        gst::element_imp_warning!(
+                            self,
+                            gst::ResourceError::NoSpaceLeft,
+                            (
+                                "{}: {}; later frames pass without joining the history (raise context-size)",
+                                pads.sink.name(),
+                                e
+                            )
+                        );
+                    }
+                    *dropped += 1;
+                }
+                Err(e) => {
+                    gst::element_imp_error!(
+                        self,
+                        gst::StreamError::Failed,
+                        ("{}: frame not taken into the history: {}", pads.sink.name(), e)
+                    );
+                    return Err(gst::FlowError::Error);
+                }
+            }
+        }
+        pads.src.push(buffer)
+    }
+
+    /// The overload policy skipped a frame: count it; tell the application when a run of skips
+    /// starts and then every 10 skipped frames.
+    fn frame_skipped(&self, pads: &StreamPads, stream: &Stream, lag: vlm_runtime::Lag) {
+        let skipped = {
+            let mut n = pads.skipped.lock();
+            *n += 1;
+            *n
+        };
+        gst::debug!(CAT, obj = pads.sink, "ingestion {} frames / {:.0} ms behind: frame skipped", lag.frames, lag.ms);
+        if skipped == 1 || skipped.is_multiple_of(10) {
+            let s = gst::Structure::builder("vlm-overload")
+                .field("stream", stream.name())
+                .field("policy", "skip")
+                .field("lag-frames", lag.frames)
+                .field("lag-ms", lag.ms)
+                .field("skipped", skipped)
+                .build();
+            let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
+        }
+    }
+
+    /// The history policy restarted (or slid) a stream's history: count it and tell the
+    /// application.
+    fn history_restarted(
+        &self,
+        pads: &StreamPads,
+        stream: &Stream,
+        frame: u64,
+        (kept, dropped): (usize, usize),
+        slid: bool,
+    ) {
+        let (policy, how) = if slid {
+            *pads.slides.lock() += 1;
+            ("slide", "slid in place")
+        } else {
+            *pads.restarts.lock() += 1;
+            ("restart", "restarted")
+        };
+        gst::info!(
+            CAT,
+            obj = pads.sink,
+            "history full at frame {frame}: {how}, keeping the newest {kept} frames ({dropped} dropped)"
+        );
+        if !slid
+            && self.settings.lock().history_policy == HistoryPolicyKind::Slide
+            && let Some(why) = stream.engine().shift_refusal()
+        {
+            gst::info!(CAT, obj = pads.sink, "history-policy=slide restarts instead: {why}");
+        }
+        let s = gst::Structure::builder("vlm-history")
+            .field("stream", stream.name())
+            .field("policy", policy)
+            .field("frame", frame)
+            .field("kept", kept as u32)
+            .field("dropped", dropped as u32)
+            .field("restarts", stream.restarts())
+            .field("slides", stream.slides())
+            .build();
+        let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
+    }
+
+    pub(super) fn sink_event(&self, pads: &StreamPads, event: gst::Event) -> bool {
+        match event.view() {
+            gst::EventView::FlushStart(_) => {
+                pads.cancel.store(true, Ordering::Release);
+                if let Some(stream) = pads.stream.lock().as_ref() {
+                    stream.wake();
+                }
+            }
+            gst::EventView::FlushStop(_) => pads.cancel.store(false, Ordering::Release),
+            gst::EventView::StreamStart(_) => {
+                let forwarded = pads.src.push_event(event);
+                return match self.stream(pads) {
+                    Ok(stream) => forwarded && pads.src.push_event(StreamEvent::event(stream.id(), stream.name())),
+                    Err(e) => {
+                        self.post_error_message(e);
+                        false
+                    }
+                };
+            }
+            _ => (),
+        }
+        pads.src.push_event(event)
+    }
+
+    pub(super) fn sink_query(&self, pads: &StreamPads, query: &mut gst::QueryRef) -> bool {
+        if ModelQuery::is(query) {
+            // Asked by vlmencode's encoding task before it loads its projector: answered once
+            // the engines have loaded (READY→PAUSED completing asynchronously), so that the
+            // projector binds to their copy of the weights instead of loading another.
+            let mut st = self.state.lock();
+            while st.loading && !pads.cancel.load(Ordering::Acquire) {
+                self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
+            }
+            drop(st);
+            ModelQuery::answer(query, &self.settings.lock().model);
+            return true;
+        }
+        pads.src.peer_query(query)
+    }
+}
