@@ -85,23 +85,27 @@ impl VlmContext {
         let this = self.ref_counted();
         let finish = move || {
             let loaded = this.take_loaded(Some(loading));
-            let mut st = this.state.lock();
-            if abandon.load(Ordering::Acquire) {
-                return; // stopped meanwhile: `stop` has reset the state
-            }
-            st.loading = false;
-            drop(st);
             let obj = this.obj();
+            // The waiting streams wake when `loading` ends: the engines installed, or the error
+            // posted first (theirs, "not started", must not come before it).
             match loaded {
-                Ok(loaded) => {
-                    this.install(loaded);
+                Ok((engines, prompt)) => {
+                    this.ensure_prefix_cache();
+                    let mut st = this.state.lock();
+                    if abandon.load(Ordering::Acquire) {
+                        return; // stopped meanwhile: `stop` has reset the state
+                    }
+                    (st.engines, st.prompt, st.loading) = (engines, Some(prompt), false);
+                    drop(st);
                     this.loaded.notify_all();
                     let _ = obj.continue_state(gst::StateChangeSuccess::Success);
                     let _ = obj.post_message(gst::message::AsyncDone::builder().src(&*obj).build());
                 }
+                Err(_) if abandon.load(Ordering::Acquire) => {}
                 Err(e) => {
-                    this.loaded.notify_all();
                     this.post_error_message(e);
+                    this.state.lock().loading = false;
+                    this.loaded.notify_all();
                     obj.abort_state();
                 }
             }
@@ -129,16 +133,20 @@ impl VlmContext {
 
     /// Make loaded engines the element's.
     fn install(&self, (engines, prompt): (Vec<Arc<Engine>>, Arc<Prompt>)) {
+        self.ensure_prefix_cache();
+        let mut st = self.state.lock();
+        st.engines = engines;
+        st.prompt = Some(prompt);
+    }
+
+    /// The prefix cache, made again when its limits changed.
+    fn ensure_prefix_cache(&self) {
         let s = self.settings.lock().clone();
         let mut cache = self.prefix_cache.lock();
         let limits = (s.prefix_cache_entries as usize, s.prefix_cache_size as usize);
         if cache.as_ref().is_none_or(|c| c.limits() != limits) {
             *cache = Some(Arc::new(PrefixCache::new(limits.0, limits.1)));
         }
-        drop(cache);
-        let mut st = self.state.lock();
-        st.engines = engines;
-        st.prompt = Some(prompt);
     }
 
     /// Load the model on every engine `s` names, with `Progress` messages; `cancel` abandons it.

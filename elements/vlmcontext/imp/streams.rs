@@ -31,7 +31,10 @@ impl VlmContext {
                 self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
             }
             let Some(p) = &st.prompt else {
-                return Err(gst::error_msg!(gst::CoreError::StateChange, ["vlmcontext is not started"]));
+                return Err(gst::error_msg!(
+                    gst::CoreError::StateChange,
+                    ("vlmcontext has no engines: it is not started, or its model did not load (see the error before)")
+                ));
             };
             // Where its frames are ingested soonest.
             let resident = vlm_runtime::placer::resident_engine(&st.engines)
