@@ -9,14 +9,31 @@
 //! one busy process per core (`docs/benchmarks.md`): quiet, 2 threads answered 0.81/s and 1
 //! thread 0.52/s; busy, 2 threads 0.21-0.22/s with start-ups up to 11.8 s, 1 thread 0.35-0.37/s
 //! with 1.7-1.8 s. Neither count is right for both, so the engine measures: its calibration run
-//! times decode steps with each candidate (the configured count and 1) and starts with the
-//! faster, and every `PROBE_EVERY` decode steps it runs `PROBE_STEPS` with the other count and
-//! keeps whichever costs less per token.
+//! times each kind of computation with each candidate (the configured count and 1) and starts
+//! with the faster, and every so often ([`Kind`]) it runs a few computations with the other
+//! count and keeps whichever costs less per token. Decode steps and prefill chunks are tuned
+//! apart, each computation run with its own kind's count: contention hurts the wide prefill
+//! chunks most, and their cost per token is not a decode step's.
 
-/// Decode steps between two probes of the other thread count.
-const PROBE_EVERY: u32 = 64;
-/// Decode steps a probe runs with the other thread count.
-const PROBE_STEPS: u32 = 6;
+/// What a tuner times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Batched decode steps (one token per answer): a probe of 6 steps every 64.
+    Decode,
+    /// Prefill chunks (frames, replays, questions; up to a step budget each): fewer and longer,
+    /// a probe of 3 chunks every 16.
+    Prefill,
+}
+
+impl Kind {
+    /// (computations between two probes of the other count, computations a probe runs).
+    fn probing(self) -> (u32, u32) {
+        match self {
+            Kind::Decode => (64, 6),
+            Kind::Prefill => (16, 3),
+        }
+    }
+}
 
 /// A probe in progress: the candidate tried, the one it is compared with, what it measured.
 struct Probe {
@@ -28,6 +45,8 @@ struct Probe {
 }
 
 pub(crate) struct ThreadTuner {
+    probe_every: u32,
+    probe_steps: u32,
     candidates: Vec<i32>,
     current: usize,
     /// Milliseconds per decoded token with each candidate (0: not measured yet).
@@ -39,10 +58,11 @@ pub(crate) struct ThreadTuner {
 impl ThreadTuner {
     /// Candidates `threads` and 1; `tune` false (a GPU engine, where threads do little) keeps
     /// `threads` alone.
-    pub(crate) fn new(threads: i32, tune: bool) -> ThreadTuner {
+    pub(crate) fn new(kind: Kind, threads: i32, tune: bool) -> ThreadTuner {
         let candidates = if tune && threads > 1 { vec![threads, 1] } else { vec![threads] };
         let cost = vec![0.0; candidates.len()];
-        ThreadTuner { candidates, current: 0, cost, since_probe: 0, probe: None }
+        let (probe_every, probe_steps) = kind.probing();
+        ThreadTuner { probe_every, probe_steps, candidates, current: 0, cost, since_probe: 0, probe: None }
     }
 
     pub(crate) fn threads(&self) -> i32 {
@@ -69,15 +89,15 @@ impl ThreadTuner {
         self.threads()
     }
 
-    /// A decode step of `tokens` took `ms` with the current thread count. Returns the count to
-    /// use from the next step on when it changes (a probe starts or ends).
+    /// A computation of `tokens` took `ms` with the current thread count. Returns the count to
+    /// use from the next one on when it changes (a probe starts or ends).
     pub(crate) fn observe(&mut self, ms: f64, tokens: usize) -> Option<i32> {
         if self.candidates.len() < 2 || tokens == 0 {
             return None;
         }
         if let Some(p) = &mut self.probe {
             (p.steps, p.ms, p.tokens) = (p.steps + 1, p.ms + ms, p.tokens + tokens);
-            if p.steps < PROBE_STEPS {
+            if p.steps < self.probe_steps {
                 return None;
             }
             let (tried, back_to, mean) = (p.index, p.back_to, p.ms / p.tokens as f64);
@@ -93,7 +113,7 @@ impl ThreadTuner {
         let cost = &mut self.cost[self.current];
         *cost = if *cost <= 0.0 { per_token } else { 0.8 * *cost + 0.2 * per_token };
         self.since_probe += 1;
-        if self.since_probe < PROBE_EVERY {
+        if self.since_probe < self.probe_every {
             return None;
         }
         self.since_probe = 0;
@@ -113,14 +133,20 @@ mod tests {
         (0..steps).filter_map(|_| t.observe(ms(t.threads()), 1)).collect()
     }
 
+    /// A decode probe's period: steps between two probes plus the probe's own.
+    fn period() -> u32 {
+        let (every, steps) = Kind::Decode.probing();
+        every + steps
+    }
+
     #[test]
     fn calibration_starts_with_the_faster_count() {
-        let mut t = ThreadTuner::new(2, true);
+        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
         assert_eq!(t.candidates(), [2, 1]);
         t.seed(0, 40.0); // 2 threads while other processes hold the cores
         t.seed(1, 15.0);
         assert_eq!(t.choose_best(), 1);
-        let mut quiet = ThreadTuner::new(2, true);
+        let mut quiet = ThreadTuner::new(Kind::Decode, 2, true);
         quiet.seed(0, 8.0);
         quiet.seed(1, 13.0);
         assert_eq!(quiet.choose_best(), 2);
@@ -128,25 +154,44 @@ mod tests {
 
     #[test]
     fn a_probe_switches_when_the_other_count_became_cheaper_and_returns_when_not() {
-        let mut t = ThreadTuner::new(2, true);
+        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
         t.seed(0, 8.0);
         t.seed(1, 13.0);
         assert_eq!(t.choose_best(), 2);
         // Quiet: the probe of 1 thread costs more, so it goes back to 2.
-        assert_eq!(run(&mut t, PROBE_EVERY + PROBE_STEPS, |n| if n == 2 { 8.0 } else { 13.0 }), [1, 2]);
+        assert_eq!(run(&mut t, period(), |n| if n == 2 { 8.0 } else { 13.0 }), [1, 2]);
         assert_eq!(t.threads(), 2);
         // Contention starts: 2 threads now cost 40 ms a token, 1 thread 15; the next probe moves.
-        assert_eq!(run(&mut t, PROBE_EVERY + PROBE_STEPS, |n| if n == 2 { 40.0 } else { 15.0 }), [1]);
+        assert_eq!(run(&mut t, period(), |n| if n == 2 { 40.0 } else { 15.0 }), [1]);
         assert_eq!(t.threads(), 1);
         // Contention ends: the probe of 2 threads finds them cheaper again.
-        assert_eq!(run(&mut t, PROBE_EVERY + PROBE_STEPS, |n| if n == 2 { 8.0 } else { 13.0 }), [2]);
+        assert_eq!(run(&mut t, period(), |n| if n == 2 { 8.0 } else { 13.0 }), [2]);
         assert_eq!(t.threads(), 2);
     }
 
     #[test]
+    fn prefill_chunks_are_probed_sooner_and_tuned_apart_from_decode_steps() {
+        // Contention that hurts wide chunks: 2 threads cost 3 ms a token of prefill against 1.2
+        // with 1 thread, while decode steps still favour 2 threads.
+        let (mut prefill, mut decode) =
+            (ThreadTuner::new(Kind::Prefill, 2, true), ThreadTuner::new(Kind::Decode, 2, true));
+        for t in [&mut prefill, &mut decode] {
+            t.seed(0, 1.0);
+            t.seed(1, 2.0);
+            assert_eq!(t.choose_best(), 2);
+        }
+        let (every, steps) = Kind::Prefill.probing();
+        let ms = |t: &ThreadTuner| if t.threads() == 2 { 3.0 * 64.0 } else { 1.2 * 64.0 };
+        let switched: Vec<i32> = (0..every + steps).filter_map(|_| prefill.observe(ms(&prefill), 64)).collect();
+        assert_eq!(switched, [1], "the probe after {every} chunks keeps 1 thread");
+        assert!(run(&mut decode, every + steps, |n| if n == 2 { 8.0 } else { 13.0 }).is_empty());
+        assert_eq!(decode.threads(), 2);
+    }
+
+    #[test]
     fn one_thread_or_a_gpu_engine_is_never_tuned() {
-        for mut t in [ThreadTuner::new(1, true), ThreadTuner::new(4, false)] {
-            assert!(run(&mut t, 10 * PROBE_EVERY, |_| 5.0).is_empty());
+        for mut t in [ThreadTuner::new(Kind::Decode, 1, true), ThreadTuner::new(Kind::Decode, 4, false)] {
+            assert!(run(&mut t, 10 * period(), |_| 5.0).is_empty());
         }
     }
 }

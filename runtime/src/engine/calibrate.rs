@@ -5,8 +5,8 @@ use std::time::Instant;
 use super::{Stage, Worker};
 use crate::llama::Token;
 
-/// Seed the stage rates with a short run on a scratch branch: 32 tokens of prefill (twice), 6
-/// decode steps, one export and import. `cancelled` is asked before each computation: a stop,
+/// Seed the stage rates with a short run on a scratch branch: 32 tokens of prefill (twice with
+/// each thread count), 6 decode steps, one export and import. `cancelled` is asked before each computation: a stop,
 /// an error elsewhere in the pipeline or the process's exit never waits for more than the one
 /// running (seconds under heavy CPU contention, where the whole run took a minute).
 pub(super) fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
@@ -20,7 +20,7 @@ pub(super) fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
     if candidates.len() > 1 {
         let mut best = f64::INFINITY;
         for (i, &threads) in candidates.iter().enumerate().rev() {
-            w.ctx.set_threads(threads);
+            w.use_threads(threads);
             w.ctx.seq_clear(seq);
             if cancelled() {
                 return;
@@ -29,24 +29,36 @@ pub(super) fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
             w.tuner.seed(i, fastest);
             best = best.min(fastest);
         }
-        let threads = w.tuner.choose_best();
-        w.ctx.set_threads(threads);
+        w.tuner.choose_best();
     }
+    // Prefill the same way (its own thread count: `crate::threads`), the faster of two prefills
+    // of 32 tokens with each candidate (a GPU backend builds its pipelines on the first one);
+    // the rate is seeded from the count chosen.
     let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
-    // The faster of two prefills: a GPU backend builds its pipelines on the first one.
-    let mut fastest = f64::INFINITY;
-    for _ in 0..2 {
-        if cancelled() {
-            return;
+    let mut by_candidate = vec![f64::INFINITY; candidates.len()];
+    for (i, &threads) in candidates.iter().enumerate().rev() {
+        w.use_threads(threads);
+        let best = by_candidate.iter().copied().fold(f64::INFINITY, f64::min);
+        for _ in 0..2 {
+            if cancelled() {
+                return;
+            }
+            w.ctx.seq_clear(seq);
+            let t = Instant::now();
+            if w.ctx.decode_tokens(&tokens, 0, seq, true).is_err() {
+                return;
+            }
+            by_candidate[i] = by_candidate[i].min(t.elapsed().as_secs_f64() * 1e3);
+            if by_candidate[i] > 3.0 * best {
+                break; // spinning threads under contention: one such prefill is enough
+            }
         }
-        w.ctx.seq_clear(seq);
-        let t = Instant::now();
-        if w.ctx.decode_tokens(&tokens, 0, seq, true).is_err() {
-            return;
-        }
-        fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
+        w.prefill_tuner.seed(i, by_candidate[i] / tokens.len() as f64);
     }
-    w.seed(Stage::Prefill, tokens.len(), fastest);
+    let chosen = w.prefill_tuner.choose_best();
+    let index = candidates.iter().position(|&c| c == chosen).unwrap_or(0);
+    w.seed(Stage::Prefill, tokens.len(), by_candidate[index]);
+    w.use_threads(w.tuner.threads());
     // The fastest of 6 steps: the first builds its graph, and engines starting together slow
     // each other's first steps; a slow seed would make an idle engine look busy to the placer.
     let fastest = fastest_step(w, seq, 32..38, &|_, _| cancelled());

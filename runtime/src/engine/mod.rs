@@ -48,7 +48,7 @@ use crate::error::{Error, Result};
 use crate::llama::{Context, ContextParams, Device, Model};
 use crate::models;
 use crate::prefix::CompatTag;
-use crate::threads::ThreadTuner;
+use crate::threads::{Kind, ThreadTuner};
 
 pub struct Engine {
     config: EngineConfig,
@@ -170,7 +170,9 @@ impl Engine {
             free_branches: (streams..streams + config.max_branches as i32).rev().collect(),
             rates: Arc::clone(&rates),
             seeded: std::cell::Cell::new(0),
-            tuner: ThreadTuner::new(config.threads, config.device == Device::Cpu),
+            tuner: ThreadTuner::new(Kind::Decode, config.threads, config.device == Device::Cpu),
+            prefill_tuner: ThreadTuner::new(Kind::Prefill, config.threads, config.device == Device::Cpu),
+            threads_set: config.threads,
             cell_bytes: 0,
         };
         let (tx, rx) = mpsc::channel::<Job>();

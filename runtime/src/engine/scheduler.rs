@@ -86,12 +86,12 @@ impl Scheduler {
             batch.push_token(a.next.0, a.next.1, a.branch, true);
         }
         shared.widest.fetch_max(self.active.len(), Ordering::Relaxed);
+        w.use_threads(w.tuner.threads());
         let started = Instant::now();
         let step = w.ctx.decode(&batch);
         let ms = started.elapsed().as_secs_f64() * 1e3;
         w.record(Stage::DecodeStep, 1, ms);
         if let Some(threads) = w.tuner.observe(ms, self.active.len()) {
-            w.ctx.set_threads(threads);
             shared.threads.store(threads, Ordering::Relaxed);
         }
         let steps = if self.ordered.is_empty() { &shared.idle_steps } else { &shared.busy_steps };
@@ -280,6 +280,7 @@ const MIN_CHUNK: usize = 8;
 /// that must go whole.
 fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result<()> {
     let Some(next) = prefill.next() else { return Ok(()) };
+    w.use_threads(w.prefill_tuner.threads());
     let started = Instant::now();
     let before = prefill.remaining();
     match next {
@@ -295,7 +296,9 @@ fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result
             prefill.advance(n);
         }
     }
-    w.record(Stage::Prefill, before - prefill.remaining(), started.elapsed().as_secs_f64() * 1e3);
+    let (inputs, ms) = (before - prefill.remaining(), started.elapsed().as_secs_f64() * 1e3);
+    w.record(Stage::Prefill, inputs, ms);
+    w.prefill_tuner.observe(ms, inputs);
     Ok(())
 }
 

@@ -58,8 +58,11 @@ pub struct Worker {
     /// and real work pays graph rebuilds between streams: replacing would make an engine that
     /// has done real work look dearer than an idle one that has not).
     pub(super) seeded: std::cell::Cell<u8>,
-    /// The thread count computations use (see `crate::threads`).
+    /// The thread counts decode steps and prefill chunks use (see `crate::threads`).
     pub(super) tuner: ThreadTuner,
+    pub(super) prefill_tuner: ThreadTuner,
+    /// The thread count the context was last set to.
+    pub(super) threads_set: i32,
     /// Bytes one KV cell takes (K and V rows of every layer), measured by the calibration run.
     pub(super) cell_bytes: usize,
 }
@@ -86,6 +89,14 @@ impl KvMemory {
 }
 
 impl Worker {
+    /// Run the next computations on `threads` threads.
+    pub(super) fn use_threads(&mut self, threads: i32) {
+        if threads != self.threads_set {
+            self.ctx.set_threads(threads);
+            self.threads_set = threads;
+        }
+    }
+
     pub fn kv_memory(&mut self) -> KvMemory {
         KvMemory { in_use_bytes: self.ctx.kv_bytes_in_use(), cell_bytes: self.cell_bytes, cells: self.ctx.n_ctx() }
     }
