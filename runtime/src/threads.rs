@@ -15,6 +15,9 @@
 //! apart, each computation run with its own kind's count: contention hurts the wide prefill
 //! chunks most, and their cost per token is not a decode step's.
 
+/// Most a losing probe's period grows (see `ThreadTuner::probe_every`).
+const MAX_BACKOFF: u32 = 8;
+
 /// What a tuner times.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -45,7 +48,11 @@ struct Probe {
 }
 
 pub(crate) struct ThreadTuner {
+    /// Computations between two probes: the kind's period, doubled after each probe that loses
+    /// (up to [`MAX_BACKOFF`] times), so that a probe of spinning threads under lasting
+    /// contention costs less and less; back to the period when a probe wins.
     probe_every: u32,
+    base_every: u32,
     probe_steps: u32,
     candidates: Vec<i32>,
     current: usize,
@@ -62,7 +69,16 @@ impl ThreadTuner {
         let candidates = if tune && threads > 1 { vec![threads, 1] } else { vec![threads] };
         let cost = vec![0.0; candidates.len()];
         let (probe_every, probe_steps) = kind.probing();
-        ThreadTuner { probe_every, probe_steps, candidates, current: 0, cost, since_probe: 0, probe: None }
+        ThreadTuner {
+            probe_every,
+            base_every: probe_every,
+            probe_steps,
+            candidates,
+            current: 0,
+            cost,
+            since_probe: 0,
+            probe: None,
+        }
     }
 
     pub(crate) fn threads(&self) -> i32 {
@@ -104,8 +120,10 @@ impl ThreadTuner {
             self.probe = None;
             self.cost[tried] = mean;
             if mean < self.cost[back_to] {
+                self.probe_every = self.base_every;
                 return None; // keep the probed count: it is current already
             }
+            self.probe_every = (self.probe_every * 2).min(self.base_every * MAX_BACKOFF);
             self.current = back_to;
             return Some(self.threads());
         }
@@ -161,8 +179,9 @@ mod tests {
         // Quiet: the probe of 1 thread costs more, so it goes back to 2.
         assert_eq!(run(&mut t, period(), |n| if n == 2 { 8.0 } else { 13.0 }), [1, 2]);
         assert_eq!(t.threads(), 2);
-        // Contention starts: 2 threads now cost 40 ms a token, 1 thread 15; the next probe moves.
-        assert_eq!(run(&mut t, period(), |n| if n == 2 { 40.0 } else { 15.0 }), [1]);
+        // Contention starts: 2 threads now cost 40 ms a token, 1 thread 15; the next probe (the
+        // last one lost, so twice as late) moves.
+        assert_eq!(run(&mut t, period() + Kind::Decode.probing().0, |n| if n == 2 { 40.0 } else { 15.0 }), [1]);
         assert_eq!(t.threads(), 1);
         // Contention ends: the probe of 2 threads finds them cheaper again.
         assert_eq!(run(&mut t, period(), |n| if n == 2 { 8.0 } else { 13.0 }), [2]);
@@ -186,6 +205,25 @@ mod tests {
         assert_eq!(switched, [1], "the probe after {every} chunks keeps 1 thread");
         assert!(run(&mut decode, every + steps, |n| if n == 2 { 8.0 } else { 13.0 }).is_empty());
         assert_eq!(decode.threads(), 2);
+    }
+
+    #[test]
+    fn losing_probes_come_less_often_and_a_winning_one_resets_the_period() {
+        let (every, steps) = Kind::Decode.probing();
+        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
+        t.seed(0, 8.0);
+        t.seed(1, 13.0);
+        assert_eq!(t.choose_best(), 2);
+        let quiet = |n: i32| if n == 2 { 8.0 } else { 13.0 };
+        // Each losing probe doubles the wait before the next: 64, 128, 256 steps.
+        for wait in [every, 2 * every, 4 * every] {
+            assert!(run(&mut t, wait - 1, quiet).is_empty(), "no probe before {wait} steps");
+            assert_eq!(run(&mut t, 1 + steps, quiet), [1, 2], "a probe after {wait} steps");
+        }
+        // Contention: the next probe (after 512 steps) wins and the period is 64 again.
+        let busy = |n: i32| if n == 2 { 40.0 } else { 15.0 };
+        assert_eq!(run(&mut t, 8 * every + steps, busy), [1]);
+        assert_eq!(run(&mut t, every + steps, busy), [2, 1], "probed again after {every} steps");
     }
 
     #[test]
