@@ -214,6 +214,8 @@ pub struct VlmContext {
     settings: Mutex<Settings>,
     state: Mutex<State>,
     loaded: parking_lot::Condvar,
+    /// Held while a stream opens (see `stream`).
+    opening: Mutex<()>,
     /// The load started at NULL→READY on a worker thread, with the settings it used.
     loading: Mutex<Option<Loading>>,
     pads: Mutex<Vec<Arc<StreamPads>>>,

@@ -16,20 +16,38 @@ use crate::meta::VlmFrameMeta;
 impl VlmContext {
     /// The runtime stream of `pads`, opened on first use.
     ///
-    /// Locks are taken one at a time, none held across the upstream latency query or the
-    /// stream's opening (`stop` takes the pads and then a pad's stream; `property` takes no
-    /// other lock with the settings).
+    /// Locks are taken one at a time, none held across the upstream latency query, and only
+    /// `opening` (taken nowhere else) across the stream's opening (`stop` takes the pads and then
+    /// a pad's stream; `property` takes no other lock with the settings).
     fn stream(&self, pads: &StreamPads) -> Result<Arc<Stream>, gst::ErrorMessage> {
         if let Some(s) = pads.stream.lock().as_ref() {
             return Ok(Arc::clone(s));
         }
-        let (engine, engines, prompt) = {
+        {
             let mut st = self.state.lock();
             // The first frame of a stream may come while the engines load (READY→PAUSED
             // completing asynchronously): it waits for them, or for a flush or a stop.
             while st.loading && !pads.cancel.load(Ordering::Acquire) {
                 self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
             }
+        }
+        let settings = self.settings.lock().clone();
+        let name = pads.sink.downcast_ref::<crate::vlmcontext::VlmContextSinkPad>().map(|p| p.stream_name());
+        let overload = match settings.overload {
+            OverloadKind::Block => Overload::Block,
+            OverloadKind::Skip => Overload::Skip,
+            OverloadKind::Auto if self.upstream_is_live(&pads.sink) => Overload::Skip,
+            OverloadKind::Auto => Overload::Block,
+        };
+        // One stream opens at a time: choosing its engine and taking a stream sequence there are
+        // one step (two streams whose first frames came together, as when the engines finish
+        // loading, would both choose the engine with one free sequence).
+        let _opening = self.opening.lock();
+        if let Some(s) = pads.stream.lock().as_ref() {
+            return Ok(Arc::clone(s)); // opened meanwhile by another of the pad's threads
+        }
+        let (engine, engines, prompt) = {
+            let st = self.state.lock();
             let Some(p) = &st.prompt else {
                 return Err(gst::error_msg!(
                     gst::CoreError::StateChange,
@@ -41,18 +59,11 @@ impl VlmContext {
                 .ok_or_else(|| gst::error_msg!(gst::CoreError::StateChange, ["no engine"]))?;
             (Arc::clone(resident), st.engines.clone(), Arc::clone(p))
         };
-        let settings = self.settings.lock().clone();
-        let name = pads.sink.downcast_ref::<crate::vlmcontext::VlmContextSinkPad>().map(|p| p.stream_name());
         let config = StreamConfig {
             name: name.unwrap_or_else(|| pads.sink.name().to_string()),
             retain: settings.retain,
             max_pending: settings.max_pending as usize,
-            overload: match settings.overload {
-                OverloadKind::Block => Overload::Block,
-                OverloadKind::Skip => Overload::Skip,
-                OverloadKind::Auto if self.upstream_is_live(&pads.sink) => Overload::Skip,
-                OverloadKind::Auto => Overload::Block,
-            },
+            overload,
             answer_reserve: ANSWER_RESERVE,
             history_policy: match settings.history_policy {
                 HistoryPolicyKind::Restart => HistoryPolicy::Restart { keep: settings.history_keep as usize },
@@ -65,14 +76,8 @@ impl VlmContext {
         let stream = Stream::open(&engine, prompt, config).map_err(|e| {
             gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])
         })?;
-        let mut slot = pads.stream.lock();
-        if let Some(opened) = slot.as_ref() {
-            // Opened meanwhile by another of the pad's threads: keep that one.
-            stream.close();
-            return Ok(Arc::clone(opened));
-        }
         gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
-        *slot = Some(Arc::clone(&stream));
+        *pads.stream.lock() = Some(Arc::clone(&stream));
         Ok(stream)
     }
 
