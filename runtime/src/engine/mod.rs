@@ -444,6 +444,10 @@ impl Engine {
         let Some(t) = self.thread.lock().take().filter(|t| t.thread().id() != std::thread::current().id()) else {
             return;
         };
+        if !matches!(self.config.device, Device::Rpc(_)) {
+            let _ = t.join();
+            return;
+        }
         // An RPC server that went away while the engine was idle is found out only now, when
         // the thread frees its context there: the watchdog then declares the engine failed.
         while !t.is_finished() && self.failure().is_none() {
