@@ -238,7 +238,8 @@ fn video_leaves_vlmquery_and_textoverlay_draws_answers_with_its_defaults() {
             let shown = last + last_duration - pts;
             assert!(shown > gst::ClockTime::ZERO && shown <= half_second, "{display}: {texts:?}");
             assert!(
-                shown == half_second || last + last_duration >= gst::ClockTime::from_mseconds(1950),
+                // (the video's last frame may leave before the answer's piece for it: 1.9 s)
+                shown == half_second || last + last_duration >= gst::ClockTime::from_mseconds(1900),
                 "{display}: cut short before the video ended: {texts:?}"
             );
         }
