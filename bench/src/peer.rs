@@ -53,7 +53,19 @@ fn free_port() -> std::io::Result<u16> {
 }
 
 fn agent(timeout: Duration) -> ureq::Agent {
-    ureq::Agent::config_builder().timeout_global(Some(timeout)).build().into()
+    // Status codes are read here ([`accepted`]), so that a refusal keeps the server's reason.
+    ureq::Agent::config_builder().timeout_global(Some(timeout)).http_status_as_error(false).build().into()
+}
+
+/// The response, or the server's reason when it refused the request (HTTP 4xx/5xx: its JSON
+/// error, e.g. a prompt beyond the slot's context).
+fn accepted(response: ureq::http::Response<ureq::Body>) -> Result<ureq::http::Response<ureq::Body>, BoxError> {
+    let status = response.status();
+    if status.is_success() {
+        return Ok(response);
+    }
+    let reason = response.into_body().read_to_string().unwrap_or_default();
+    Err(format!("llama-server: HTTP {status}: {}", reason.chars().take(400).collect::<String>()).into())
 }
 
 /// A picture as a PNG `data:` URL.
@@ -96,7 +108,7 @@ fn start(settings: &PeerSettings, w: &Workload, label: &str) -> Result<Server, B
         if let Some(status) = server.child.try_wait()? {
             return Err(format!("llama-server exited ({status}); see {}", log_path.display()).into());
         }
-        if health.get(format!("{}/health", server.base)).call().is_ok() {
+        if health.get(format!("{}/health", server.base)).call().is_ok_and(|r| r.status().is_success()) {
             return Ok(server);
         }
         if Instant::now() > deadline {
@@ -137,8 +149,9 @@ struct Streamed {
 /// Send one chat completion and read its event stream. The first token is the first event that
 /// carries a choice (the server sends the assistant's role with the first generated token).
 fn ask(agent: &ureq::Agent, base: &str, body: String, arrival: Instant) -> Result<Streamed, BoxError> {
-    let response =
-        agent.post(format!("{base}/v1/chat/completions")).header("Content-Type", "application/json").send(body)?;
+    let response = accepted(
+        agent.post(format!("{base}/v1/chat/completions")).header("Content-Type", "application/json").send(body)?,
+    )?;
     let reader = BufReader::new(response.into_body().into_reader());
     let (mut first, mut pieces, mut usage) = (None, 0u32, None);
     for line in reader.lines() {
@@ -226,12 +239,14 @@ impl Window<'_> {
     /// history curve's priming); its text differs from every question's.
     fn prime(&self, slot: usize, images: &[Arc<String>]) -> Result<(), BoxError> {
         let body = request_body(images, "Hello", slot, 1, false);
-        self.agent
-            .post(format!("{}/v1/chat/completions", self.base))
-            .header("Content-Type", "application/json")
-            .send(body)?
-            .into_body()
-            .read_to_string()?;
+        accepted(
+            self.agent
+                .post(format!("{}/v1/chat/completions", self.base))
+                .header("Content-Type", "application/json")
+                .send(body)?,
+        )?
+        .into_body()
+        .read_to_string()?;
         Ok(())
     }
 

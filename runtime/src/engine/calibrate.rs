@@ -81,6 +81,9 @@ pub(super) fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
         w.cell_bytes = full.saturating_sub(w.ctx.kv_bytes_in_use()) / 16;
     }
     w.ctx.seq_clear(seq);
+    // llama.cpp cleared the whole KV at creation, which made all of it resident: give it back,
+    // so that the KV costs what its cells use (`llama::kv_pages`).
+    w.ctx.release_unused_pages();
 }
 
 /// The fastest (ms) of one-token decode steps of `seq` at `positions` (infinite when none ran);

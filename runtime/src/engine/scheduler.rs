@@ -350,6 +350,9 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
                 *shared.kv.lock() = w.kv_memory();
                 kv_refreshed = Instant::now();
             }
+            if s.idle() {
+                w.ctx.release_unused_pages(); // every stream and answer has ended
+            }
         }));
         if let Err(panic) = stepped {
             let what = crate::error::panic_message(panic.as_ref());

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
+use super::kv_pages::{self, HostKv};
 use super::mtmd::ImageSource;
-use super::{Batch, ImageEmbeddings, Model, Token};
+use super::{Batch, Device, ImageEmbeddings, Model, Token};
 use crate::error::{Error, Result};
 
 /// The element type of the KV cache (llama.cpp's `--cache-type-k/-v`, both alike).
@@ -74,6 +75,15 @@ pub struct Context {
     /// Set when batches of embedding rows (1-D positions, causal) must not reach this model
     /// ([`Model::plain_embeddings_refusal`]).
     plain_rows_refused: Option<String>,
+    /// The KV tensors in host memory, whose empty cells' pages are given back (CPU contexts;
+    /// `kv_pages`). Owned here, also written by llama.cpp's evaluation callback during a decode;
+    /// freed after the context.
+    host_kv: Option<NonNull<HostKv>>,
+    /// A per-sequence copy (`seq_copy_prefix`) waits for the next decode, which moves the data:
+    /// until then no page is given back (the source's cells may be cleared meanwhile).
+    copy_pending: bool,
+    /// No decode since the whole KV's pages were given back.
+    pages_released: bool,
 }
 
 // SAFETY: a llama_context may move between threads; it is only used through &mut self.
@@ -87,9 +97,15 @@ impl Context {
                 p.kv_type.name()
             )));
         }
-        // SAFETY: default params are plain data; the model outlives the context (Arc held).
+        let host_kv = (model.device() == &Device::Cpu).then(|| NonNull::from(Box::leak(Box::<HostKv>::default())));
+        // SAFETY: default params are plain data; the model outlives the context (Arc held);
+        // `host_kv` outlives the context (freed after it in Drop, or below if it is not made).
         let ptr = unsafe {
             let mut cp = sys::llama_context_default_params();
+            if let Some(kv) = host_kv {
+                cp.cb_eval = Some(kv_pages::find);
+                cp.cb_eval_user_data = kv.as_ptr().cast();
+            }
             cp.n_ctx = p.kv_unified.unwrap_or(p.n_ctx_per_seq * p.n_seq);
             cp.n_seq_max = p.n_seq;
             cp.n_batch = p.n_batch;
@@ -130,8 +146,13 @@ impl Context {
             cp.no_perf = true;
             sys::llama_init_from_model(model.as_ptr(), cp)
         };
-        let ptr = NonNull::new(ptr)
-            .ok_or_else(|| Error::Engine("llama.cpp could not create a context (out of memory?)".into()))?;
+        let Some(ptr) = NonNull::new(ptr) else {
+            if let Some(kv) = host_kv {
+                // SAFETY: leaked above and never handed to a context.
+                drop(unsafe { Box::from_raw(kv.as_ptr()) });
+            }
+            return Err(Error::Engine("llama.cpp could not create a context (out of memory?)".into()));
+        };
         // SAFETY: valid context pointer; the size query only counts (no cell is in use yet).
         let (n_ctx_seq, empty_state_bytes) =
             unsafe { (sys::llama_n_ctx_seq(ptr.as_ptr()), sys::llama_state_get_size(ptr.as_ptr())) };
@@ -146,7 +167,29 @@ impl Context {
             unified: p.kv_unified.is_some(),
             empty_state_bytes,
             plain_rows_refused,
+            host_kv,
+            copy_pending: false,
+            pages_released: false,
         })
+    }
+
+    /// The host KV tensors once the first decode has found them (see `kv_pages`), and while no
+    /// per-sequence copy waits.
+    fn found_host_kv(&self) -> Option<&HostKv> {
+        // SAFETY: owned by this context; llama.cpp writes it only inside a decode, which needs
+        // &mut self.
+        let kv = unsafe { self.host_kv?.as_ref() };
+        (kv.found && !self.copy_pending).then_some(kv)
+    }
+
+    /// Give the pages of the KV back to the OS if no cell is in use (llama.cpp's clearing of
+    /// the buffer at creation made all of them resident); returns the bytes given back.
+    pub fn release_unused_pages(&mut self) -> usize {
+        if self.pages_released || self.found_host_kv().is_none() || self.kv_bytes_in_use() > 0 {
+            return 0;
+        }
+        self.pages_released = true;
+        self.found_host_kv().map_or(0, |kv| kv.release(None))
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -219,7 +262,18 @@ impl Context {
                 batch.len()
             )));
         }
+        self.decoded();
         Ok(())
+    }
+
+    /// After a decode: the callback has seen every KV tensor, and pending copies are done.
+    fn decoded(&mut self) {
+        self.copy_pending = false;
+        self.pages_released = false;
+        if let Some(mut kv) = self.host_kv {
+            // SAFETY: as in `found_host_kv`; no decode runs now.
+            unsafe { kv.as_mut().found = true };
+        }
     }
 
     /// Decode `tokens` into `seq` at positions `pos..`, in batches of n_batch. The logits of the
@@ -293,6 +347,7 @@ impl Context {
                 "decoding image embeddings failed ({rc}) at position {pos} of sequence {seq}"
             )));
         }
+        self.decoded();
         Ok(next)
     }
 
@@ -350,9 +405,10 @@ impl Context {
                 sys::llama_memory_seq_cp(self.memory(), src, dst, -1, end);
             } else {
                 // Per-sequence streams are copied whole (a partial copy asserts): copy, then
-                // drop the tail beyond the version.
+                // drop the tail beyond the version. The data moves at the next decode.
                 sys::llama_memory_seq_cp(self.memory(), src, dst, -1, -1);
                 sys::llama_memory_seq_rm(self.memory(), dst, end, -1);
+                self.copy_pending = true;
             }
         }
     }
@@ -433,11 +489,17 @@ impl Context {
         (!can_shift).then(|| "llama.cpp cannot shift this model's KV cache".into())
     }
 
-    /// Forget every cell of `seq`.
+    /// Forget every cell of `seq`; with per-sequence KV, give its block's pages back (an
+    /// answer's branch holds a whole copy of its stream's block while it lives).
     pub fn seq_clear(&mut self, seq: i32) {
         // SAFETY: valid memory handle.
         unsafe {
             sys::llama_memory_seq_rm(self.memory(), seq, -1, -1);
+        }
+        if !self.unified
+            && let Some(kv) = self.found_host_kv()
+        {
+            kv.release(Some(seq as usize));
         }
     }
 }
@@ -451,6 +513,11 @@ impl Drop for Context {
         match self.model.device() {
             super::Device::Rpc(endpoints) => super::rpc::free(endpoints, free),
             _ => free(),
+        }
+        if let Some(kv) = self.host_kv {
+            // SAFETY: leaked in `new` for this context, which is freed now (a CPU context's
+            // free runs above, on this thread).
+            drop(unsafe { Box::from_raw(kv.as_ptr()) });
         }
     }
 }

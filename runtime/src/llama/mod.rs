@@ -28,6 +28,7 @@ use crate::error::{Error, Result};
 mod batch;
 mod context;
 mod gguf;
+mod kv_pages;
 mod model;
 mod mtmd;
 /// The plain-libmtmd reference the family checks compare the runtime with (the family test and
@@ -148,6 +149,9 @@ pub fn init_backend() {
             sys::mtmd_helper_log_set(Some(log_callback), null_mut());
             sys::ggml_set_abort_callback(Some(rpc::on_abort));
             sys::llama_backend_init();
+        }
+        if !kv_pages::lazy_zero_cpu_buffers() {
+            log(LogLevel::Warn, "the CPU buffer type's layout is not the one expected: KV buffers stay resident");
         }
     });
 }
