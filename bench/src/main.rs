@@ -147,6 +147,11 @@ pub struct CommonArgs {
     /// Flash attention on the engines and the server.
     #[arg(long)]
     flash_attention: bool,
+    /// A frame of several segments (tiles and their wrapper text) ingested as one batch of
+    /// embedding rows: auto (GPU and RPC engines), on or off (the runtime's
+    /// `EngineConfig::merge_frames`).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+    merge_frames: String,
     /// Least KV cells per sequence (and per server slot).
     #[arg(long, default_value_t = 2048)]
     context: u32,
@@ -225,6 +230,7 @@ fn build_workload(
         kv_layout: c.kv_layout.clone(),
         kv_type: c.kv_type.clone(),
         flash_attention: c.flash_attention,
+        merge_frames: c.merge_frames.clone(),
         encoder_gpu,
         encoder_threads,
         streams,

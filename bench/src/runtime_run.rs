@@ -79,6 +79,11 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
             .ok_or_else(|| format!("--kv-layout {}: per-sequence or unified", w.kv_layout))?,
         kv_type: KvType::parse(&w.kv_type).ok_or_else(|| format!("--kv-type {}: f16, q8_0 or q4_0", w.kv_type))?,
         flash_attention: w.flash_attention,
+        merge_frames: match w.merge_frames.as_str() {
+            "on" => Some(true),
+            "off" => Some(false),
+            _ => None,
+        },
         answer_cells: answer_reserve,
         ..EngineConfig::default()
     };

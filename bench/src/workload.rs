@@ -52,9 +52,16 @@ pub struct Workload {
     pub kv_type: String,
     #[serde(default)]
     pub flash_attention: bool,
+    /// `auto`, `on` or `off`: the engines' `merge_frames`.
+    #[serde(default = "auto")]
+    pub merge_frames: String,
     /// Threads of the runtime's CPU vision encoder (vlmencode's `threads`).
     #[serde(default = "one")]
     pub encoder_threads: u32,
+}
+
+fn auto() -> String {
+    "auto".into()
 }
 
 fn one() -> u32 {

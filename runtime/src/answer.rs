@@ -352,13 +352,13 @@ impl Answer {
                 w.ctx.seq_clear(branch);
                 let mut entries = stream.replay_entries(&version.history);
                 entries.push(suffix);
-                let prefill = Prefill::new(branch, 0, entries, true);
+                let prefill = Prefill::new(branch, 0, entries, true, w.frame_rows());
                 self.report = Some(self.new_report(PreparePath::Replay));
                 return Ok(prefill);
             }
         };
         self.report = Some(self.new_report(path));
-        Ok(Prefill::new(branch, version.end, entries, true))
+        Ok(Prefill::new(branch, version.end, entries, true, w.frame_rows()))
     }
 
     fn new_report(&self, path: PreparePath) -> AnswerReport {

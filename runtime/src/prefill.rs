@@ -9,18 +9,43 @@
 //! kernels than a batch of several (llamafile's sgemm only takes n >= 2), so a one-input chunk
 //! is only ever a whole one-input piece: [`chunk_len`] never cuts one off a longer piece, which
 //! a replay (the same pieces, other cuts) then matches bit for bit.
+//!
+//! On engines that merge frames ([`Prefill::new`]'s `rows`), a frame of several segments
+//! (image rows with wrapper text between them) is one piece of embedding rows, its text as the
+//! tokens' input embedding rows, so that it takes one `llama_decode` instead of one a segment.
 
 use std::sync::Arc;
 
 use crate::entry::{Entry, Frame};
 use crate::error::Result;
-use crate::llama::{Batch, Context, Segment, Token};
+use crate::llama::{Batch, Context, Model, Segment, Token};
 
 /// One homogeneous run of inputs.
 enum Piece {
     Tokens(Arc<[Token]>),
     /// One segment (by index) of a frame.
     Segment(Arc<Frame>, usize),
+    /// A whole frame as embedding rows (`width` floats each), its text included.
+    Rows(Arc<[f32]>, usize),
+}
+
+/// A frame of several segments as one run of embedding rows, when every image in it is causal
+/// 1-D rows of the model's width; `None` otherwise (or when a token's row cannot be read: the
+/// frame then goes segment by segment).
+fn frame_rows(frame: &Frame, model: &Model) -> Option<Piece> {
+    let width = model.n_embd();
+    if frame.segments.len() < 2 {
+        return None;
+    }
+    let mut data = Vec::new();
+    for segment in &frame.segments {
+        match segment {
+            Segment::Text(tokens) => model.token_rows(tokens, &mut data).ok()?,
+            Segment::Image(image) if image.causal_rows && image.width == width => data.extend_from_slice(&image.data),
+            Segment::Image(_) => return None,
+        }
+    }
+    Some(Piece::Rows(data.into(), width))
 }
 
 /// What the next chunk of a prefill is.
@@ -59,12 +84,23 @@ pub(crate) struct Prefill {
 }
 
 impl Prefill {
-    pub(crate) fn new(seq: i32, pos: i32, entries: impl IntoIterator<Item = Entry>, logits_last: bool) -> Prefill {
+    /// The prefill of `entries` into `seq` from `pos`; with `rows` (the engine's model, on
+    /// engines that merge frames) a frame of several segments goes as one piece of rows.
+    pub(crate) fn new(
+        seq: i32,
+        pos: i32,
+        entries: impl IntoIterator<Item = Entry>,
+        logits_last: bool,
+        rows: Option<&Model>,
+    ) -> Prefill {
         let mut pieces = vec![];
         for entry in entries {
             match entry {
                 Entry::Text(t) => pieces.push(Piece::Tokens(t)),
-                Entry::Frame(f) => pieces.extend((0..f.segments.len()).map(|i| Piece::Segment(Arc::clone(&f), i))),
+                Entry::Frame(f) => match rows.and_then(|m| frame_rows(&f, m)) {
+                    Some(merged) => pieces.push(merged),
+                    None => pieces.extend((0..f.segments.len()).map(|i| Piece::Segment(Arc::clone(&f), i))),
+                },
             }
         }
         pieces.retain(|p| Self::len(p) > 0);
@@ -80,6 +116,7 @@ impl Prefill {
                 Segment::Text(t) => t.len(),
                 Segment::Image(image) => image.rows,
             },
+            Piece::Rows(data, width) => data.len() / width,
         }
     }
 
@@ -97,6 +134,7 @@ impl Prefill {
         let left = Self::len(piece) - self.offset;
         Some(match piece {
             Piece::Tokens(_) => Next::Tokens(left),
+            Piece::Rows(..) => Next::Rows(left),
             Piece::Segment(f, i) => match &f.segments[*i] {
                 Segment::Text(_) => Next::Tokens(left),
                 Segment::Image(image) if image.causal_rows => Next::Rows(left),
@@ -119,6 +157,7 @@ impl Prefill {
                     Segment::Text(t) => batch.push_token(t[k], pos, self.seq, logits),
                     Segment::Image(image) => batch.push_row(image.row(k), pos, self.seq, logits),
                 },
+                Piece::Rows(data, width) => batch.push_row(&data[k * width..(k + 1) * width], pos, self.seq, logits),
             }
         }
     }

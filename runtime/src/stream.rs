@@ -558,7 +558,7 @@ impl Stream {
             let entry = record.history.last().expect("an appended version has an entry").clone();
             (record.end - entry.n_pos(), vec![entry])
         };
-        let prefill = Prefill::new(seq, start, entries, false);
+        let prefill = Prefill::new(seq, start, entries, false, engine.frame_rows());
         let cost_ms = prefill.remaining() as f64 * engine.rates().prefill_ms_per_token;
         let cache_key = (record.key, tag.clone());
         let (s, key, lookup) = (Arc::clone(self), cache_key.clone(), cache.clone());

@@ -260,6 +260,55 @@ fn an_idefics3_frame_of_several_chunks_is_one_frame_in_the_history() {
     assert_eq!(s.published(), 1);
 }
 
+/// An engine that merges frames (as GPU engines do by default) takes an idefics3 frame, its
+/// tiles and the wrapper text between them, as one batch of embedding rows: what it answers
+/// equals what an engine taking the frame segment by segment answers, retained and replayed,
+/// and libmtmd's own helper. A model whose rows do not decode as its tokens is found out by the
+/// calibration run and keeps segments (Gemma 3: plain rows are refused).
+#[test]
+fn a_frame_merged_into_one_batch_of_rows_answers_as_segment_by_segment() {
+    let _serial = serial();
+    let merging = |lm: &Path, name: &str| {
+        let config = EngineConfig {
+            name: name.into(),
+            threads: threads(),
+            context_per_sequence: 1024,
+            max_streams: 2,
+            max_branches: 2,
+            merge_frames: Some(true),
+            ..EngineConfig::default()
+        };
+        Engine::start(lm, config).expect("engine")
+    };
+    let (lm, mmproj) = pair("idefics3");
+    let (model, enc) = encoder(&lm, &mmproj);
+    let frames: Vec<Arc<Frame>> = (0..2).map(|v| frame(&enc, v)).collect();
+    assert!(frames[0].segments.len() > 2, "tiles with text between them");
+    let (merged, apart) = (merging(&lm, "merged"), engine(&lm, "apart", 1024));
+    assert!(merged.merges_frames() && !apart.merges_frames(), "the llama graph takes a token's row as the token");
+    let q = question(QUESTION, TOKENS);
+    let mut answers = vec![];
+    for e in [&merged, &apart] {
+        let s = stream(e, &[&merged, &apart], e.name(), true, 64);
+        for f in &frames {
+            s.register(Arc::clone(f), &never()).unwrap();
+        }
+        let v = s.wait_version(2, &never()).unwrap();
+        let resident = answer_on(&v, &q, e, PreparePath::Resident, &never(), |_| {}).unwrap();
+        let other = if Arc::ptr_eq(e, &merged) { &apart } else { &merged };
+        let replayed = answer_on(&v, &q, other, PreparePath::Replay, &never(), |_| {}).unwrap();
+        assert_eq!(replayed.token_ids, resident.token_ids, "{}: replayed on {}", e.name(), other.name());
+        answers.push(resident.token_ids);
+    }
+    assert_eq!(answers[0], answers[1], "frames merged vs segment by segment");
+    let reference = Reference::load(&lm, &mmproj, threads()).expect("reference");
+    let whole = reference.whole(&model, 2, QUESTION).expect("reference prompt");
+    assert_eq!(reference.eval_and_generate(&whole, TOKENS).expect("reference answer").1, answers[0]);
+
+    let (gemma, _) = pair("gemma3");
+    assert!(!merging(&gemma, "gemma").merges_frames(), "Gemma 3 takes no plain rows");
+}
+
 /// A Qwen2-VL image fills one KV cell per embedding row but advances fewer positions: the
 /// history must be counted in cells, or a frame planned as fitting fails in llama.cpp.
 #[test]

@@ -3,13 +3,13 @@
 use std::time::Instant;
 
 use super::{Stage, Worker};
-use crate::llama::Token;
+use crate::llama::{Batch, Token};
 
 /// Seed the stage rates with a short run on a scratch branch: 32 tokens of prefill (twice with
 /// each thread count), 6 decode steps, one export and import. `cancelled` is asked before each computation: a stop,
 /// an error elsewhere in the pipeline or the process's exit never waits for more than the one
 /// running (seconds under heavy CPU contention, where the whole run took a minute).
-pub(super) fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
+pub(super) fn calibrate(w: &mut Worker, merge_frames: bool, cancelled: &dyn Fn() -> bool) {
     let Some(seq) = w.free_branches.last().copied() else { return };
     // First the thread count (`crate::threads`): the fastest of 4 decode steps with each
     // candidate, one thread first, so the rest (and the first prefill, which took seconds with
@@ -81,6 +81,10 @@ pub(super) fn calibrate(w: &mut Worker, cancelled: &dyn Fn() -> bool) {
         w.cell_bytes = full.saturating_sub(w.ctx.kv_bytes_in_use()) / 16;
     }
     w.ctx.seq_clear(seq);
+    if merge_frames && !cancelled() {
+        let model = std::sync::Arc::clone(w.ctx.model());
+        w.merge_frames = model.rows_agree(|| rows_agree(w, seq));
+    }
     // llama.cpp cleared the whole KV at creation, which made all of it resident: give it back,
     // so that the KV costs what its cells use (`llama::kv_pages`).
     w.ctx.release_unused_pages();
@@ -101,4 +105,32 @@ fn fastest_step(w: &mut Worker, seq: i32, positions: std::ops::Range<i32>, stop:
         fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
     }
     fastest
+}
+
+/// Whether the model decodes tokens given as their input embedding rows as it decodes the
+/// tokens here: the logits after 8 tokens both ways, equal to within 1e-3 of their scale (a
+/// model whose graph scales or normalises the token path alone, as Gemma does, differs by far
+/// more; an M-RoPE model refuses plain rows).
+fn rows_agree(w: &mut Worker, seq: i32) -> bool {
+    let n_vocab = w.ctx.model().n_vocab() as Token;
+    let tokens: Vec<Token> = (0..8).map(|i| (100 + i) % n_vocab).collect();
+    let width = w.ctx.model().n_embd();
+    let mut rows = Vec::new();
+    if w.ctx.model().token_rows(&tokens, &mut rows).is_err() {
+        return false;
+    }
+    let mut batch = Batch::embeddings(tokens.len(), width);
+    for (i, row) in rows.chunks_exact(width).enumerate() {
+        batch.push_row(row, i as i32, seq, i + 1 == tokens.len());
+    }
+    w.ctx.seq_clear(seq);
+    let by_tokens = w.ctx.decode_tokens(&tokens, 0, seq, true).and_then(|()| w.ctx.last_logits().map(<[f32]>::to_vec));
+    w.ctx.seq_clear(seq);
+    let agree = by_tokens.is_ok_and(|a| {
+        let by_rows = w.ctx.decode(&batch).and_then(|()| w.ctx.last_logits());
+        let scale = a.iter().fold(1f32, |m, x| m.max(x.abs()));
+        by_rows.is_ok_and(|b| b.len() == a.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-3 * scale))
+    });
+    w.ctx.seq_clear(seq);
+    agree
 }

@@ -36,6 +36,12 @@ pub struct EngineConfig {
     pub step_budget_ms: f64,
     /// Share of the engine's time frame ingestion gets while answers are decoding.
     pub ingest_share: f64,
+    /// Ingest a frame of several segments (image rows with wrapper text) as one batch of
+    /// embedding rows, its text as the tokens' rows (`Some(true)`), or segment by segment.
+    /// `None`: where a decode costs about the same for a few inputs as for hundreds (GPU and RPC
+    /// engines: kernel launches, round trips), not on the CPU. Either way only for a model whose
+    /// rows the calibration run found to decode as its tokens (`crate::llama::Model::rows_agree`).
+    pub merge_frames: Option<bool>,
 }
 
 /// Default most prefill between two decode steps (ms). Measured on the 2-core CI machine
@@ -67,6 +73,7 @@ impl Default for EngineConfig {
             cores: Vec::new(),
             step_budget_ms: DEFAULT_STEP_BUDGET_MS,
             ingest_share: DEFAULT_INGEST_SHARE,
+            merge_frames: None,
         }
     }
 }
@@ -101,6 +108,11 @@ impl KvLayout {
 }
 
 impl EngineConfig {
+    /// Whether frames go as one batch of rows ([`EngineConfig::merge_frames`]).
+    pub fn merges_frames(&self) -> bool {
+        self.merge_frames.unwrap_or(self.device != Device::Cpu)
+    }
+
     /// Cells of the unified pool (`None` for per-sequence buffers).
     pub fn unified_cells(&self) -> Option<u32> {
         (self.kv_layout == KvLayout::Unified)

@@ -92,6 +92,8 @@ struct Shared {
     turns: std::sync::atomic::AtomicU64,
     /// Why the engine failed for good, once it has.
     failure: Mutex<Option<String>>,
+    /// Frames go as one batch of rows (`Worker::merge_frames`, known after calibration).
+    merge_frames: AtomicBool,
 }
 
 /// Decode rates an engine observed (see [`Engine::decode_rates`]).
@@ -174,6 +176,7 @@ impl Engine {
             prefill_tuner: ThreadTuner::new(Kind::Prefill, config.threads, config.device == Device::Cpu),
             threads_set: config.threads,
             cell_bytes: 0,
+            merge_frames: false,
         };
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared {
@@ -189,6 +192,7 @@ impl Engine {
             kv: Mutex::new(KvMemory::default()),
             turns: Default::default(),
             failure: Mutex::new(None),
+            merge_frames: AtomicBool::new(false),
         });
         let thread_shared = Arc::clone(&shared);
         let thread_config = config.clone();
@@ -242,6 +246,18 @@ impl Engine {
 
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    /// Whether frames of several segments go as one batch of rows on this engine
+    /// ([`EngineConfig::merge_frames`], and the model's rows decode as its tokens); known once
+    /// the engine has started.
+    pub fn merges_frames(&self) -> bool {
+        self.shared.merge_frames.load(Ordering::Acquire)
+    }
+
+    /// The model, when frames go as one batch of rows here (for `Prefill::new`).
+    pub(crate) fn frame_rows(&self) -> Option<&Model> {
+        self.merges_frames().then_some(&*self.model)
     }
 
     /// Which stored KV this engine can consume.

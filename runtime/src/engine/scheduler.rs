@@ -308,9 +308,10 @@ const KV_REFRESH: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// The engine thread's loop.
 pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &EngineConfig) {
-    calibrate(&mut w, &|| {
+    calibrate(&mut w, config.merges_frames(), &|| {
         shared.cancel.load(Ordering::Acquire) || shared.stopping.load(Ordering::Acquire) || crate::llama::exiting()
     });
+    shared.merge_frames.store(w.merge_frames, Ordering::Release);
     shared.threads.store(w.tuner.threads(), Ordering::Relaxed);
     *shared.kv.lock() = w.kv_memory();
     let mut kv_refreshed = Instant::now();

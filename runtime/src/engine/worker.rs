@@ -65,6 +65,8 @@ pub struct Worker {
     pub(super) threads_set: i32,
     /// Bytes one KV cell takes (K and V rows of every layer), measured by the calibration run.
     pub(super) cell_bytes: usize,
+    /// Frames go as one batch of rows (the engine's policy, and the model's rows agree).
+    pub(super) merge_frames: bool,
 }
 
 /// An engine's KV memory: what its context allocated and what is in use.
@@ -129,6 +131,11 @@ impl Worker {
 
     pub(super) fn prefill_ms_per_token(&self) -> f64 {
         self.rates.lock().prefill_ms_per_token.max(0.01)
+    }
+
+    /// The model, when frames go as one batch of rows here (for [`crate::prefill::Prefill::new`]).
+    pub(crate) fn frame_rows(&self) -> Option<&crate::llama::Model> {
+        self.merge_frames.then(|| &**self.ctx.model())
     }
 
     pub(super) fn take_branch(&mut self) -> Option<i32> {

@@ -36,6 +36,7 @@ mod mtmd;
 #[doc(hidden)]
 pub mod reference;
 pub(crate) mod rpc;
+mod token_rows;
 
 pub use batch::Batch;
 pub use context::{Context, ContextParams, KvType};

@@ -3,9 +3,11 @@
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::ptr::{NonNull, null_mut};
+use std::sync::OnceLock;
 
 use llama_cpp_sys_2 as sys;
 
+use super::token_rows::TokenRows;
 use super::{Device, Token, gpu_device, init_backend};
 use crate::error::{Error, Result};
 
@@ -41,6 +43,11 @@ pub struct Model {
     /// [`Model::identity`], fixed at load: a file replaced on disk while it runs changes neither
     /// prefix keys nor compatibility tags mid-run (the weights in memory are the loaded ones).
     identity: String,
+    /// Tokens' input embedding rows, read from the file when first asked (`token_rows`).
+    token_rows: OnceLock<std::result::Result<TokenRows, String>>,
+    /// Whether this model on this device computes a token's row as it computes the token, as
+    /// the first calibration run that asked measured ([`Model::rows_agree`]).
+    rows_agree: OnceLock<bool>,
 }
 
 // SAFETY: a llama_model is not mutated after llama_model_load_from_file returns; llama.cpp's
@@ -79,7 +86,14 @@ impl Model {
                 "llama.cpp could not load it as a language model (not a GGUF model, or an unsupported architecture)"
                     .into(),
         })?;
-        let mut model = Model { ptr, path: path.to_path_buf(), device: device.clone(), identity: String::new() };
+        let mut model = Model {
+            ptr,
+            path: path.to_path_buf(),
+            device: device.clone(),
+            identity: String::new(),
+            token_rows: OnceLock::new(),
+            rows_agree: OnceLock::new(),
+        };
         let size = std::fs::metadata(path).map_or(0, |m| m.len());
         let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         model.identity = format!("{name} {} bytes={size} n_embd={}", model.description(), model.n_embd());
@@ -103,6 +117,23 @@ impl Model {
     pub fn n_embd(&self) -> usize {
         // SAFETY: valid model pointer.
         unsafe { sys::llama_model_n_embd_inp(self.ptr.as_ptr()) as usize }
+    }
+
+    /// Append the input embedding rows of `tokens` (`n_embd` floats each) to `out`.
+    pub fn token_rows(&self, tokens: &[Token], out: &mut Vec<f32>) -> Result<()> {
+        let rows = self.token_rows.get_or_init(|| TokenRows::open(&self.path, self.n_embd())).as_ref();
+        let bad = |reason: String| Error::File { path: self.path.clone(), reason };
+        let rows = rows.map_err(|e| bad(e.clone()))?;
+        for &t in tokens {
+            out.extend_from_slice(&rows.row(t).map_err(bad)?);
+        }
+        Ok(())
+    }
+
+    /// Whether a token's embedding row decodes as the token does here; `measure` is run once
+    /// per loaded model (the first engine's calibration) to find out.
+    pub fn rows_agree(&self, measure: impl FnOnce() -> bool) -> bool {
+        *self.rows_agree.get_or_init(measure)
     }
 
     pub fn n_vocab(&self) -> usize {
