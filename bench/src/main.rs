@@ -681,13 +681,21 @@ fn run(mut a: RunArgs) -> Result<(), BoxError> {
     let bar = progress_bar(a.rounds * configs.len() * w.total_questions());
     let started = Instant::now();
     let mut runs: Vec<RunRecord> = vec![];
+    // The server's slots are sized like the runtime's sequences, from the cells a frame fills,
+    // which a runtime worker measures: until one has, the server goes last.
+    let mut frame_cells = None;
     for round in 0..a.rounds {
         // Rotate the order every round, so each configuration meets each moment of drift.
         let mut order = configs.clone();
         order.rotate_left(round % configs.len());
+        if frame_cells.is_none() {
+            order.sort_by_key(|c| *c == Config::Peer);
+        }
         for config in order {
             bar.set_message(format!("round {}/{}: {} ({})", round + 1, a.rounds, config, config.describe()));
+            let w = Workload { frame_cells, ..w.clone() };
             let record = session.run_config(config, &w, round, &format!("round{}", round + 1), None, &bar)?;
+            frame_cells = frame_cells.or(record.frame_cells);
             report_run(&bar, &format!("round {}", round + 1), &record, w.total_questions());
             runs.push(record);
         }
