@@ -2,8 +2,9 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use common::*;
 use gst::prelude::*;
@@ -457,4 +458,66 @@ fn vlmquery_streams_the_answer_so_far_frame_by_frame_where_it_is_drawn() {
     assert!(partial.iter().all(|p| whole.starts_with(p)), "{partial:?} / {whole:?}");
     let distinct = partial.windows(2).filter(|w| w[0] != w[1]).count();
     assert!(distinct >= 1, "24 tokens never showed the answer so far: {buffers:?}");
+}
+
+#[test]
+fn vlmencode_answers_serialized_queries_after_the_frames_queued_before_them() {
+    use gst_video::VideoFormat::Rgb;
+    let mut h = encode_harness(Rgb, 0);
+    h.play();
+    let element = h.element().unwrap();
+    let sinkpad = element.static_pad("sink").unwrap();
+    // Frames that have left vlmencode, and how many had when each ALLOCATION or DRAIN query
+    // passed its source pad.
+    let left = Arc::new(AtomicUsize::new(0));
+    let passed = Arc::new(Mutex::new(vec![]));
+    let (l, p) = (Arc::clone(&left), Arc::clone(&passed));
+    element.static_pad("src").unwrap().add_probe(
+        // (PUSH: a query once, on its way downstream, not again with its answer.)
+        gst::PadProbeType::BUFFER | gst::PadProbeType::QUERY_DOWNSTREAM | gst::PadProbeType::PUSH,
+        move |_, info| {
+            match &info.data {
+                Some(gst::PadProbeData::Buffer(_)) => {
+                    l.fetch_add(1, Ordering::SeqCst);
+                }
+                Some(gst::PadProbeData::Query(q))
+                    if matches!(q.type_(), gst::QueryType::Allocation | gst::QueryType::Drain) =>
+                {
+                    p.lock().unwrap().push((q.type_(), l.load(Ordering::SeqCst)));
+                }
+                _ => (),
+            }
+            gst::PadProbeReturn::Ok
+        },
+    );
+    // Every frame is encoded (the first one loads the projector): the queries come while
+    // frames still wait for the encoder, and are answered only once those have left.
+    for i in 0..3 {
+        assert_eq!(h.push(picture(Rgb, i)), Ok(gst::FlowSuccess::Ok));
+    }
+    let mut allocation = gst::query::Allocation::new(Some(&caps(Rgb)), true);
+    assert!(sinkpad.query(&mut allocation));
+    assert_eq!(left.load(Ordering::SeqCst), 3, "ALLOCATION answered before the frames queued ahead of it left");
+    for i in 3..5 {
+        assert_eq!(h.push(picture(Rgb, i)), Ok(gst::FlowSuccess::Ok));
+    }
+    let mut drain = gst::query::Drain::new();
+    assert!(sinkpad.query(&mut drain));
+    assert_eq!(left.load(Ordering::SeqCst), 5, "DRAIN answered before the frames queued ahead of it left");
+    assert_eq!(*passed.lock().unwrap(), [(gst::QueryType::Allocation, 3), (gst::QueryType::Drain, 5)]);
+    // A query waiting behind queued frames is released by a flush (answered or not, it returns).
+    for i in 5..7 {
+        assert_eq!(h.push(picture(Rgb, i)), Ok(gst::FlowSuccess::Ok));
+    }
+    let pad = sinkpad.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(pad.query(&mut gst::query::Drain::new()));
+    });
+    assert!(h.push_event(gst::event::FlushStart::new()));
+    rx.recv_timeout(Duration::from_secs(30)).expect("a DRAIN query waiting at a flush must return");
+    assert!(h.push_event(gst::event::FlushStop::new(true)));
+    assert!(h.push_event(gst::event::Segment::new(&gst::FormattedSegment::<gst::ClockTime>::new())));
+    let out = h.push_and_pull(picture(Rgb, 7)).expect("a frame after the flush");
+    assert!(embeddings(&out).is_some());
 }

@@ -148,6 +148,8 @@ struct Queue {
     items: VecDeque<Item>,
     /// Frames queued or being encoded.
     pending: usize,
+    /// The task has taken an item and not yet pushed it.
+    busy: bool,
     flushing: bool,
     /// The last downstream flow result, returned to upstream by the next chain call.
     flow: Option<gst::FlowError>,
@@ -402,11 +404,31 @@ impl VlmEncode {
         }
     }
 
+    /// A serialized query (ALLOCATION, DRAIN, ...) answers for the stream as far as it has come:
+    /// it goes downstream once every item queued before it has left the source pad (as
+    /// `livesync` keeps queries in order with its buffers). A flush, a stop or a failed push
+    /// releases it unanswered.
+    fn sink_query(&self, pad: &gst::Pad, query: &mut gst::QueryRef) -> bool {
+        gst::log!(CAT, obj = pad, "handling {query:?}");
+        if query.is_serialized() {
+            let mut q = self.queue.lock();
+            while !q.flushing && q.flow.is_none() && (q.busy || !q.items.is_empty()) {
+                self.changed.wait(&mut q);
+            }
+            if q.flushing || q.flow.is_some() {
+                gst::debug!(CAT, obj = pad, "{:?} query not answered: flushing or stopped", query.type_());
+                return false;
+            }
+        }
+        gst::Pad::query_default(pad, Some(&*self.obj()), query)
+    }
+
     fn set_flushing(&self, flushing: bool) {
         let mut q = self.queue.lock();
         q.flushing = flushing;
         let dropped: Vec<Item> = q.items.drain(..).collect();
         q.pending = 0;
+        q.busy = false;
         q.flow = None;
         self.changed.notify_all();
         drop(q);
@@ -438,6 +460,7 @@ impl VlmEncode {
                     return;
                 }
                 if let Some(item) = q.items.pop_front() {
+                    q.busy = true;
                     self.changed.notify_all();
                     break item;
                 }
@@ -467,6 +490,12 @@ impl VlmEncode {
                 encoded.and_then(|()| self.srcpad.push(buffer))
             }
         };
+        {
+            // The item has left: a serialized query behind it may go.
+            let mut q = self.queue.lock();
+            q.busy = false;
+            self.changed.notify_all();
+        }
         if let Err(e) = result {
             gst::debug!(CAT, imp = self, "task paused: {e:?}");
             if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
@@ -584,6 +613,9 @@ impl ObjectSubclass for VlmEncode {
             })
             .event_function(|_, parent, event| {
                 VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.sink_event(event))
+            })
+            .query_function(|pad, parent, query| {
+                VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.sink_query(pad, query))
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();

@@ -8,6 +8,8 @@
 //! then upstream blocks, or with `leaky=true` due frames pass without embeddings (counted in
 //! `frames-skipped`). Frames between two due frames (`interval`, `max-rate`) pass without
 //! embeddings. A repeated picture (hash of the visible pixels) is a cache hit: no encode.
+//! Serialized queries (ALLOCATION, DRAIN) keep their place in the stream: one goes downstream
+//! once the frames before it have left (a flush or a stop releases it unanswered).
 //!
 //! The encoder is libmtmd (`mmproj`, a projector GGUF) on the CPU or llama.cpp's GPU device, or,
 //! in builds with the `rknn` cargo feature, a `.rknn` model on a Rockchip NPU (`rknn-model`).
