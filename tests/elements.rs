@@ -521,3 +521,62 @@ fn vlmencode_answers_serialized_queries_after_the_frames_queued_before_them() {
     let out = h.push_and_pull(picture(Rgb, 7)).expect("a frame after the flush");
     assert!(embeddings(&out).is_some());
 }
+
+/// `f` on a thread of its own, which must return within `limit`: a deadlock fails the test
+/// instead of hanging it.
+fn within<T: Send + 'static>(limit: Duration, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).unwrap_or_else(|_| panic!("{what} did not return within {limit:?}"))
+}
+
+/// Deactivating `pad` (on a thread of its own: a task that ignores it would hang it) stops its
+/// task; activating it again starts the task again.
+fn deactivate_and_activate(pad: &gst::Pad) {
+    assert_eq!(pad.task_state(), gst::TaskState::Started, "{}: no task while active", pad.name());
+    let p = pad.clone();
+    within(Duration::from_secs(30), "deactivating the source pad", move || p.set_active(false)).unwrap();
+    assert_eq!(pad.task_state(), gst::TaskState::Stopped, "{}: the task outlived its pad's activation", pad.name());
+    pad.set_active(true).unwrap();
+    assert_eq!(pad.task_state(), gst::TaskState::Started, "{}: activated again without its task", pad.name());
+}
+
+#[test]
+fn vlmencode_task_follows_the_activation_of_its_source_pad() {
+    use gst_video::VideoFormat::Rgb;
+    let mut h = encode_harness(Rgb, 0);
+    h.play();
+    let out = h.push_and_pull(picture(Rgb, 0)).unwrap();
+    assert!(embeddings(&out).is_some());
+    deactivate_and_activate(&h.element().unwrap().static_pad("src").unwrap());
+    // Frames are encoded again.
+    let out = h.push_and_pull(picture(Rgb, 1)).expect("a frame after the source pad was activated again");
+    assert!(embeddings(&out).is_some());
+}
+
+/// A vlmquery harness with a question about `stream`'s frame `f` pushed: the answer is pulled.
+fn ask_vlmquery(h: &mut Harness, stream: &Stream, f: &Arc<Frame>, number: u64, id: &str) -> gst::Buffer {
+    assert!(h.push_event(StreamEvent::event(stream.id(), stream.name())));
+    let mut buf = picture(gst_video::VideoFormat::Rgb, 0);
+    VlmFrameMeta::add(buf.get_mut().unwrap(), Arc::clone(f)).set_position(stream.id(), number);
+    assert_eq!(h.push(buf), Ok(gst::FlowSuccess::Ok));
+    assert!(h.push_event(QuestionEvent::event("What is shown?", Some(id), Some(4))));
+    h.pull().unwrap_or_else(|_| panic!("no answer to {id}"))
+}
+
+#[test]
+fn vlmquery_task_follows_the_activation_of_its_text_pad() {
+    init();
+    let stream = runtime_stream("activation");
+    let f = frame(&encoder(), 0);
+    let number = stream.register(Arc::clone(&f), &AtomicBool::new(false)).unwrap().number;
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    assert!(ask_vlmquery(&mut h, &stream, &f, number, "before").size() > 0);
+    deactivate_and_activate(&h.element().unwrap().static_pad("src").unwrap());
+    // Questions are answered again.
+    assert!(ask_vlmquery(&mut h, &stream, &f, number, "after").size() > 0);
+}

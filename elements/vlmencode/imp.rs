@@ -393,8 +393,6 @@ impl VlmEncode {
             EventView::Segment(seg) => {
                 self.state.lock().segment = seg.segment().downcast_ref::<gst::ClockTime>().cloned();
             }
-            // A new stream after EOS (which paused the task) may bring data again.
-            EventView::StreamStart(_) => self.start_task(),
             _ => (),
         }
         if event.is_serialized() {
@@ -421,6 +419,23 @@ impl VlmEncode {
             }
         }
         gst::Pad::query_default(pad, Some(&*self.obj()), query)
+    }
+
+    /// The source pad's task runs while the pad is active (in push mode): started on
+    /// activation, stopped on deactivation, as gst-plugins-rs elements do.
+    fn src_activatemode(&self, pad: &gst::Pad, mode: gst::PadMode, active: bool) -> Result<(), gst::LoggableError> {
+        if mode != gst::PadMode::Push {
+            return Err(gst::loggable_error!(CAT, "pull mode is not supported"));
+        }
+        gst::debug!(CAT, obj = pad, "{} the encoding task", if active { "starting" } else { "stopping" });
+        if active {
+            self.set_flushing(false);
+            self.start_task();
+        } else {
+            self.set_flushing(true);
+            pad.stop_task().map_err(|e| gst::loggable_error!(CAT, "cannot stop the encoding task: {e}"))?;
+        }
+        Ok(())
     }
 
     fn set_flushing(&self, flushing: bool) {
@@ -470,13 +485,10 @@ impl VlmEncode {
         // Errors of our own (encoding) are posted where they happen; a failed push is posted
         // here, once.
         let mut posted = false;
+        // (After EOS the task waits for the next item: a new stream may follow.)
         let result = match item {
             Item::Event(event) => {
-                let eos = event.type_() == gst::EventType::Eos;
                 self.srcpad.push_event(event);
-                if eos {
-                    let _ = self.srcpad.pause_task();
-                }
                 Ok(gst::FlowSuccess::Ok)
             }
             Item::Frame(buffer, None) => self.srcpad.push(buffer),
@@ -591,9 +603,8 @@ impl VlmEncode {
         Ok(())
     }
 
+    /// PAUSED→READY, once the pads are inactive (the task stopped with its pad).
     fn stop(&self) {
-        self.set_flushing(true);
-        let _ = self.srcpad.stop_task();
         // The encoder and its cache statistics stay readable until the next start.
         let mut state = self.state.lock();
         *state = State { encoder: state.encoder.take(), backend: state.backend, ..State::default() };
@@ -622,6 +633,13 @@ impl ObjectSubclass for VlmEncode {
         let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
             .query_function(|pad, parent, query| {
                 VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.src_query(pad, query))
+            })
+            .activatemode_function(|pad, parent, mode, active| {
+                VlmEncode::catch_panic_pad_function(
+                    parent,
+                    || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
+                    |imp| imp.src_activatemode(pad, mode, active),
+                )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();
@@ -834,12 +852,14 @@ impl ElementImpl for VlmEncode {
                     return Err(gst::StateChangeError);
                 }
             }
-            gst::StateChange::PausedToReady => self.stop(),
+            // Upstream's chain function may wait for room: released before the pads deactivate
+            // (the source pad's deactivation stops the task).
+            gst::StateChange::PausedToReady => self.set_flushing(true),
             _ => (),
         }
         let ret = self.parent_change_state(transition)?;
-        if transition == gst::StateChange::ReadyToPaused {
-            self.start_task();
+        if transition == gst::StateChange::PausedToReady {
+            self.stop();
         }
         Ok(ret)
     }

@@ -270,13 +270,35 @@ impl VlmQuery {
         };
     }
 
+    /// PAUSED→READY, before the pads deactivate: every pending question is cancelled, and
+    /// a chain function woken by the flush (the query pad's, waiting for the video) sees it and
+    /// returns, or deactivating its pad would wait for it forever.
     fn stop(&self) {
         self.flush_start("the element stopped");
-        let _ = self.srcpad.stop_task();
-        // Still flushing until READY->PAUSED starts again: a chain function woken by the flush
-        // (the query pad's, waiting for the video) must see it and return, or deactivating its
-        // pad would wait for it forever.
+    }
+
+    /// PAUSED→READY, once the pads are inactive (the text pad's task stopped): a fresh state,
+    /// still flushing until the text pad is activated again.
+    fn reset(&self) {
         *self.shared.lock() = Shared { flushing: true, ..Shared::default() };
+    }
+
+    /// The text pad's task runs while the pad is active (in push mode): started on activation
+    /// with the flush state cleared, stopped on deactivation with every pending question
+    /// cancelled, as gst-plugins-rs elements do.
+    fn src_activatemode(&self, pad: &gst::Pad, mode: gst::PadMode, active: bool) -> Result<(), gst::LoggableError> {
+        if mode != gst::PadMode::Push {
+            return Err(gst::loggable_error!(CAT, "pull mode is not supported"));
+        }
+        gst::debug!(CAT, obj = pad, "{} the text task", if active { "starting" } else { "stopping" });
+        if active {
+            self.flush_stop();
+            self.start_task();
+        } else {
+            self.flush_start("the text pad was deactivated");
+            pad.stop_task().map_err(|e| gst::loggable_error!(CAT, "cannot stop the text task: {e}"))?;
+        }
+        Ok(())
     }
 }
 
@@ -306,7 +328,15 @@ impl ObjectSubclass for VlmQuery {
                 VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.query_event(event))
             })
             .build();
-        let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap()).build();
+        let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
+            .activatemode_function(|pad, parent, mode, active| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
+                    |imp| imp.src_activatemode(pad, mode, active),
+                )
+            })
+            .build();
         let video_srcpad = gst::Pad::builder_from_template(&klass.pad_template("video_src").unwrap())
             .event_function(|_, parent, event| {
                 VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sinkpad.push_event(event))
@@ -574,10 +604,10 @@ impl ElementImpl for VlmQuery {
         if transition == gst::StateChange::PausedToReady {
             self.stop();
         }
+        // The text pad's task starts and stops with the pad's activation (`src_activatemode`).
         let ret = self.parent_change_state(transition)?;
-        if transition == gst::StateChange::ReadyToPaused {
-            *self.shared.lock() = Shared::default();
-            self.start_task();
+        if transition == gst::StateChange::PausedToReady {
+            self.reset();
         }
         Ok(ret)
     }
