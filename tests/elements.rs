@@ -580,3 +580,60 @@ fn vlmquery_task_follows_the_activation_of_its_text_pad() {
     // Questions are answered again.
     assert!(ask_vlmquery(&mut h, &stream, &f, number, "after").size() > 0);
 }
+
+#[test]
+fn vlmquery_answers_are_notified_and_start_again_at_paused_to_ready() {
+    init();
+    let stream = runtime_stream("answers");
+    let f = frame(&encoder(), 0);
+    let number = stream.register(Arc::clone(&f), &AtomicBool::new(false)).unwrap().number;
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    let element = h.element().unwrap();
+    let notified = Arc::new(Mutex::new(vec![]));
+    let n = Arc::clone(&notified);
+    element.connect_notify(Some("answers"), move |e, _| n.lock().unwrap().push(e.property::<u64>("answers")));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    ask_vlmquery(&mut h, &stream, &f, number, "one");
+    assert_eq!(element.property::<u64>("answers"), 1);
+    assert_eq!(*notified.lock().unwrap(), [1], "the answer was not notified");
+    element.set_state(gst::State::Ready).unwrap();
+    assert_eq!(element.property::<u64>("answers"), 0, "PAUSED->READY must start the statistics again");
+    assert_eq!(*notified.lock().unwrap(), [1, 0], "the reset was not notified");
+}
+
+#[test]
+fn vlmcontext_statistics_are_notified_and_start_again_at_paused_to_ready() {
+    init();
+    // 512 cells, 256 kept for answers: a few frames fill the history, and under
+    // history-policy=stop later ones are dropped (counted in frames-dropped).
+    let e = gst::ElementFactory::make("vlmcontext")
+        .property("model", model())
+        .property("context-size", 512u32)
+        .property_from_str("history-policy", "stop")
+        .property_from_str("overload", "block")
+        .build()
+        .unwrap();
+    let notified = Arc::new(Mutex::new(vec![]));
+    let n = Arc::clone(&notified);
+    e.connect_notify(Some("frames-dropped"), move |e, _| n.lock().unwrap().push(e.property::<u64>("frames-dropped")));
+    let mut h = Harness::with_element(&e, Some("sink_0"), Some("src_0"));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    let enc = encoder();
+    let frames: Vec<Arc<Frame>> = (0..3).map(|i| frame(&enc, i)).collect();
+    for i in 0..30 {
+        if e.property::<u64>("frames-dropped") > 0 {
+            break;
+        }
+        let mut buf = picture(gst_video::VideoFormat::Rgb, i % 3);
+        VlmFrameMeta::add(buf.get_mut().unwrap(), Arc::clone(&frames[i as usize % 3]));
+        h.push_and_pull(buf).unwrap();
+    }
+    let dropped = e.property::<u64>("frames-dropped");
+    assert!(dropped > 0, "no frame dropped by a full history");
+    assert_eq!(*notified.lock().unwrap(), (1..=dropped).collect::<Vec<_>>(), "each drop is notified");
+    e.set_state(gst::State::Ready).unwrap();
+    assert_eq!(e.property::<u64>("frames-dropped"), 0, "PAUSED->READY must start the statistics again");
+    assert_eq!(notified.lock().unwrap().last(), Some(&0), "the reset was not notified");
+}

@@ -104,6 +104,9 @@
 //! - Read-only: `frames-skipped`, `max-lag-ms`, `frames-dropped`, `history-restarts`,
 //!   `history-slides`, `prefix-cache-hits`, `prefix-cache-misses`, `model-owners`, `kv-bytes`
 //!   (KV cells in use on every engine, a shared cell counted once) and `kv-bytes-allocated`.
+//!   The first five are the session's statistics, summed over the streams (`max-lag-ms`: the
+//!   largest): each is notified (`notify::frames-skipped`, ...) when it changes, and they start
+//!   again at zero at PAUSED→READY (read them before stopping the pipeline).
 //!
 //! ## Messages
 //!

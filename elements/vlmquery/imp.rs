@@ -176,8 +176,18 @@ impl Video {
     }
 }
 
+/// The element's statistics (read-only properties, each notified when it changes), reset at
+/// PAUSED→READY.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Stats {
+    /// Answers pushed on the text pad (`answers`).
+    answers: u64,
+}
+
 #[derive(Default)]
 struct Shared {
+    /// Kept across flushes; reset at PAUSED→READY.
+    stats: Stats,
     video: Video,
     query_segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     query_markup: bool,
@@ -226,7 +236,6 @@ pub struct VlmQuery {
     /// before `shared`).
     post_order: Mutex<()>,
     changed: Condvar,
-    answered: Mutex<u64>,
 }
 
 impl VlmQuery {
@@ -259,6 +268,7 @@ impl VlmQuery {
         let mut shared = self.shared.lock();
         let old = std::mem::take(&mut *shared);
         *shared = Shared {
+            stats: old.stats,
             video: Video { stream: old.video.stream, ..Video::default() },
             query_segment: old.query_segment,
             query_markup: old.query_markup,
@@ -277,10 +287,23 @@ impl VlmQuery {
         self.flush_start("the element stopped");
     }
 
-    /// PAUSED→READY, once the pads are inactive (the text pad's task stopped): a fresh state,
-    /// still flushing until the text pad is activated again.
+    /// PAUSED→READY, once the pads are inactive (the text pad's task stopped): a fresh state
+    /// with zero statistics, still flushing until the text pad is activated again.
     fn reset(&self) {
-        *self.shared.lock() = Shared { flushing: true, ..Shared::default() };
+        let stats = {
+            let mut shared = self.shared.lock();
+            let stats = shared.stats;
+            *shared = Shared { flushing: true, ..Shared::default() };
+            stats
+        };
+        self.notify_stats(stats, Stats::default());
+    }
+
+    /// Notify the statistics that differ between `before` and `now` (called with no lock held).
+    fn notify_stats(&self, before: Stats, now: Stats) {
+        if before.answers != now.answers {
+            self.obj().notify("answers");
+        }
     }
 
     /// The text pad's task runs while the pad is active (in push mode): started on activation
@@ -355,7 +378,6 @@ impl ObjectSubclass for VlmQuery {
             shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
             post_order: Mutex::new(()),
             changed: Condvar::new(),
-            answered: Mutex::new(0),
         }
     }
 }
@@ -527,6 +549,10 @@ impl ObjectImpl for VlmQuery {
     }
 
     fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
+        // (Not under the settings lock: the text pad's task takes the shared lock first.)
+        if pspec.name() == "answers" {
+            return self.shared.lock().stats.answers.to_value();
+        }
         let s = self.settings.lock();
         match pspec.name() {
             "placement" => s.placement.to_value(),
@@ -545,7 +571,6 @@ impl ObjectImpl for VlmQuery {
             "top-k" => s.sampling.top_k.to_value(),
             "top-p" => s.sampling.top_p.to_value(),
             "min-p" => s.sampling.min_p.to_value(),
-            "answers" => self.answered.lock().to_value(),
             _ => unreachable!(),
         }
     }

@@ -135,7 +135,8 @@
 //! - `commit-answers` (`none`/`ordered`, `none`): with `ordered`, each question and its answer
 //!   join the stream's history in question order, so later questions see the conversation.
 //! - `temp` (0 = greedy), `seed` (0), `top-k` (40), `top-p` (0.95), `min-p` (0.05).
-//! - Read-only: `answers` (answer buffers pushed).
+//! - Read-only: `answers` (answer buffers pushed), notified when it changes and zero again at
+//!   PAUSED→READY (read it before stopping the pipeline).
 //!
 //! Debug category: `vlmquery`.
 
