@@ -637,3 +637,22 @@ fn vlmcontext_statistics_are_notified_and_start_again_at_paused_to_ready() {
     assert_eq!(e.property::<u64>("frames-dropped"), 0, "PAUSED->READY must start the statistics again");
     assert_eq!(notified.lock().unwrap().last(), Some(&0), "the reset was not notified");
 }
+
+#[test]
+fn the_enums_of_the_elements_properties_are_plugin_api() {
+    init();
+    let enums = [
+        "GstVlmEncodeBackend",
+        "GstVlmHistoryPolicy",
+        "GstVlmOverload",
+        "GstVlmKvLayout",
+        "GstVlmKvType",
+        "GstVlmCommitAnswers",
+        "GstVlmOutputFormat",
+        "GstVlmDisplay",
+    ];
+    for name in enums {
+        let t = gst::glib::Type::from_name(name).unwrap_or_else(|| panic!("{name} is not registered"));
+        assert!(t.plugin_api_flags().is_some(), "{name} is not marked as plugin API");
+    }
+}

@@ -656,14 +656,20 @@ impl ElementImpl for VlmContext {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.peer_query(query)),
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {query:?}");
+                        imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.peer_query(query))
+                    },
                 )
             })
             .event_function(|pad, parent, event| {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.push_event(event)),
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {event:?}");
+                        imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.push_event(event))
+                    },
                 )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)

@@ -367,6 +367,7 @@ impl VlmEncode {
 
     fn sink_event(&self, event: gst::Event) -> bool {
         use gst::EventView;
+        gst::log!(CAT, imp = self, "handling {event:?}");
         match event.view() {
             EventView::FlushStart(_) => {
                 self.set_flushing(true);

@@ -352,6 +352,16 @@ impl ObjectSubclass for VlmQuery {
             })
             .build();
         let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
+            .event_function(|pad, parent, event| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {event:?}");
+                        gst::Pad::event_default(pad, Some(&*imp.obj()), event)
+                    },
+                )
+            })
             .activatemode_function(|pad, parent, mode, active| {
                 VlmQuery::catch_panic_pad_function(
                     parent,
@@ -361,11 +371,25 @@ impl ObjectSubclass for VlmQuery {
             })
             .build();
         let video_srcpad = gst::Pad::builder_from_template(&klass.pad_template("video_src").unwrap())
-            .event_function(|_, parent, event| {
-                VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sinkpad.push_event(event))
+            .event_function(|pad, parent, event| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {event:?}");
+                        imp.sinkpad.push_event(event)
+                    },
+                )
             })
-            .query_function(|_, parent, query| {
-                VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sinkpad.peer_query(query))
+            .query_function(|pad, parent, query| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {query:?}");
+                        imp.sinkpad.peer_query(query)
+                    },
+                )
             })
             .build();
         VlmQuery {

@@ -210,6 +210,7 @@ impl VlmContext {
     }
 
     pub(super) fn sink_event(&self, pads: &StreamPads, event: gst::Event) -> bool {
+        gst::log!(CAT, obj = pads.sink, "handling {event:?}");
         match event.view() {
             gst::EventView::FlushStart(_) => {
                 pads.cancel.store(true, Ordering::Release);
@@ -234,6 +235,7 @@ impl VlmContext {
     }
 
     pub(super) fn sink_query(&self, pads: &StreamPads, query: &mut gst::QueryRef) -> bool {
+        gst::log!(CAT, obj = pads.sink, "handling {query:?}");
         if ModelQuery::is(query) {
             // Asked by vlmencode's encoding task before it loads its projector: answered once
             // the engines have loaded (READY→PAUSED completing asynchronously), so that the
