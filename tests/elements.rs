@@ -2,8 +2,9 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use common::*;
 use gst::prelude::*;
@@ -457,4 +458,201 @@ fn vlmquery_streams_the_answer_so_far_frame_by_frame_where_it_is_drawn() {
     assert!(partial.iter().all(|p| whole.starts_with(p)), "{partial:?} / {whole:?}");
     let distinct = partial.windows(2).filter(|w| w[0] != w[1]).count();
     assert!(distinct >= 1, "24 tokens never showed the answer so far: {buffers:?}");
+}
+
+#[test]
+fn vlmencode_answers_serialized_queries_after_the_frames_queued_before_them() {
+    use gst_video::VideoFormat::Rgb;
+    let mut h = encode_harness(Rgb, 0);
+    h.play();
+    let element = h.element().unwrap();
+    let sinkpad = element.static_pad("sink").unwrap();
+    // Frames that have left vlmencode, and how many had when each ALLOCATION or DRAIN query
+    // passed its source pad.
+    let left = Arc::new(AtomicUsize::new(0));
+    let passed = Arc::new(Mutex::new(vec![]));
+    let (l, p) = (Arc::clone(&left), Arc::clone(&passed));
+    element.static_pad("src").unwrap().add_probe(
+        // (PUSH: a query once, on its way downstream, not again with its answer.)
+        gst::PadProbeType::BUFFER | gst::PadProbeType::QUERY_DOWNSTREAM | gst::PadProbeType::PUSH,
+        move |_, info| {
+            match &info.data {
+                Some(gst::PadProbeData::Buffer(_)) => {
+                    l.fetch_add(1, Ordering::SeqCst);
+                }
+                Some(gst::PadProbeData::Query(q))
+                    if matches!(q.type_(), gst::QueryType::Allocation | gst::QueryType::Drain) =>
+                {
+                    p.lock().unwrap().push((q.type_(), l.load(Ordering::SeqCst)));
+                }
+                _ => (),
+            }
+            gst::PadProbeReturn::Ok
+        },
+    );
+    // Every frame is encoded (the first one loads the projector): the queries come while
+    // frames still wait for the encoder, and are answered only once those have left.
+    for i in 0..3 {
+        assert_eq!(h.push(picture(Rgb, i)), Ok(gst::FlowSuccess::Ok));
+    }
+    let mut allocation = gst::query::Allocation::new(Some(&caps(Rgb)), true);
+    assert!(sinkpad.query(&mut allocation));
+    assert_eq!(left.load(Ordering::SeqCst), 3, "ALLOCATION answered before the frames queued ahead of it left");
+    for i in 3..5 {
+        assert_eq!(h.push(picture(Rgb, i)), Ok(gst::FlowSuccess::Ok));
+    }
+    let mut drain = gst::query::Drain::new();
+    assert!(sinkpad.query(&mut drain));
+    assert_eq!(left.load(Ordering::SeqCst), 5, "DRAIN answered before the frames queued ahead of it left");
+    assert_eq!(*passed.lock().unwrap(), [(gst::QueryType::Allocation, 3), (gst::QueryType::Drain, 5)]);
+    // A query waiting behind queued frames is released by a flush (answered or not, it returns).
+    for i in 5..7 {
+        assert_eq!(h.push(picture(Rgb, i)), Ok(gst::FlowSuccess::Ok));
+    }
+    let pad = sinkpad.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(pad.query(&mut gst::query::Drain::new()));
+    });
+    assert!(h.push_event(gst::event::FlushStart::new()));
+    rx.recv_timeout(Duration::from_secs(30)).expect("a DRAIN query waiting at a flush must return");
+    assert!(h.push_event(gst::event::FlushStop::new(true)));
+    assert!(h.push_event(gst::event::Segment::new(&gst::FormattedSegment::<gst::ClockTime>::new())));
+    let out = h.push_and_pull(picture(Rgb, 7)).expect("a frame after the flush");
+    assert!(embeddings(&out).is_some());
+}
+
+/// `f` on a thread of its own, which must return within `limit`: a deadlock fails the test
+/// instead of hanging it.
+fn within<T: Send + 'static>(limit: Duration, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).unwrap_or_else(|_| panic!("{what} did not return within {limit:?}"))
+}
+
+/// Deactivating `pad` (on a thread of its own: a task that ignores it would hang it) stops its
+/// task; activating it again starts the task again.
+fn deactivate_and_activate(pad: &gst::Pad) {
+    assert_eq!(pad.task_state(), gst::TaskState::Started, "{}: no task while active", pad.name());
+    let p = pad.clone();
+    within(Duration::from_secs(30), "deactivating the source pad", move || p.set_active(false)).unwrap();
+    assert_eq!(pad.task_state(), gst::TaskState::Stopped, "{}: the task outlived its pad's activation", pad.name());
+    pad.set_active(true).unwrap();
+    assert_eq!(pad.task_state(), gst::TaskState::Started, "{}: activated again without its task", pad.name());
+}
+
+#[test]
+fn vlmencode_task_follows_the_activation_of_its_source_pad() {
+    use gst_video::VideoFormat::Rgb;
+    let mut h = encode_harness(Rgb, 0);
+    h.play();
+    let out = h.push_and_pull(picture(Rgb, 0)).unwrap();
+    assert!(embeddings(&out).is_some());
+    deactivate_and_activate(&h.element().unwrap().static_pad("src").unwrap());
+    // Frames are encoded again.
+    let out = h.push_and_pull(picture(Rgb, 1)).expect("a frame after the source pad was activated again");
+    assert!(embeddings(&out).is_some());
+}
+
+/// A vlmquery harness with a question about `stream`'s frame `f` pushed: the answer is pulled.
+fn ask_vlmquery(h: &mut Harness, stream: &Stream, f: &Arc<Frame>, number: u64, id: &str) -> gst::Buffer {
+    assert!(h.push_event(StreamEvent::event(stream.id(), stream.name())));
+    let mut buf = picture(gst_video::VideoFormat::Rgb, 0);
+    VlmFrameMeta::add(buf.get_mut().unwrap(), Arc::clone(f)).set_position(stream.id(), number);
+    assert_eq!(h.push(buf), Ok(gst::FlowSuccess::Ok));
+    assert!(h.push_event(QuestionEvent::event("What is shown?", Some(id), Some(4))));
+    h.pull().unwrap_or_else(|_| panic!("no answer to {id}"))
+}
+
+#[test]
+fn vlmquery_task_follows_the_activation_of_its_text_pad() {
+    init();
+    let stream = runtime_stream("activation");
+    let f = frame(&encoder(), 0);
+    let number = stream.register(Arc::clone(&f), &AtomicBool::new(false)).unwrap().number;
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    assert!(ask_vlmquery(&mut h, &stream, &f, number, "before").size() > 0);
+    deactivate_and_activate(&h.element().unwrap().static_pad("src").unwrap());
+    // Questions are answered again.
+    assert!(ask_vlmquery(&mut h, &stream, &f, number, "after").size() > 0);
+}
+
+#[test]
+fn vlmquery_answers_are_notified_and_start_again_at_paused_to_ready() {
+    init();
+    let stream = runtime_stream("answers");
+    let f = frame(&encoder(), 0);
+    let number = stream.register(Arc::clone(&f), &AtomicBool::new(false)).unwrap().number;
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    let element = h.element().unwrap();
+    let notified = Arc::new(Mutex::new(vec![]));
+    let n = Arc::clone(&notified);
+    element.connect_notify(Some("answers"), move |e, _| n.lock().unwrap().push(e.property::<u64>("answers")));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    ask_vlmquery(&mut h, &stream, &f, number, "one");
+    assert_eq!(element.property::<u64>("answers"), 1);
+    assert_eq!(*notified.lock().unwrap(), [1], "the answer was not notified");
+    element.set_state(gst::State::Ready).unwrap();
+    assert_eq!(element.property::<u64>("answers"), 0, "PAUSED->READY must start the statistics again");
+    assert_eq!(*notified.lock().unwrap(), [1, 0], "the reset was not notified");
+}
+
+#[test]
+fn vlmcontext_statistics_are_notified_and_start_again_at_paused_to_ready() {
+    init();
+    // 512 cells, 256 kept for answers: a few frames fill the history, and under
+    // history-policy=stop later ones are dropped (counted in frames-dropped).
+    let e = gst::ElementFactory::make("vlmcontext")
+        .property("model", model())
+        .property("context-size", 512u32)
+        .property_from_str("history-policy", "stop")
+        .property_from_str("overload", "block")
+        .build()
+        .unwrap();
+    let notified = Arc::new(Mutex::new(vec![]));
+    let n = Arc::clone(&notified);
+    e.connect_notify(Some("frames-dropped"), move |e, _| n.lock().unwrap().push(e.property::<u64>("frames-dropped")));
+    let mut h = Harness::with_element(&e, Some("sink_0"), Some("src_0"));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    let enc = encoder();
+    let frames: Vec<Arc<Frame>> = (0..3).map(|i| frame(&enc, i)).collect();
+    for i in 0..30 {
+        if e.property::<u64>("frames-dropped") > 0 {
+            break;
+        }
+        let mut buf = picture(gst_video::VideoFormat::Rgb, i % 3);
+        VlmFrameMeta::add(buf.get_mut().unwrap(), Arc::clone(&frames[i as usize % 3]));
+        h.push_and_pull(buf).unwrap();
+    }
+    let dropped = e.property::<u64>("frames-dropped");
+    assert!(dropped > 0, "no frame dropped by a full history");
+    assert_eq!(*notified.lock().unwrap(), (1..=dropped).collect::<Vec<_>>(), "each drop is notified");
+    e.set_state(gst::State::Ready).unwrap();
+    assert_eq!(e.property::<u64>("frames-dropped"), 0, "PAUSED->READY must start the statistics again");
+    assert_eq!(notified.lock().unwrap().last(), Some(&0), "the reset was not notified");
+}
+
+#[test]
+fn the_enums_of_the_elements_properties_are_plugin_api() {
+    init();
+    let enums = [
+        "GstVlmEncodeBackend",
+        "GstVlmHistoryPolicy",
+        "GstVlmOverload",
+        "GstVlmKvLayout",
+        "GstVlmKvType",
+        "GstVlmCommitAnswers",
+        "GstVlmOutputFormat",
+        "GstVlmDisplay",
+    ];
+    for name in enums {
+        let t = gst::glib::Type::from_name(name).unwrap_or_else(|| panic!("{name} is not registered"));
+        assert!(t.plugin_api_flags().is_some(), "{name} is not marked as plugin API");
+    }
 }

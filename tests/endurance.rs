@@ -286,6 +286,14 @@ fn live_run(context: &str) -> LiveRun {
     }
     let all = pump(&bus, &mut answers, Duration::from_secs(60), |a| ids.iter().all(|id| a.contains_key(id)));
     let end = rss_mib();
+    // What vlmcontext counted, read before PAUSED→READY starts its statistics again at zero.
+    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let (skipped, dropped, restarts, slides) = (
+        ctx.property::<u64>("frames-skipped"),
+        ctx.property::<u64>("frames-dropped"),
+        ctx.property::<u64>("history-restarts"),
+        ctx.property::<u64>("history-slides"),
+    );
     set_state(&pipeline, gst::State::Null, Duration::from_secs(30), "stop");
     assert!(all, "{} of {} questions answered", answers.status.len(), ids.len());
     assert!(ids.len() as u64 >= seconds / 3 - 1, "questions refused: {} asked", ids.len());
@@ -295,13 +303,6 @@ fn live_run(context: &str) -> LiveRun {
     // Every frame joined the history or was counted: skipped under overload (a history restart
     // replays its kept frames, and a live stream does not wait for that) or dropped.
     let frames = frames.load(Ordering::Relaxed);
-    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
-    let (skipped, dropped, restarts, slides) = (
-        ctx.property::<u64>("frames-skipped"),
-        ctx.property::<u64>("frames-dropped"),
-        ctx.property::<u64>("history-restarts"),
-        ctx.property::<u64>("history-slides"),
-    );
     assert!(
         frames + skipped + dropped + 2 >= seconds,
         "{frames} frames joined the history, {skipped} skipped, {dropped} dropped in {seconds} s at 1 frame/s"

@@ -249,14 +249,17 @@ fn a_full_history_restarts_under_the_policy_and_says_so() {
             h.lock().unwrap().push(s.to_owned());
         }
     });
-    let run = run(&pipeline);
-    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    // The counters are read before PAUSED→READY, which starts them again at zero.
+    let run = run_to_eos(&pipeline, 240);
     let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let (restarts, dropped) = (ctx.property::<u64>("history-restarts"), ctx.property::<u64>("frames-dropped"));
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
     let history = history.lock().unwrap();
     assert!(!history.is_empty(), "20 frames of 36 tokens cannot fit 512 cells: the history must restart");
-    assert_eq!(ctx.property::<u64>("history-restarts"), history.len() as u64);
+    assert_eq!(restarts, history.len() as u64);
     assert!(history.iter().all(|s| s.get::<u32>("kept").unwrap() == 2));
-    assert_eq!(ctx.property::<u64>("frames-dropped"), 0);
+    assert_eq!(dropped, 0);
     // Answers still bind to the frames before their time; their histories are short.
     let frames: Vec<u64> = run.answers.iter().map(|a| a.get("frames").unwrap()).collect();
     assert_eq!(frames.len(), 3);

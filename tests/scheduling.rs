@@ -31,6 +31,17 @@ fn run_asking(
     pipeline: &gst::Element,
     ask: impl Fn(u64) -> Vec<&'static str> + Send + Sync + 'static,
 ) -> (Run, Arc<Mutex<Vec<Option<String>>>>) {
+    let ran = ask_to_eos(pipeline, ask);
+    pipeline.set_state(gst::State::Null).unwrap();
+    ran
+}
+
+/// [`run_asking`], leaving the pipeline in PLAYING for the caller to read the elements'
+/// statistics (zero again at PAUSED→READY) and stop it.
+fn ask_to_eos(
+    pipeline: &gst::Element,
+    ask: impl Fn(u64) -> Vec<&'static str> + Send + Sync + 'static,
+) -> (Run, Arc<Mutex<Vec<Option<String>>>>) {
     let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
     let q = bin.by_name("q").unwrap();
     let ids = Arc::new(Mutex::new(vec![]));
@@ -43,7 +54,7 @@ fn run_asking(
         }
         gst::PadProbeReturn::Ok
     });
-    (run(pipeline), ids)
+    (run_to_eos(pipeline, 240), ids)
 }
 
 fn answer_of<'a>(run: &'a Run, id: &str) -> &'a gst::Structure {
@@ -108,10 +119,11 @@ fn a_stream_faster_than_its_ingestion_skips_frames_under_the_overload_policy() {
          ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf overload=skip max-pending=1 \
          ! vlmquery name=q max-tokens=4 ! fakesink sync=false",
     );
-    let (run, _) = run_asking(&pipeline, |n| if n == 1 { vec!["What is it?"] } else { vec![] });
-    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let (run, _) = ask_to_eos(&pipeline, |n| if n == 1 { vec!["What is it?"] } else { vec![] });
     let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
     let skipped = ctx.property::<u64>("frames-skipped");
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
     assert!(skipped > 0, "no frame skipped out of 100 encoded back to back");
     assert_eq!(run.answers.len(), 1, "{:?} {:?}", run.warnings, run.messages);
     let overload = run.messages.iter().find(|m| m.name() == "vlm-overload").expect("a vlm-overload message");

@@ -181,6 +181,21 @@ impl Default for Settings {
     }
 }
 
+/// A stream's statistics, reset at PAUSED→READY. The element's read-only properties sum
+/// them over the streams (`max-lag-ms`: the largest), each notified when a stream's changes.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Stats {
+    /// Frames that did not join the history because it was full (`frames-dropped`).
+    dropped: u64,
+    /// History restarts (`history-restarts`) and slides (`history-slides`).
+    restarts: u64,
+    slides: u64,
+    /// Frames skipped under the overload policy (`frames-skipped`).
+    skipped: u64,
+    /// Largest lag seen when a frame arrived, in ms (`max-lag-ms`).
+    max_lag_ms: f64,
+}
+
 /// One stream: a sink pad, its source pad, and the runtime stream behind them.
 struct StreamPads {
     sink: gst::Pad,
@@ -188,12 +203,7 @@ struct StreamPads {
     stream: Mutex<Option<Arc<Stream>>>,
     /// Set while flushing or stopping: unblocks a chain function waiting for backpressure.
     cancel: AtomicBool,
-    dropped: Mutex<u64>,
-    restarts: Mutex<u64>,
-    slides: Mutex<u64>,
-    skipped: Mutex<u64>,
-    /// Largest lag seen when a frame arrived (ms).
-    max_lag_ms: Mutex<f64>,
+    stats: Mutex<Stats>,
 }
 
 #[derive(Default)]
@@ -226,6 +236,41 @@ pub struct VlmContext {
 impl VlmContext {
     fn pads_of(&self, pad: &gst::Pad) -> Option<Arc<StreamPads>> {
         self.pads.lock().iter().find(|p| &p.sink == pad || &p.src == pad).cloned()
+    }
+
+    /// Change a stream's statistics with `change`, then notify the properties that changed
+    /// (outside every lock: a handler may read them).
+    fn update_stats<T>(&self, pads: &StreamPads, change: impl FnOnce(&mut Stats) -> T) -> T {
+        let (before, now, result) = {
+            let mut stats = pads.stats.lock();
+            let before = *stats;
+            let result = change(&mut stats);
+            (before, *stats, result)
+        };
+        self.notify_stats(before, now);
+        result
+    }
+
+    fn notify_stats(&self, before: Stats, now: Stats) {
+        let obj = self.obj();
+        let changed = [
+            (before.dropped != now.dropped, PROP_FRAMES_DROPPED),
+            (before.restarts != now.restarts, PROP_HISTORY_RESTARTS),
+            (before.slides != now.slides, PROP_HISTORY_SLIDES),
+            (before.skipped != now.skipped, PROP_FRAMES_SKIPPED),
+            (before.max_lag_ms != now.max_lag_ms, PROP_MAX_LAG_MS),
+        ];
+        for (_, name) in changed.iter().filter(|(changed, _)| *changed) {
+            obj.notify(name);
+        }
+    }
+
+    /// PAUSED→READY, once the pads are inactive: every stream's statistics start again at zero.
+    fn reset_stats(&self) {
+        let pads: Vec<Arc<StreamPads>> = self.pads.lock().clone();
+        for p in pads {
+            self.update_stats(&p, |stats| *stats = Stats::default());
+        }
     }
 }
 
@@ -471,17 +516,18 @@ impl ObjectImpl for VlmContext {
     fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
         // Statistics first, without the settings lock: one lock at a time here (pads, then a
         // pad's counters), never settings with another (see `stream`).
-        let sum = |count: fn(&StreamPads) -> u64| self.pads.lock().iter().map(|p| count(p)).sum::<u64>().to_value();
+        let sum =
+            |count: fn(&Stats) -> u64| self.pads.lock().iter().map(|p| count(&p.stats.lock())).sum::<u64>().to_value();
         let cache = |stat: fn(vlm_runtime::cache::CacheStats) -> u64| {
             self.prefix_cache.lock().as_ref().map_or(0, |c| stat(c.stats())).to_value()
         };
         match pspec.name() {
-            PROP_FRAMES_SKIPPED => return sum(|p| *p.skipped.lock()),
-            PROP_HISTORY_RESTARTS => return sum(|p| *p.restarts.lock()),
-            PROP_HISTORY_SLIDES => return sum(|p| *p.slides.lock()),
-            PROP_FRAMES_DROPPED => return sum(|p| *p.dropped.lock()),
+            PROP_FRAMES_SKIPPED => return sum(|s| s.skipped),
+            PROP_HISTORY_RESTARTS => return sum(|s| s.restarts),
+            PROP_HISTORY_SLIDES => return sum(|s| s.slides),
+            PROP_FRAMES_DROPPED => return sum(|s| s.dropped),
             PROP_MAX_LAG_MS => {
-                return self.pads.lock().iter().map(|p| *p.max_lag_ms.lock()).fold(0.0, f64::max).to_value();
+                return self.pads.lock().iter().map(|p| p.stats.lock().max_lag_ms).fold(0.0, f64::max).to_value();
             }
             PROP_KV_BYTES | PROP_KV_BYTES_ALLOCATED => {
                 let st = self.state.lock();
@@ -610,14 +656,20 @@ impl ElementImpl for VlmContext {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.peer_query(query)),
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {query:?}");
+                        imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.peer_query(query))
+                    },
                 )
             })
             .event_function(|pad, parent, event| {
                 VlmContext::catch_panic_pad_function(
                     parent,
                     || false,
-                    |imp| imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.push_event(event)),
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {event:?}");
+                        imp.pads_of(pad.upcast_ref()).is_some_and(|p| p.sink.push_event(event))
+                    },
                 )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
@@ -627,11 +679,7 @@ impl ElementImpl for VlmContext {
             src: src.clone(),
             stream: Mutex::new(None),
             cancel: AtomicBool::new(false),
-            dropped: Mutex::new(0),
-            restarts: Mutex::new(0),
-            slides: Mutex::new(0),
-            skipped: Mutex::new(0),
-            max_lag_ms: Mutex::new(0.0),
+            stats: Mutex::default(),
         });
         pads.push(entry);
         drop(pads);
@@ -671,6 +719,9 @@ impl ElementImpl for VlmContext {
         let _ = self.obj().remove_pad(&entry.src);
         let _ = self.obj().remove_pad(&entry.sink);
         self.obj().child_removed(&entry.sink, &entry.sink.name());
+        // Its counts leave the element's sums.
+        let stats = *entry.stats.lock();
+        self.notify_stats(stats, Stats::default());
     }
 
     fn change_state(&self, transition: gst::StateChange) -> Result<gst::StateChangeSuccess, gst::StateChangeError> {
@@ -696,6 +747,10 @@ impl ElementImpl for VlmContext {
             gst::StateChange::ReadyToNull => self.abandon_preload(),
             _ => (),
         }
-        self.parent_change_state(transition)
+        let ret = self.parent_change_state(transition)?;
+        if transition == gst::StateChange::PausedToReady {
+            self.reset_stats();
+        }
+        Ok(ret)
     }
 }

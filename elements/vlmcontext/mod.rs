@@ -69,6 +69,8 @@
 //!
 //! ## Properties
 //!
+//! Every property below: Since: 0.1.
+//!
 //! - `model` (string): language-model GGUF. `retain` (true): keep each stream's KV.
 //! - `engines` (`cpu`), `threads` (the machine's cores; an engine's THREADS overrides it).
 //! - `system-prompt`: the system message that starts every history.
@@ -104,6 +106,9 @@
 //! - Read-only: `frames-skipped`, `max-lag-ms`, `frames-dropped`, `history-restarts`,
 //!   `history-slides`, `prefix-cache-hits`, `prefix-cache-misses`, `model-owners`, `kv-bytes`
 //!   (KV cells in use on every engine, a shared cell counted once) and `kv-bytes-allocated`.
+//!   The first five are the session's statistics, summed over the streams (`max-lag-ms`: the
+//!   largest): each is notified (`notify::frames-skipped`, ...) when it changes, and they start
+//!   again at zero at PAUSED→READY (read them before stopping the pipeline).
 //!
 //! ## Messages
 //!
@@ -118,6 +123,8 @@
 //!   property or the device), or when a prefill fails.
 //!
 //! Debug category: `vlmcontext`.
+//!
+//! Since: 0.1
 
 use gst::glib;
 use gst::prelude::*;
@@ -135,5 +142,10 @@ pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     // The debug category exists from plugin load on (`gst-launch-1.0 --gst-debug-help` lists it).
     std::sync::LazyLock::force(&imp::CAT);
     VlmContextSinkPad::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
+    // The enums of its properties are part of the plugin's documented API.
+    imp::HistoryPolicyKind::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
+    imp::OverloadKind::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
+    imp::KvLayoutKind::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
+    imp::KvTypeKind::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
     gst::Element::register(Some(plugin), "vlmcontext", gst::Rank::NONE, VlmContext::static_type())
 }

@@ -148,6 +148,8 @@ struct Queue {
     items: VecDeque<Item>,
     /// Frames queued or being encoded.
     pending: usize,
+    /// The task has taken an item and not yet pushed it.
+    busy: bool,
     flushing: bool,
     /// The last downstream flow result, returned to upstream by the next chain call.
     flow: Option<gst::FlowError>,
@@ -365,6 +367,7 @@ impl VlmEncode {
 
     fn sink_event(&self, event: gst::Event) -> bool {
         use gst::EventView;
+        gst::log!(CAT, imp = self, "handling {event:?}");
         match event.view() {
             EventView::FlushStart(_) => {
                 self.set_flushing(true);
@@ -391,8 +394,6 @@ impl VlmEncode {
             EventView::Segment(seg) => {
                 self.state.lock().segment = seg.segment().downcast_ref::<gst::ClockTime>().cloned();
             }
-            // A new stream after EOS (which paused the task) may bring data again.
-            EventView::StreamStart(_) => self.start_task(),
             _ => (),
         }
         if event.is_serialized() {
@@ -402,11 +403,48 @@ impl VlmEncode {
         }
     }
 
+    /// A serialized query (ALLOCATION, DRAIN, ...) answers for the stream as far as it has come:
+    /// it goes downstream once every item queued before it has left the source pad (as
+    /// `livesync` keeps queries in order with its buffers). A flush, a stop or a failed push
+    /// releases it unanswered.
+    fn sink_query(&self, pad: &gst::Pad, query: &mut gst::QueryRef) -> bool {
+        gst::log!(CAT, obj = pad, "handling {query:?}");
+        if query.is_serialized() {
+            let mut q = self.queue.lock();
+            while !q.flushing && q.flow.is_none() && (q.busy || !q.items.is_empty()) {
+                self.changed.wait(&mut q);
+            }
+            if q.flushing || q.flow.is_some() {
+                gst::debug!(CAT, obj = pad, "{:?} query not answered: flushing or stopped", query.type_());
+                return false;
+            }
+        }
+        gst::Pad::query_default(pad, Some(&*self.obj()), query)
+    }
+
+    /// The source pad's task runs while the pad is active (in push mode): started on
+    /// activation, stopped on deactivation, as gst-plugins-rs elements do.
+    fn src_activatemode(&self, pad: &gst::Pad, mode: gst::PadMode, active: bool) -> Result<(), gst::LoggableError> {
+        if mode != gst::PadMode::Push {
+            return Err(gst::loggable_error!(CAT, "pull mode is not supported"));
+        }
+        gst::debug!(CAT, obj = pad, "{} the encoding task", if active { "starting" } else { "stopping" });
+        if active {
+            self.set_flushing(false);
+            self.start_task();
+        } else {
+            self.set_flushing(true);
+            pad.stop_task().map_err(|e| gst::loggable_error!(CAT, "cannot stop the encoding task: {e}"))?;
+        }
+        Ok(())
+    }
+
     fn set_flushing(&self, flushing: bool) {
         let mut q = self.queue.lock();
         q.flushing = flushing;
         let dropped: Vec<Item> = q.items.drain(..).collect();
         q.pending = 0;
+        q.busy = false;
         q.flow = None;
         self.changed.notify_all();
         drop(q);
@@ -438,6 +476,7 @@ impl VlmEncode {
                     return;
                 }
                 if let Some(item) = q.items.pop_front() {
+                    q.busy = true;
                     self.changed.notify_all();
                     break item;
                 }
@@ -447,13 +486,10 @@ impl VlmEncode {
         // Errors of our own (encoding) are posted where they happen; a failed push is posted
         // here, once.
         let mut posted = false;
+        // (After EOS the task waits for the next item: a new stream may follow.)
         let result = match item {
             Item::Event(event) => {
-                let eos = event.type_() == gst::EventType::Eos;
                 self.srcpad.push_event(event);
-                if eos {
-                    let _ = self.srcpad.pause_task();
-                }
                 Ok(gst::FlowSuccess::Ok)
             }
             Item::Frame(buffer, None) => self.srcpad.push(buffer),
@@ -467,6 +503,12 @@ impl VlmEncode {
                 encoded.and_then(|()| self.srcpad.push(buffer))
             }
         };
+        {
+            // The item has left: a serialized query behind it may go.
+            let mut q = self.queue.lock();
+            q.busy = false;
+            self.changed.notify_all();
+        }
         if let Err(e) = result {
             gst::debug!(CAT, imp = self, "task paused: {e:?}");
             if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
@@ -562,9 +604,8 @@ impl VlmEncode {
         Ok(())
     }
 
+    /// PAUSED→READY, once the pads are inactive (the task stopped with its pad).
     fn stop(&self) {
-        self.set_flushing(true);
-        let _ = self.srcpad.stop_task();
         // The encoder and its cache statistics stay readable until the next start.
         let mut state = self.state.lock();
         *state = State { encoder: state.encoder.take(), backend: state.backend, ..State::default() };
@@ -585,11 +626,21 @@ impl ObjectSubclass for VlmEncode {
             .event_function(|_, parent, event| {
                 VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.sink_event(event))
             })
+            .query_function(|pad, parent, query| {
+                VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.sink_query(pad, query))
+            })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();
         let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
             .query_function(|pad, parent, query| {
                 VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.src_query(pad, query))
+            })
+            .activatemode_function(|pad, parent, mode, active| {
+                VlmEncode::catch_panic_pad_function(
+                    parent,
+                    || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
+                    |imp| imp.src_activatemode(pad, mode, active),
+                )
             })
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();
@@ -802,12 +853,14 @@ impl ElementImpl for VlmEncode {
                     return Err(gst::StateChangeError);
                 }
             }
-            gst::StateChange::PausedToReady => self.stop(),
+            // Upstream's chain function may wait for room: released before the pads deactivate
+            // (the source pad's deactivation stops the task).
+            gst::StateChange::PausedToReady => self.set_flushing(true),
             _ => (),
         }
         let ret = self.parent_change_state(transition)?;
-        if transition == gst::StateChange::ReadyToPaused {
-            self.start_task();
+        if transition == gst::StateChange::PausedToReady {
+            self.stop();
         }
         Ok(ret)
     }

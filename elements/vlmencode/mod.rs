@@ -8,6 +8,8 @@
 //! then upstream blocks, or with `leaky=true` due frames pass without embeddings (counted in
 //! `frames-skipped`). Frames between two due frames (`interval`, `max-rate`) pass without
 //! embeddings. A repeated picture (hash of the visible pixels) is a cache hit: no encode.
+//! Serialized queries (ALLOCATION, DRAIN) keep their place in the stream: one goes downstream
+//! once the frames before it have left (a flush or a stop releases it unanswered).
 //!
 //! The encoder is libmtmd (`mmproj`, a projector GGUF) on the CPU or llama.cpp's GPU device, or,
 //! in builds with the `rknn` cargo feature, a `.rknn` model on a Rockchip NPU (`rknn-model`).
@@ -51,6 +53,8 @@
 //!
 //! ## Properties
 //!
+//! Every property below: Since: 0.1.
+//!
 //! - `mmproj` (string): libmtmd projector GGUF (vision tower + projector).
 //! - `model` (string, empty): language-model GGUF the embeddings feed; empty = ask `vlmcontext`.
 //! - `backend` (`auto`/`cpu`/`gpu`/`rknn`, `auto`); `rknn-model` (string): the `.rknn` encoder.
@@ -75,6 +79,8 @@
 //!   a live pipeline's sinks do not drop them.
 //!
 //! Debug category: `vlmencode`.
+//!
+//! Since: 0.1
 
 use gst::glib;
 use gst::prelude::*;
@@ -88,5 +94,7 @@ glib::wrapper! {
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     // The debug category exists from plugin load on (`gst-launch-1.0 --gst-debug-help` lists it).
     std::sync::LazyLock::force(&imp::CAT);
+    // The enum of a property is part of the plugin's documented API.
+    imp::Backend::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
     gst::Element::register(Some(plugin), "vlmencode", gst::Rank::NONE, VlmEncode::static_type())
 }

@@ -176,8 +176,18 @@ impl Video {
     }
 }
 
+/// The element's statistics (read-only properties, each notified when it changes), reset at
+/// PAUSED→READY.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Stats {
+    /// Answers pushed on the text pad (`answers`).
+    answers: u64,
+}
+
 #[derive(Default)]
 struct Shared {
+    /// Kept across flushes; reset at PAUSED→READY.
+    stats: Stats,
     video: Video,
     query_segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     query_markup: bool,
@@ -226,7 +236,6 @@ pub struct VlmQuery {
     /// before `shared`).
     post_order: Mutex<()>,
     changed: Condvar,
-    answered: Mutex<u64>,
 }
 
 impl VlmQuery {
@@ -259,6 +268,7 @@ impl VlmQuery {
         let mut shared = self.shared.lock();
         let old = std::mem::take(&mut *shared);
         *shared = Shared {
+            stats: old.stats,
             video: Video { stream: old.video.stream, ..Video::default() },
             query_segment: old.query_segment,
             query_markup: old.query_markup,
@@ -270,13 +280,48 @@ impl VlmQuery {
         };
     }
 
+    /// PAUSED→READY, before the pads deactivate: every pending question is cancelled, and
+    /// a chain function woken by the flush (the query pad's, waiting for the video) sees it and
+    /// returns, or deactivating its pad would wait for it forever.
     fn stop(&self) {
         self.flush_start("the element stopped");
-        let _ = self.srcpad.stop_task();
-        // Still flushing until READY->PAUSED starts again: a chain function woken by the flush
-        // (the query pad's, waiting for the video) must see it and return, or deactivating its
-        // pad would wait for it forever.
-        *self.shared.lock() = Shared { flushing: true, ..Shared::default() };
+    }
+
+    /// PAUSED→READY, once the pads are inactive (the text pad's task stopped): a fresh state
+    /// with zero statistics, still flushing until the text pad is activated again.
+    fn reset(&self) {
+        let stats = {
+            let mut shared = self.shared.lock();
+            let stats = shared.stats;
+            *shared = Shared { flushing: true, ..Shared::default() };
+            stats
+        };
+        self.notify_stats(stats, Stats::default());
+    }
+
+    /// Notify the statistics that differ between `before` and `now` (called with no lock held).
+    fn notify_stats(&self, before: Stats, now: Stats) {
+        if before.answers != now.answers {
+            self.obj().notify("answers");
+        }
+    }
+
+    /// The text pad's task runs while the pad is active (in push mode): started on activation
+    /// with the flush state cleared, stopped on deactivation with every pending question
+    /// cancelled, as gst-plugins-rs elements do.
+    fn src_activatemode(&self, pad: &gst::Pad, mode: gst::PadMode, active: bool) -> Result<(), gst::LoggableError> {
+        if mode != gst::PadMode::Push {
+            return Err(gst::loggable_error!(CAT, "pull mode is not supported"));
+        }
+        gst::debug!(CAT, obj = pad, "{} the text task", if active { "starting" } else { "stopping" });
+        if active {
+            self.flush_stop();
+            self.start_task();
+        } else {
+            self.flush_start("the text pad was deactivated");
+            pad.stop_task().map_err(|e| gst::loggable_error!(CAT, "cannot stop the text task: {e}"))?;
+        }
+        Ok(())
     }
 }
 
@@ -306,13 +351,45 @@ impl ObjectSubclass for VlmQuery {
                 VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.query_event(event))
             })
             .build();
-        let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap()).build();
-        let video_srcpad = gst::Pad::builder_from_template(&klass.pad_template("video_src").unwrap())
-            .event_function(|_, parent, event| {
-                VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sinkpad.push_event(event))
+        let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
+            .event_function(|pad, parent, event| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {event:?}");
+                        gst::Pad::event_default(pad, Some(&*imp.obj()), event)
+                    },
+                )
             })
-            .query_function(|_, parent, query| {
-                VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.sinkpad.peer_query(query))
+            .activatemode_function(|pad, parent, mode, active| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
+                    |imp| imp.src_activatemode(pad, mode, active),
+                )
+            })
+            .build();
+        let video_srcpad = gst::Pad::builder_from_template(&klass.pad_template("video_src").unwrap())
+            .event_function(|pad, parent, event| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {event:?}");
+                        imp.sinkpad.push_event(event)
+                    },
+                )
+            })
+            .query_function(|pad, parent, query| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {query:?}");
+                        imp.sinkpad.peer_query(query)
+                    },
+                )
             })
             .build();
         VlmQuery {
@@ -325,7 +402,6 @@ impl ObjectSubclass for VlmQuery {
             shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
             post_order: Mutex::new(()),
             changed: Condvar::new(),
-            answered: Mutex::new(0),
         }
     }
 }
@@ -497,6 +573,10 @@ impl ObjectImpl for VlmQuery {
     }
 
     fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
+        // (Not under the settings lock: the text pad's task takes the shared lock first.)
+        if pspec.name() == "answers" {
+            return self.shared.lock().stats.answers.to_value();
+        }
         let s = self.settings.lock();
         match pspec.name() {
             "placement" => s.placement.to_value(),
@@ -515,7 +595,6 @@ impl ObjectImpl for VlmQuery {
             "top-k" => s.sampling.top_k.to_value(),
             "top-p" => s.sampling.top_p.to_value(),
             "min-p" => s.sampling.min_p.to_value(),
-            "answers" => self.answered.lock().to_value(),
             _ => unreachable!(),
         }
     }
@@ -574,10 +653,10 @@ impl ElementImpl for VlmQuery {
         if transition == gst::StateChange::PausedToReady {
             self.stop();
         }
+        // The text pad's task starts and stops with the pad's activation (`src_activatemode`).
         let ret = self.parent_change_state(transition)?;
-        if transition == gst::StateChange::ReadyToPaused {
-            *self.shared.lock() = Shared::default();
-            self.start_task();
+        if transition == gst::StateChange::PausedToReady {
+            self.reset();
         }
         Ok(ret)
     }

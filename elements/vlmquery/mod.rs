@@ -122,6 +122,8 @@
 //!
 //! ## Properties
 //!
+//! Every property below: Since: 0.1.
+//!
 //! - `placement` (`auto`): the placer decides, or an engine's name forces it.
 //! - `max-tokens` (1-4096, 64): most tokens per answer (a question event's `max-tokens`
 //!   overrides it). `exact-tokens` (false): generate exactly `max-tokens` (measurements).
@@ -135,9 +137,12 @@
 //! - `commit-answers` (`none`/`ordered`, `none`): with `ordered`, each question and its answer
 //!   join the stream's history in question order, so later questions see the conversation.
 //! - `temp` (0 = greedy), `seed` (0), `top-k` (40), `top-p` (0.95), `min-p` (0.05).
-//! - Read-only: `answers` (answer buffers pushed).
+//! - Read-only: `answers` (answer buffers pushed), notified when it changes and zero again at
+//!   PAUSED→READY (read it before stopping the pipeline).
 //!
 //! Debug category: `vlmquery`.
+//!
+//! Since: 0.1
 
 use gst::glib;
 use gst::prelude::*;
@@ -151,5 +156,9 @@ glib::wrapper! {
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     // The debug category exists from plugin load on (`gst-launch-1.0 --gst-debug-help` lists it).
     std::sync::LazyLock::force(&imp::CAT);
+    // The enums of its properties are part of the plugin's documented API.
+    imp::CommitAnswers::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
+    imp::OutputFormat::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
+    imp::Display::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
     gst::Element::register(Some(plugin), "vlmquery", gst::Rank::NONE, VlmQuery::static_type())
 }

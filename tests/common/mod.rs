@@ -62,6 +62,14 @@ pub fn run(pipeline: &gst::Element) -> Run {
 
 /// [`run`], with no EOS within `seconds` an error.
 pub fn run_for(pipeline: &gst::Element, seconds: u64) -> Run {
+    let run = run_to_eos(pipeline, seconds);
+    pipeline.set_state(gst::State::Null).unwrap();
+    run
+}
+
+/// [`run_for`], leaving the pipeline where it ended (PLAYING) for the caller to read what the
+/// elements counted (their statistics start again at zero at PAUSED→READY) and stop it.
+pub fn run_to_eos(pipeline: &gst::Element, seconds: u64) -> Run {
     let bus = pipeline.bus().unwrap();
     let mut run = Run::default();
     if pipeline.set_state(gst::State::Playing).is_err() {
@@ -93,7 +101,6 @@ pub fn run_for(pipeline: &gst::Element, seconds: u64) -> Run {
             _ => (),
         }
     }
-    pipeline.set_state(gst::State::Null).unwrap();
     run
 }
 

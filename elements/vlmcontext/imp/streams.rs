@@ -1,6 +1,7 @@
 //! The streams of `vlmcontext`: the runtime stream behind a pair of pads, opened on first use; the
 //! sink pad's buffers (each frame registered in its history), events and queries; the pad's
-//! counters (frames skipped or dropped, history restarts and slides, largest lag).
+//! statistics (frames skipped or dropped, history restarts and slides, largest lag), each
+//! property notified when it changes.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -103,10 +104,7 @@ impl VlmContext {
                 gst::FlowError::Error
             })?;
             let lag = stream.lag();
-            {
-                let mut max = pads.max_lag_ms.lock();
-                *max = max.max(lag.ms);
-            }
+            self.update_stats(pads, |stats| stats.max_lag_ms = stats.max_lag_ms.max(lag.ms));
             match stream.register(frame, &pads.cancel) {
                 Ok(registration) if registration.skipped => self.frame_skipped(pads, &stream, lag),
                 Ok(registration) => {
@@ -122,8 +120,11 @@ impl VlmContext {
                 }
                 Err(Error::Cancelled) => return Err(gst::FlowError::Flushing),
                 Err(e @ Error::HistoryFull { .. }) => {
-                    let mut dropped = pads.dropped.lock();
-                    if *dropped == 0 {
+                    let first = self.update_stats(pads, |stats| {
+                        stats.dropped += 1;
+                        stats.dropped == 1
+                    });
+                    if first {
                         gst::element_imp_warning!(
                             self,
                             gst::ResourceError::NoSpaceLeft,
@@ -134,7 +135,6 @@ impl VlmContext {
                             )
                         );
                     }
-                    *dropped += 1;
                 }
                 Err(e) => {
                     gst::element_imp_error!(
@@ -152,11 +152,10 @@ impl VlmContext {
     /// The overload policy skipped a frame: count it; tell the application when a run of skips
     /// starts and then every 10 skipped frames.
     fn frame_skipped(&self, pads: &StreamPads, stream: &Stream, lag: vlm_runtime::Lag) {
-        let skipped = {
-            let mut n = pads.skipped.lock();
-            *n += 1;
-            *n
-        };
+        let skipped = self.update_stats(pads, |stats| {
+            stats.skipped += 1;
+            stats.skipped
+        });
         gst::debug!(CAT, obj = pads.sink, "ingestion {} frames / {:.0} ms behind: frame skipped", lag.frames, lag.ms);
         if skipped == 1 || skipped.is_multiple_of(10) {
             let s = gst::Structure::builder("vlm-overload")
@@ -181,10 +180,10 @@ impl VlmContext {
         slid: bool,
     ) {
         let (policy, how) = if slid {
-            *pads.slides.lock() += 1;
+            self.update_stats(pads, |stats| stats.slides += 1);
             ("slide", "slid in place")
         } else {
-            *pads.restarts.lock() += 1;
+            self.update_stats(pads, |stats| stats.restarts += 1);
             ("restart", "restarted")
         };
         gst::info!(
@@ -211,6 +210,7 @@ impl VlmContext {
     }
 
     pub(super) fn sink_event(&self, pads: &StreamPads, event: gst::Event) -> bool {
+        gst::log!(CAT, obj = pads.sink, "handling {event:?}");
         match event.view() {
             gst::EventView::FlushStart(_) => {
                 pads.cancel.store(true, Ordering::Release);
@@ -235,6 +235,7 @@ impl VlmContext {
     }
 
     pub(super) fn sink_query(&self, pads: &StreamPads, query: &mut gst::QueryRef) -> bool {
+        gst::log!(CAT, obj = pads.sink, "handling {query:?}");
         if ModelQuery::is(query) {
             // Asked by vlmencode's encoding task before it loads its projector: answered once
             // the engines have loaded (READY→PAUSED completing asynchronously), so that the

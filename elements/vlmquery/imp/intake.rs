@@ -321,6 +321,7 @@ impl VlmQuery {
 
     /// Caps and allocation queries of the video go on through `video_src`.
     pub(super) fn sink_query(&self, pad: &gst::Pad, query: &mut gst::QueryRef) -> bool {
+        gst::log!(CAT, obj = pad, "handling {query:?}");
         match query.view() {
             gst::QueryView::Caps(_) | gst::QueryView::AcceptCaps(_) | gst::QueryView::Allocation(_)
                 if self.video_srcpad.is_linked() =>
@@ -333,6 +334,7 @@ impl VlmQuery {
 
     pub(super) fn sink_event(&self, event: gst::Event) -> bool {
         use gst::EventView;
+        gst::log!(CAT, obj = self.sinkpad, "handling {event:?}");
         if let Some(parsed) = QuestionEvent::parse(&event) {
             match parsed {
                 Ok(q) => {
@@ -522,6 +524,7 @@ impl VlmQuery {
 
     pub(super) fn query_event(&self, event: gst::Event) -> bool {
         use gst::EventView;
+        gst::log!(CAT, obj = self.querypad, "handling {event:?}");
         match event.view() {
             EventView::Caps(c) => {
                 self.shared.lock().query_markup =

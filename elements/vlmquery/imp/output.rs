@@ -142,11 +142,14 @@ impl VlmQuery {
     /// to say, or EOS after the last answer.
     fn task_iteration(&self) {
         self.post_finished();
-        let next = {
+        let (next, stats) = {
             let mut shared = self.shared.lock();
-            loop {
+            let before = shared.stats;
+            let next = loop {
                 if shared.flushing {
+                    let now = shared.stats;
                     drop(shared);
+                    self.notify_stats(before, now);
                     let _ = self.srcpad.pause_task();
                     return;
                 }
@@ -170,8 +173,10 @@ impl VlmQuery {
                     }
                     None => self.changed.wait(&mut shared),
                 }
-            }
+            };
+            (next, (before, shared.stats))
         };
+        self.notify_stats(stats.0, stats.1);
         self.changed.notify_all();
         // (Its answering thread has ended, or is ending: it takes the shared lock last.)
         if let Next::Text { p, .. } = &next
@@ -230,11 +235,11 @@ impl VlmQuery {
             let duration = output.duration;
             match format {
                 OutputFormat::Json => {
-                    *self.answered.lock() += 1;
+                    shared.stats.answers += 1;
                     return Some(Self::text(shared, p, json_line(&message), at, Some(duration), &status));
                 }
                 OutputFormat::Text if status == "answered" => {
-                    *self.answered.lock() += 1;
+                    shared.stats.answers += 1;
                     let text = message.get::<String>("text").unwrap_or_default();
                     if !replace {
                         // (Following the video, from where its pieces ended: no frame between.)
