@@ -95,9 +95,6 @@ pub enum KvTypeKind {
 
 const DEFAULT_MAX_ANSWERS: u32 = 8;
 
-/// Cells kept free after the history for a question and its answer.
-const ANSWER_RESERVE: i32 = 256;
-
 #[derive(Debug, Clone, PartialEq)]
 struct Settings {
     model: String,

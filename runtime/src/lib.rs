@@ -39,4 +39,6 @@ pub use engine::{DecodeRates, Engine, EngineConfig, KvLayout, KvMemory};
 pub use error::{Error, Result};
 pub use llama::{Device, Gpu, KvType};
 pub use placer::PreparePath;
-pub use stream::{Frame, HistoryPolicy, Lag, Overload, Registration, Stream, StreamConfig, Version};
+pub use stream::{
+    DEFAULT_ANSWER_RESERVE, Frame, HistoryPolicy, Lag, Overload, Registration, Stream, StreamConfig, Version,
+};

@@ -79,6 +79,15 @@ pub struct Lag {
     pub ms: f64,
 }
 
+/// Cells a stream keeps free after its history for a question and its answer
+/// ([`StreamConfig::answer_reserve`]) where the application does not size its answers (as
+/// `vlmcontext`, whose questions come at any length). An engine with a unified KV pool gives
+/// each answer as many cells beyond the version it reads ([`EngineConfig::answer_cells`], which
+/// defaults to the same), so an answer that fits its stream's reserve fits the pool.
+///
+/// [`EngineConfig::answer_cells`]: crate::EngineConfig::answer_cells
+pub const DEFAULT_ANSWER_RESERVE: i32 = 256;
+
 /// Settings of one stream.
 #[derive(Debug, Clone)]
 pub struct StreamConfig {
@@ -88,7 +97,8 @@ pub struct StreamConfig {
     /// Registered but unpublished entries allowed (the lag bound); past it `overload` applies.
     pub max_pending: usize,
     pub overload: Overload,
-    /// Cells kept free at the end of the sequence for a question and its answer.
+    /// Cells kept free at the end of the sequence for a question and its answer
+    /// ([`DEFAULT_ANSWER_RESERVE`] where the application does not size its answers).
     pub answer_reserve: i32,
     pub history_policy: HistoryPolicy,
     /// Exact-match cache of complete prefixes, shared by the streams that should reuse each
@@ -622,5 +632,16 @@ impl Drop for Stream {
     fn drop(&mut self) {
         let home = self.home.lock();
         home.engine.give_stream_seq(home.seq);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::EngineConfig;
+
+    #[test]
+    fn an_engines_default_answer_cells_hold_the_default_answer_reserve() {
+        assert_eq!(EngineConfig::default().answer_cells, DEFAULT_ANSWER_RESERVE as u32);
     }
 }
