@@ -18,20 +18,20 @@ mod plots;
 mod record;
 mod report;
 mod runtime_run;
+mod session;
 mod workload;
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use record::{ALL_CONFIGS, AnswerRecord, Config, DecodeSplit, LagStats, RunRecord, WorkerMsg};
+use record::{ALL_CONFIGS, Config, RunRecord};
 use runtime_run::WorkerSpec;
-use workload::{CpuTicks, HistorySpec, Workload, unix_ms};
+use session::Session;
+use workload::{Workload, unix_ms};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -302,135 +302,6 @@ fn resolve_pair(c: &mut CommonArgs) -> Result<(), BoxError> {
     Ok(())
 }
 
-enum Event {
-    Msg(usize, WorkerMsg),
-    Closed,
-}
-
-/// The worker processes of `config` over `w`: one, or one per stream for B3.
-fn worker_specs(config: Config, w: &Workload, history: Option<&HistorySpec>) -> Vec<WorkerSpec> {
-    let spec = |only_stream| WorkerSpec { config, only_stream, workload: w.clone(), history: history.cloned() };
-    if config == Config::B3 { (0..w.streams).map(|i| spec(Some(i))).collect() } else { vec![spec(None)] }
-}
-
-/// Run the worker processes `specs` (of one configuration), start them together once all are
-/// ready, and merge what they report. `label` names the run in the log files.
-fn run_workers(
-    specs: &[WorkerSpec],
-    round: usize,
-    label: &str,
-    logs: &std::path::Path,
-    bar: &ProgressBar,
-    timeout: Duration,
-) -> Result<RunRecord, BoxError> {
-    let exe = std::env::current_exe()?;
-    let config = specs[0].config;
-    let (tx, rx) = mpsc::channel();
-    let mut children = vec![];
-    let mut stdins = vec![];
-    for (i, spec) in specs.iter().enumerate() {
-        let log = std::fs::File::create(logs.join(format!("{label}-{}-{i}.log", config.name())))?;
-        let mut child = Command::new(&exe)
-            .arg("__worker")
-            .arg(serde_json::to_string(spec)?)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()?;
-        stdins.push(child.stdin.take().expect("piped"));
-        let stdout = child.stdout.take().expect("piped");
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Ok(msg) = serde_json::from_str::<WorkerMsg>(&line) {
-                    let _ = tx.send(Event::Msg(i, msg));
-                }
-            }
-            let _ = tx.send(Event::Closed);
-        });
-        children.push(child);
-    }
-    drop(tx);
-    let mut record = RunRecord {
-        decode_split: Some(DecodeSplit::default()),
-        lag: Some(LagStats::default()),
-        ..RunRecord::empty(config, round, specs.len())
-    };
-    let mut errors: Vec<String> = vec![];
-    let mut ready = 0;
-    let mut open = specs.len();
-    let mut started = false;
-    let deadline = Instant::now() + timeout;
-    loop {
-        let event = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(event) => event,
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                errors.push(format!("timed out after {} s", timeout.as_secs()));
-                started = false; // stop the workers below
-                break;
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-        };
-        match event {
-            Event::Msg(_, WorkerMsg::Ready { load_ms, frame_cells }) => {
-                record.load_ms = record.load_ms.max(load_ms);
-                record.frame_cells = record.frame_cells.max(frame_cells);
-                ready += 1;
-                if ready == specs.len() {
-                    // Everyone loaded: start the window together, a moment from now.
-                    let at = unix_ms() + 200;
-                    for stdin in &mut stdins {
-                        writeln!(stdin, "go {at}")?;
-                        stdin.flush()?;
-                    }
-                    started = true;
-                }
-            }
-            Event::Msg(_, WorkerMsg::Answer(a)) => {
-                bar.inc(1);
-                record.answers.push(a);
-            }
-            Event::Msg(_, WorkerMsg::Done { window_ms, peak_rss_kib, kv, decode_split, lag }) => {
-                record.window_ms = record.window_ms.max(window_ms);
-                record.peak_rss_kib += peak_rss_kib;
-                record.kv.get_or_insert_default().add(&kv);
-                record.decode_split.as_mut().expect("set above").add(&decode_split);
-                record.lag.as_mut().expect("set above").add(&lag);
-            }
-            Event::Msg(i, WorkerMsg::Failed { error }) => {
-                errors.push(format!("worker {i}: {error}"));
-                if !started {
-                    break; // it will never be ready: stop the others below
-                }
-            }
-            Event::Closed => {
-                open -= 1;
-                if open == 0 {
-                    break;
-                }
-                if !started {
-                    errors.push("a worker exited before it was ready".into());
-                    break;
-                }
-            }
-        }
-    }
-    drop(stdins);
-    for (i, mut child) in children.into_iter().enumerate() {
-        if !started {
-            let _ = child.kill();
-        }
-        let status = child.wait()?;
-        if !status.success() && started {
-            errors.push(format!("worker {i} exited with {status}"));
-        }
-    }
-    if !errors.is_empty() {
-        record.error = Some(format!("{} (logs in {})", errors.join("; "), logs.display()));
-    }
-    Ok(record)
-}
-
 fn git(args: &[&str]) -> Option<String> {
     let out = Command::new("git").args(args).output().ok()?;
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
@@ -460,124 +331,6 @@ fn date() -> String {
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_else(|| format!("unix {}", unix_ms() / 1000))
-}
-
-/// What every run sets up before its first configuration: the configurations that can run
-/// (the peer left out, with a message, when no server is built), the log folder, the peer.
-struct Session {
-    configs: Vec<Config>,
-    logs: PathBuf,
-    peer: Option<peer::PeerSettings>,
-    timeout: Duration,
-    retry_busy_pct: Option<f64>,
-}
-
-/// Wait (20 minutes at most) until other processes have used at most `limit_pct` of the CPU
-/// for 20 s in a row.
-fn wait_until_quiet(limit_pct: f64, bar: &ProgressBar) {
-    let deadline = Instant::now() + Duration::from_secs(1200);
-    let mut quiet = 0;
-    let mut said = false;
-    while quiet < 4 && Instant::now() < deadline {
-        let Some(t) = CpuTicks::now() else { return };
-        std::thread::sleep(Duration::from_secs(5));
-        match t.foreign_pct_since(cores()) {
-            Some(p) if p > limit_pct => {
-                quiet = 0;
-                if !said {
-                    bar.set_message(format!("waiting for a quiet machine (other processes use {p:.0}% of the CPU)"));
-                    said = true;
-                }
-            }
-            _ => quiet += 1,
-        }
-    }
-}
-
-impl Session {
-    fn new(c: &CommonArgs, w: &Workload, configs: &[Config], timeout: Duration) -> Result<Session, BoxError> {
-        let mut configs = configs.to_vec();
-        configs.dedup();
-        let server = peer::find_server(c.llama_server.as_deref());
-        if configs.contains(&Config::Peer) && server.as_ref().is_none_or(|s| !s.is_file()) {
-            eprintln!(
-                "vlm-bench: no llama-server binary ({}); PEER is left out. Build it with scripts/build-llama-server.sh \
-                 or name it with --llama-server.",
-                server.as_ref().map_or_else(|| "not built".into(), |s| s.display().to_string())
-            );
-            configs.retain(|c| *c != Config::Peer);
-        }
-        if configs.is_empty() {
-            return Err("no configuration to run".into());
-        }
-        let logs =
-            c.log_dir.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("vlm-bench-{}", std::process::id())));
-        std::fs::create_dir_all(&logs)?;
-        let single_threads = vlm_runtime::EngineConfig::parse_list(&w.engine, &vlm_runtime::EngineConfig::default())?
-            .first()
-            .map_or(cores(), |e| e.threads as usize);
-        let peer = server.map(|server| peer::PeerSettings {
-            server,
-            threads: c.peer_threads.unwrap_or(single_threads),
-            args: c.peer_args.as_deref().unwrap_or("").split_whitespace().map(str::to_owned).collect(),
-            logs: logs.clone(),
-            timeout,
-        });
-        Ok(Session { configs, logs, peer, timeout, retry_busy_pct: c.retry_busy_pct })
-    }
-
-    /// Run `config` once over `w` (the live workload, or the history curve): in fresh worker
-    /// processes, or against a freshly started server. `label` names the run in the logs. With
-    /// `--retry-busy-pct`, a run during which other processes used more of the CPU is discarded
-    /// (its share kept in `discarded_busy_pct`) and run again once the machine is quiet, twice
-    /// at most.
-    fn run_config(
-        &self,
-        config: Config,
-        w: &Workload,
-        round: usize,
-        label: &str,
-        history: Option<&HistorySpec>,
-        bar: &ProgressBar,
-    ) -> Result<RunRecord, BoxError> {
-        let mut discarded = vec![];
-        loop {
-            if let Some(limit) = self.retry_busy_pct {
-                wait_until_quiet(limit, bar);
-            }
-            let ticks = CpuTicks::now();
-            let answered = bar.position();
-            let mut record = if config == Config::Peer {
-                let settings = self.peer.as_ref().expect("the peer is only kept with a server");
-                let on_answer = |_: &AnswerRecord| bar.inc(1);
-                peer::run_round(settings, w, round, label, history, &on_answer)
-            } else {
-                run_workers(&worker_specs(config, w, history), round, label, &self.logs, bar, self.timeout)?
-            };
-            record.foreign_cpu_pct = ticks.and_then(|t| t.foreign_pct_since(cores()));
-            let busy = record.foreign_cpu_pct.filter(|&p| self.retry_busy_pct.is_some_and(|limit| p > limit));
-            match busy {
-                Some(pct) if discarded.len() < 2 => {
-                    report_run(bar, &format!("{label} (discarded: machine busy)"), &record, record.answers.len());
-                    bar.set_position(answered);
-                    discarded.push(pct);
-                }
-                _ => {
-                    record.discarded_busy_pct = discarded;
-                    return Ok(record);
-                }
-            }
-        }
-    }
-
-    /// The peer's settings as the JSON report keeps them.
-    fn peer_json(&self) -> serde_json::Value {
-        self.peer.as_ref().map_or(serde_json::Value::Null, |p| {
-            serde_json::json!({
-                "server": p.server, "threads": p.threads, "args": p.args, "media_marker": peer::MEDIA_MARKER,
-            })
-        })
-    }
 }
 
 fn progress_bar(answers: usize) -> ProgressBar {

@@ -1,4 +1,3 @@
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
 
@@ -8,51 +7,23 @@ use gst::subclass::prelude::*;
 use parking_lot::Mutex;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::snapshot::PrefixCache;
-use vlm_runtime::{Engine, Stream, models};
+use vlm_runtime::{Engine, Stream};
 
-// Each its own `impl VlmContext`: loading the engines, and the stream behind a pair of pads (its
-// buffers, events and queries). The element, its properties, pads and state changes stay here.
+// Each its own `impl VlmContext`: loading the engines, the properties (names, specifications,
+// writing and reading), and the stream behind a pair of pads (its buffers, events and queries).
+// The element, its settings, pads and state changes stay here.
 mod load;
+mod properties;
 mod streams;
 
 use load::Loading;
+use properties::{
+    PROP_FRAMES_DROPPED, PROP_FRAMES_SKIPPED, PROP_HISTORY_RESTARTS, PROP_HISTORY_SLIDES, PROP_MAX_LAG_MS,
+};
 
 pub(crate) static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new("vlmcontext", gst::DebugColorFlags::empty(), Some("gst-vlm versioned stream history"))
 });
-
-// Property names, each used by its ParamSpec and by `set_property` or `property`.
-const PROP_MODEL: &str = "model";
-const PROP_RETAIN: &str = "retain";
-const PROP_SYSTEM_PROMPT: &str = "system-prompt";
-const PROP_CONTEXT_SIZE: &str = "context-size";
-const PROP_MAX_STREAMS: &str = "max-streams";
-const PROP_MAX_PENDING: &str = "max-pending";
-const PROP_OVERLOAD: &str = "overload";
-const PROP_STEP_BUDGET_MS: &str = "step-budget-ms";
-const PROP_INGEST_SHARE: &str = "ingest-share";
-const PROP_MAX_ANSWERS: &str = "max-answers";
-const PROP_FLASH_ATTENTION: &str = "flash-attention";
-const PROP_GPU_DEVICE: &str = "gpu-device";
-const PROP_GPU_LAYERS: &str = "gpu-layers";
-const PROP_KV_LAYOUT: &str = "kv-layout";
-const PROP_KV_TYPE: &str = "kv-type";
-const PROP_KV_BYTES: &str = "kv-bytes";
-const PROP_KV_BYTES_ALLOCATED: &str = "kv-bytes-allocated";
-const PROP_FRAMES_SKIPPED: &str = "frames-skipped";
-const PROP_MAX_LAG_MS: &str = "max-lag-ms";
-const PROP_HISTORY_POLICY: &str = "history-policy";
-const PROP_HISTORY_KEEP: &str = "history-keep";
-const PROP_HISTORY_RESTARTS: &str = "history-restarts";
-const PROP_HISTORY_SLIDES: &str = "history-slides";
-const PROP_PREFIX_CACHE_SIZE: &str = "prefix-cache-size";
-const PROP_PREFIX_CACHE_ENTRIES: &str = "prefix-cache-entries";
-const PROP_PREFIX_CACHE_HITS: &str = "prefix-cache-hits";
-const PROP_PREFIX_CACHE_MISSES: &str = "prefix-cache-misses";
-const PROP_ENGINES: &str = "engines";
-const PROP_THREADS: &str = "threads";
-const PROP_MODEL_OWNERS: &str = "model-owners";
-const PROP_FRAMES_DROPPED: &str = "frames-dropped";
 
 const DEFAULT_CONTEXT_SIZE: u32 = 2048;
 const DEFAULT_MAX_STREAMS: u32 = 2;
@@ -123,9 +94,6 @@ pub enum KvTypeKind {
 }
 
 const DEFAULT_MAX_ANSWERS: u32 = 8;
-
-/// Cells kept free after the history for a question and its answer.
-const ANSWER_RESERVE: i32 = 256;
 
 #[derive(Debug, Clone, PartialEq)]
 struct Settings {
@@ -295,280 +263,16 @@ impl ChildProxyImpl for VlmContext {
 
 impl ObjectImpl for VlmContext {
     fn properties() -> &'static [glib::ParamSpec] {
-        static PROPS: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
-            let d = Settings::default();
-            vec![
-                glib::ParamSpecString::builder(PROP_MODEL).nick("Model").blurb("Path to the language-model GGUF").mutable_ready().build(),
-                glib::ParamSpecBoolean::builder(PROP_RETAIN)
-                    .nick("Retain")
-                    .blurb("Keep each stream's language KV; false re-prefills the whole history for every question (the baseline)")
-                    .default_value(true)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecString::builder(PROP_SYSTEM_PROMPT)
-                    .nick("System prompt")
-                    .blurb("System message that starts every stream's history")
-                    .default_value(Some(DEFAULT_SYSTEM_PROMPT))
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_CONTEXT_SIZE)
-                    .nick("Context size")
-                    .blurb("KV cells per stream (history + question + answer)")
-                    .minimum(512)
-                    .maximum(131072)
-                    .default_value(DEFAULT_CONTEXT_SIZE)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_MAX_STREAMS)
-                    .nick("Max streams")
-                    .blurb("Streams (sink pads) the engine holds KV for")
-                    .minimum(1)
-                    .maximum(64)
-                    .default_value(DEFAULT_MAX_STREAMS)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_MAX_PENDING)
-                    .nick("Max pending frames")
-                    .blurb("Frames per stream registered but not yet prefilled (the lag bound); past it the overload policy applies")
-                    .minimum(1)
-                    .maximum(1024)
-                    .default_value(DEFAULT_MAX_PENDING)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecEnum::builder_with_default(PROP_OVERLOAD, OverloadKind::Auto)
-                    .nick("Overload policy")
-                    .blurb("What happens to a new frame while max-pending frames of its stream still wait for ingestion: block upstream, or skip it (the stream's sampling rate falls to what the engine ingests, so questions never wait behind a queue of frames); auto skips for live sources and blocks otherwise")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecDouble::builder(PROP_STEP_BUDGET_MS)
-                    .nick("Step budget")
-                    .blurb("Most prefill (frame ingestion, question prefill; from measured rates) run between two decode steps of the answers being generated")
-                    .minimum(1.0)
-                    .maximum(10000.0)
-                    .default_value(vlm_runtime::engine::DEFAULT_STEP_BUDGET_MS)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecDouble::builder(PROP_INGEST_SHARE)
-                    .nick("Ingest share")
-                    .blurb("Share of an engine's time that frame ingestion takes while answers are being generated (more while a question waits for a frame: then a step budget every step); answers keep the rest of their decode rate")
-                    .minimum(0.0)
-                    .maximum(0.9)
-                    .default_value(vlm_runtime::engine::DEFAULT_INGEST_SHARE)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_MAX_ANSWERS)
-                    .nick("Max answers")
-                    .blurb("Answers generated at once per engine (each has a KV sequence of context-size cells, or with kv-layout=unified 256 cells of the pool); more wait for one to end")
-                    .minimum(1)
-                    .maximum(64)
-                    .default_value(DEFAULT_MAX_ANSWERS)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecBoolean::builder(PROP_FLASH_ATTENTION)
-                    .nick("Flash attention")
-                    .blurb("Flash attention on every engine (llama.cpp's --flash-attn): faster on GPUs; it stores V untransposed, so KV snapshots move only between engines that agree on it (a mismatch is refused)")
-                    .default_value(false)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_GPU_DEVICE)
-                    .nick("GPU device")
-                    .blurb("Which GPU the gpu engines use (llama.cpp's --device): an index among llama.cpp's GPUs, discrete ones first, then integrated ones (0: the first); a GPU that is not there is an error naming the ones found")
-                    .default_value(0)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecInt::builder(PROP_GPU_LAYERS)
-                    .nick("GPU layers")
-                    .blurb("Layers of the language model on the GPU for the gpu engines (llama.cpp's --n-gpu-layers / -ngl), the last ones; the others run on the CPU with the engine's threads. -1: all")
-                    .minimum(-1)
-                    .default_value(-1)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecEnum::builder_with_default(PROP_KV_LAYOUT, KvLayoutKind::PerSequence)
-                    .nick("KV layout")
-                    .blurb("per-sequence: context-size cells for every stream and every answer (max-streams + max-answers sequences), answers bit-identical to a re-prefill; unified: one pool of (max-streams + 1) x context-size + max-answers x 256 cells where an answer shares the cells of the version it reads (llama.cpp's kv_unified), greedy answers agreeing closely with a re-prefill")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecEnum::builder_with_default(PROP_KV_TYPE, KvTypeKind::F16)
-                    .nick("KV type")
-                    .blurb("Element type of K and V (llama.cpp's --cache-type-k/-v): q8_0 and q4_0 need flash-attention=true; snapshots move only between engines of one type")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_KV_BYTES)
-                    .nick("KV bytes in use")
-                    .blurb("Bytes of KV cells in use on every engine, a cell shared by several sequences counted once (refreshed every 50 ms while an engine works, and when it goes idle)")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_KV_BYTES_ALLOCATED)
-                    .nick("KV bytes allocated")
-                    .blurb("Bytes of KV cells the engines' contexts allocated")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_FRAMES_SKIPPED)
-                    .nick("Frames skipped")
-                    .blurb("Frames the overload policy kept out of the history because ingestion was max-pending frames behind")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecDouble::builder(PROP_MAX_LAG_MS)
-                    .nick("Max lag")
-                    .blurb("Largest ingestion lag seen when a frame arrived: age of the oldest frame registered but not yet published (ms)")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecEnum::builder_with_default(PROP_HISTORY_POLICY, HistoryPolicyKind::Restart)
-                    .nick("History policy")
-                    .blurb("What happens when a stream's history would overflow context-size")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_HISTORY_KEEP)
-                    .nick("History keep")
-                    .blurb("Newest frames kept when history-policy=restart starts the history again")
-                    .maximum(4096)
-                    .default_value(DEFAULT_HISTORY_KEEP)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_HISTORY_RESTARTS)
-                    .nick("History restarts")
-                    .blurb("Times a stream's history was restarted by history-policy (prefilled again)")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_HISTORY_SLIDES)
-                    .nick("History slides")
-                    .blurb("Times history-policy=slide shifted a stream's history in place")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_PREFIX_CACHE_SIZE)
-                    .nick("Prefix cache size")
-                    .blurb("Bytes of KV snapshots kept to let a stream (or a new session) with an identical history import it instead of prefilling; 0 = off")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_PREFIX_CACHE_ENTRIES)
-                    .nick("Prefix cache entries")
-                    .blurb("Most KV snapshots kept in the prefix cache")
-                    .default_value(DEFAULT_PREFIX_CACHE_ENTRIES)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_PREFIX_CACHE_HITS)
-                    .nick("Prefix cache hits")
-                    .blurb("Frames whose history was imported from the prefix cache instead of prefilled")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_PREFIX_CACHE_MISSES)
-                    .nick("Prefix cache misses")
-                    .blurb("Prefix cache look-ups that found nothing (the first of a session included)")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecString::builder(PROP_ENGINES)
-                    .nick("Engines")
-                    .blurb("Language engines, NAME[:cpu|gpu[:THREADS[:CORES]]] or NAME:rpc:HOST:PORT[+HOST:PORT...] (llama.cpp rpc-servers: no authentication, reach them over SSH or a private network) separated by commas (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3 or cpu,far:rpc:127.0.0.1:50052); a stream lives on the engine where its frames are ingested soonest (measured prefill rate x streams already there), and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
-                    .default_value(Some("cpu"))
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_THREADS)
-                    .nick("Threads")
-                    .blurb("CPU threads of the language engine")
-                    .minimum(1)
-                    .maximum(256)
-                    .default_value(d.threads)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder(PROP_MODEL_OWNERS)
-                    .nick("Model owners")
-                    .blurb("Owners of this model's loaded weights in the process (one copy shared by all)")
-                    .read_only()
-                    .build(),
-                glib::ParamSpecUInt64::builder(PROP_FRAMES_DROPPED)
-                    .nick("Frames dropped")
-                    .blurb("Encoded frames that did not join a history because it was full")
-                    .read_only()
-                    .build(),
-            ]
-        });
+        static PROPS: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(properties::specs);
         PROPS.as_ref()
     }
 
     fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
-        let mut s = self.settings.lock();
-        match pspec.name() {
-            PROP_MODEL => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
-            PROP_RETAIN => s.retain = value.get().unwrap(),
-            PROP_SYSTEM_PROMPT => s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
-            PROP_CONTEXT_SIZE => s.context_size = value.get().unwrap(),
-            PROP_MAX_STREAMS => s.max_streams = value.get().unwrap(),
-            PROP_MAX_PENDING => s.max_pending = value.get().unwrap(),
-            PROP_HISTORY_POLICY => s.history_policy = value.get().unwrap(),
-            PROP_KV_LAYOUT => s.kv_layout = value.get().unwrap(),
-            PROP_KV_TYPE => s.kv_type = value.get().unwrap(),
-            PROP_HISTORY_KEEP => s.history_keep = value.get().unwrap(),
-            PROP_OVERLOAD => s.overload = value.get().unwrap(),
-            PROP_STEP_BUDGET_MS => s.step_budget_ms = value.get().unwrap(),
-            PROP_INGEST_SHARE => s.ingest_share = value.get().unwrap(),
-            PROP_MAX_ANSWERS => s.max_answers = value.get().unwrap(),
-            PROP_FLASH_ATTENTION => s.flash_attention = value.get().unwrap(),
-            PROP_GPU_DEVICE => s.gpu_device = value.get().unwrap(),
-            PROP_GPU_LAYERS => s.gpu_layers = value.get().unwrap(),
-            PROP_PREFIX_CACHE_SIZE => s.prefix_cache_size = value.get().unwrap(),
-            PROP_PREFIX_CACHE_ENTRIES => s.prefix_cache_entries = value.get().unwrap(),
-            PROP_ENGINES => s.engines = value.get::<Option<String>>().unwrap().unwrap_or_default(),
-            PROP_THREADS => s.threads = value.get().unwrap(),
-            _ => unreachable!(),
-        }
+        self.set_setting(value, pspec)
     }
 
     fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
-        // Statistics first, without the settings lock: one lock at a time here (pads, then a
-        // pad's counters), never settings with another (see `stream`).
-        let sum =
-            |count: fn(&Stats) -> u64| self.pads.lock().iter().map(|p| count(&p.stats.lock())).sum::<u64>().to_value();
-        let cache = |stat: fn(vlm_runtime::cache::CacheStats) -> u64| {
-            self.prefix_cache.lock().as_ref().map_or(0, |c| stat(c.stats())).to_value()
-        };
-        match pspec.name() {
-            PROP_FRAMES_SKIPPED => return sum(|s| s.skipped),
-            PROP_HISTORY_RESTARTS => return sum(|s| s.restarts),
-            PROP_HISTORY_SLIDES => return sum(|s| s.slides),
-            PROP_FRAMES_DROPPED => return sum(|s| s.dropped),
-            PROP_MAX_LAG_MS => {
-                return self.pads.lock().iter().map(|p| p.stats.lock().max_lag_ms).fold(0.0, f64::max).to_value();
-            }
-            PROP_KV_BYTES | PROP_KV_BYTES_ALLOCATED => {
-                let st = self.state.lock();
-                let kv = st.engines.iter().map(|e| e.kv_memory());
-                let bytes: usize = if pspec.name() == PROP_KV_BYTES {
-                    kv.map(|m| m.in_use_bytes).sum()
-                } else {
-                    kv.map(|m| m.allocated_bytes()).sum()
-                };
-                return (bytes as u64).to_value();
-            }
-            PROP_PREFIX_CACHE_HITS => return cache(|s| s.hits),
-            PROP_PREFIX_CACHE_MISSES => return cache(|s| s.misses),
-            _ => (),
-        }
-        let s = self.settings.lock().clone();
-        match pspec.name() {
-            PROP_MODEL => s.model.to_value(),
-            PROP_RETAIN => s.retain.to_value(),
-            PROP_SYSTEM_PROMPT => s.system_prompt.to_value(),
-            PROP_CONTEXT_SIZE => s.context_size.to_value(),
-            PROP_MAX_STREAMS => s.max_streams.to_value(),
-            PROP_MAX_PENDING => s.max_pending.to_value(),
-            PROP_HISTORY_POLICY => s.history_policy.to_value(),
-            PROP_KV_LAYOUT => s.kv_layout.to_value(),
-            PROP_KV_TYPE => s.kv_type.to_value(),
-            PROP_HISTORY_KEEP => s.history_keep.to_value(),
-            PROP_OVERLOAD => s.overload.to_value(),
-            PROP_STEP_BUDGET_MS => s.step_budget_ms.to_value(),
-            PROP_INGEST_SHARE => s.ingest_share.to_value(),
-            PROP_MAX_ANSWERS => s.max_answers.to_value(),
-            PROP_FLASH_ATTENTION => s.flash_attention.to_value(),
-            PROP_GPU_DEVICE => s.gpu_device.to_value(),
-            PROP_GPU_LAYERS => s.gpu_layers.to_value(),
-            PROP_PREFIX_CACHE_SIZE => s.prefix_cache_size.to_value(),
-            PROP_PREFIX_CACHE_ENTRIES => s.prefix_cache_entries.to_value(),
-            PROP_ENGINES => s.engines.to_value(),
-            PROP_THREADS => s.threads.to_value(),
-            PROP_MODEL_OWNERS => (models::model_owners(&PathBuf::from(&s.model)) as u32).to_value(),
-            _ => unreachable!(),
-        }
+        self.property_value(pspec)
     }
 }
 

@@ -7,7 +7,7 @@ use gst::glib;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 use parking_lot::{Condvar, Mutex};
-use vlm_runtime::{AnswerReport, Lag, Question, Sampling, Stream};
+use vlm_runtime::{AnswerReport, CommitTurn, Lag, Question, Sampling, Stream};
 
 // The two halves of the element, each its own `impl VlmQuery`: question intake (the video and
 // query pads, `ask`, captions, binding and answering) and the text pad's output task (answers,
@@ -132,10 +132,9 @@ struct Pending {
     text: Mutex<String>,
     /// Bytes of `text` the source pad's task has taken.
     text_taken: AtomicUsize,
-    /// Set once the answering thread has its outcome (and, with ordered commits, committed).
-    finished: AtomicBool,
-    /// With ordered commits: the frame after which its answer was committed to the history.
-    committed_after: Mutex<Option<u64>>,
+    /// Its turn in the ordered commits (with `commit-answers=ordered`, the frame after which its
+    /// answer was committed to the history): ends once the answering thread has its outcome.
+    commit: CommitTurn,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The lag of the question's stream when it was accepted.
     lag: Lag,
@@ -251,6 +250,7 @@ impl VlmQuery {
                 if let Some(stream) = &p.job.stream {
                     stream.wake();
                 }
+                p.commit.wake();
             }
             self.changed.notify_all();
             std::mem::take(&mut shared.pending)

@@ -7,6 +7,7 @@
 //!   scheduler; `prefill`: chunked prefill of frames, replays and questions;
 //! - [`stream`]: a stream's versioned, append-only history ([`entry`]: its entries);
 //! - [`answer`](mod@answer): answering a question from a pinned version (branch, import or replay);
+//!   [`commits`]: answers committed to the history in question order;
 //! - [`placer`]: choosing the engine and path of each answer from measured stage costs;
 //! - [`prefix`]: prefix keys and compatibility tags; [`snapshot`]: KV snapshots;
 //! - [`cache`]: the bounded cache every cache uses;
@@ -16,6 +17,7 @@
 
 pub mod answer;
 pub mod cache;
+pub mod commits;
 pub mod encoder;
 pub mod engine;
 pub mod engine_spec;
@@ -35,8 +37,11 @@ pub mod text;
 mod threads;
 
 pub use answer::{AnswerReport, Question, Sampling, answer, answer_frame, answer_on, answer_placed};
+pub use commits::CommitTurn;
 pub use engine::{DecodeRates, Engine, EngineConfig, KvLayout, KvMemory};
 pub use error::{Error, Result};
 pub use llama::{Device, Gpu, KvType};
 pub use placer::PreparePath;
-pub use stream::{Frame, HistoryPolicy, Lag, Overload, Registration, Stream, StreamConfig, Version};
+pub use stream::{
+    DEFAULT_ANSWER_RESERVE, Frame, HistoryPolicy, Lag, Overload, Registration, Stream, StreamConfig, Version,
+};

@@ -19,14 +19,20 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::engine::{Engine, Ingestion, Worker};
+use crate::engine::Engine;
 pub use crate::entry::{Entry, Frame};
 use crate::error::{Error, Result};
 use crate::llama::{Segment, Token};
-use crate::prefill::Prefill;
 use crate::prefix::PrefixKey;
 use crate::prompt::Prompt;
-use crate::snapshot::{PrefixCache, Snapshot};
+use crate::snapshot::PrefixCache;
+
+// Ingestion on the resident engine (prefill, prefix-cache import, publication) and moving a
+// stream off a failed engine, in an `impl Stream` of their own.
+mod ingest;
+
+use ingest::Rebuild;
+pub(crate) use ingest::move_resident;
 
 /// What happens when the next frame would overflow the stream's sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,18 +57,6 @@ struct Plan {
     restart: Option<(usize, usize)>,
 }
 
-/// How ingestion rebuilds the stream's sequence for a planned version.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rebuild {
-    /// Append the version's last entry.
-    Append,
-    /// A new epoch, prefilled from position 0.
-    Whole,
-    /// A new epoch: positions `from..to` dropped and the later ones moved down, then the last
-    /// entry appended.
-    Shift { from: i32, to: i32 },
-}
-
 /// What happens to a new frame when `max_pending` frames already wait for their prefill
 /// (ingestion cannot keep up with the frame rate).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +79,15 @@ pub struct Lag {
     pub ms: f64,
 }
 
+/// Cells a stream keeps free after its history for a question and its answer
+/// ([`StreamConfig::answer_reserve`]) where the application does not size its answers (as
+/// `vlmcontext`, whose questions come at any length). An engine with a unified KV pool gives
+/// each answer as many cells beyond the version it reads ([`EngineConfig::answer_cells`], which
+/// defaults to the same), so an answer that fits its stream's reserve fits the pool.
+///
+/// [`EngineConfig::answer_cells`]: crate::EngineConfig::answer_cells
+pub const DEFAULT_ANSWER_RESERVE: i32 = 256;
+
 /// Settings of one stream.
 #[derive(Debug, Clone)]
 pub struct StreamConfig {
@@ -94,7 +97,8 @@ pub struct StreamConfig {
     /// Registered but unpublished entries allowed (the lag bound); past it `overload` applies.
     pub max_pending: usize,
     pub overload: Overload,
-    /// Cells kept free at the end of the sequence for a question and its answer.
+    /// Cells kept free at the end of the sequence for a question and its answer
+    /// ([`DEFAULT_ANSWER_RESERVE`] where the application does not size its answers).
     pub answer_reserve: i32,
     pub history_policy: HistoryPolicy,
     /// Exact-match cache of complete prefixes, shared by the streams that should reuse each
@@ -234,21 +238,6 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 /// Find a live stream by its id (as carried by the `vlm-stream` event).
 pub fn lookup(id: u64) -> Option<Arc<Stream>> {
     STREAMS.lock().get(&id).and_then(Weak::upgrade)
-}
-
-/// Move every stream resident on `engine`, which failed for good, to the cheapest other engine
-/// of its peers with a free stream sequence: its registered versions are ingested there again
-/// from their retained entries (a new epoch; what waits on them gets them from there). A stream
-/// with nowhere to go fails with `error` (the other streams go on).
-pub(crate) fn move_resident(engine: &Arc<Engine>, error: &Error) {
-    let streams: Vec<Arc<Stream>> = STREAMS.lock().values().filter_map(Weak::upgrade).collect();
-    for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine(), engine)) {
-        if let Err(e) = stream.move_home(engine) {
-            let why = format!("{error}; stream {} could not move to another engine: {e}", stream.name());
-            crate::llama::log(crate::llama::LogLevel::Error, &why);
-            stream.publish(Err(Error::Engine(why)));
-        }
-    }
 }
 
 impl Stream {
@@ -535,122 +524,6 @@ impl Stream {
         })
     }
 
-    /// The inputs that rebuild `history` after the prompt from position 0.
-    pub(crate) fn replay_entries(&self, history: &[Entry]) -> Vec<Entry> {
-        std::iter::once(Entry::Text(Arc::clone(&self.prompt.prefix))).chain(history.iter().cloned()).collect()
-    }
-
-    /// Make `record` usable on the engine (prefill its last entry, or its whole history when it
-    /// starts an epoch), chunk by chunk between decode steps, then publish it. Without
-    /// retention there is nothing to prefill.
-    fn ingest(self: &Arc<Self>, t: &mut Timeline, record: Record, rebuild: Rebuild) -> Result<()> {
-        if !self.config.retain {
-            Self::record_publication(t, Ok(record));
-            self.changed.notify_all();
-            return Ok(());
-        }
-        let (engine, seq) = self.home();
-        let cache = self.config.prefix_cache.clone().filter(|c| c.enabled() && !record.shifted);
-        let tag = engine.compat_tag();
-        let (start, entries) = if rebuild == Rebuild::Whole {
-            (0, self.replay_entries(&record.history))
-        } else {
-            let entry = record.history.last().expect("an appended version has an entry").clone();
-            (record.end - entry.n_pos(), vec![entry])
-        };
-        let prefill = Prefill::new(seq, start, entries, false, engine.frame_rows());
-        let cost_ms = prefill.remaining() as f64 * engine.rates().prefill_ms_per_token;
-        let cache_key = (record.key, tag.clone());
-        let (s, key, lookup) = (Arc::clone(self), cache_key.clone(), cache.clone());
-        let epoch = record.epoch;
-        // A prefix-cache hit imports the history instead of prefilling; a miss stores it after.
-        let missed = Arc::new(AtomicBool::new(false));
-        let missed_too = Arc::clone(&missed);
-        let begin = move |w: &mut Worker| -> Option<Result<i32>> {
-            s.resident_epoch.store(epoch, Ordering::Release);
-            match rebuild {
-                Rebuild::Whole => w.ctx.seq_clear(seq),
-                Rebuild::Shift { from, to } => w.ctx.seq_shift_out(seq, from, to),
-                Rebuild::Append => (),
-            }
-            let Some(snapshot) = lookup.as_ref()?.get(&key) else {
-                missed_too.store(true, Ordering::Release);
-                return None;
-            };
-            Some(w.ctx.seq_restore(seq, &snapshot.bytes).map(|()| snapshot.end))
-        };
-        let s = Arc::clone(self);
-        let done = move |w: Option<&mut Worker>, end: Result<i32>| {
-            if let (Ok(end), Some(cache), Some(w)) = (&end, &cache, w)
-                && missed.load(Ordering::Acquire)
-                && let Ok(bytes) = w.ctx.seq_snapshot(seq)
-            {
-                // A failed export only means nothing is cached.
-                cache.insert(cache_key, Arc::new(Snapshot { key: record.key, tag, bytes, end: *end }));
-            }
-            s.publish(end.and_then(|end| {
-                if end == record.end {
-                    Ok(record)
-                } else {
-                    Err(Error::Engine(format!("prefill ended at position {end}, planned {}", record.end)))
-                }
-            }));
-        };
-        engine.ingest(Ingestion {
-            prefill,
-            begin: Some(Box::new(begin)),
-            done: Some(Box::new(done)),
-            cancel: Arc::clone(&self.closing),
-            demand: Arc::clone(&self.demand),
-            cost_ms,
-        })
-    }
-
-    /// Live on another engine from now on: `failed` (the resident engine) failed for good, so the
-    /// versions registered but not published there are ingested again on the cheapest other
-    /// peer with a free stream sequence, under new epochs (the first rebuilt whole from its
-    /// retained entries, the next ones appended as before); with none pending, the newest
-    /// version is rebuilt there (one more record of the same frame), so the stream is resident
-    /// again. Published versions of the old epochs stay readable by replay.
-    fn move_home(self: &Arc<Self>, failed: &Arc<Engine>) -> Result<()> {
-        let others: Vec<Arc<Engine>> =
-            self.config.peers.iter().filter(|e| !Arc::ptr_eq(e, failed) && e.failure().is_none()).cloned().collect();
-        let engine = crate::placer::resident_engine(&others)
-            .ok_or_else(|| Error::Config("no other engine is configured for it".into()))?;
-        let seq = engine.take_stream_seq()?;
-        let mut t = self.timeline.lock();
-        if let Some(e) = &t.failed {
-            return Err(e.clone());
-        }
-        *self.home.lock() = Home { engine: Arc::clone(engine), seq };
-        let mut planned: Vec<Record> = t.planned.drain(..).collect();
-        if planned.is_empty() {
-            planned.push(Record { serial: t.tail.serial + 1, ..t.tail.clone() });
-        }
-        // New epochs after every epoch used so far, one for each old epoch among the planned.
-        let mut epoch = t.tail.epoch;
-        let mut previous: Option<u32> = None;
-        for mut record in planned {
-            let rebuild = if previous == Some(record.epoch) && !record.shifted {
-                Rebuild::Append
-            } else {
-                epoch += 1;
-                Rebuild::Whole
-            };
-            previous = Some(record.epoch);
-            record.epoch = epoch;
-            record.shifted = false;
-            t.tail = record.clone();
-            t.planned.push_back(record.clone());
-            self.ingest(&mut t, record, rebuild)?;
-        }
-        crate::llama::log(
-            crate::llama::LogLevel::Warn,
-            &format!("stream {} moved from engine {} to {}", self.name(), failed.name(), engine.name()),
-        );
-        Ok(())
-    }
-
     /// Publish a version (or record the failure that prevents it) and wake waiters.
     fn publish(&self, record: Result<Record>) {
         Self::record_publication(&mut self.timeline.lock(), record);
@@ -759,5 +632,16 @@ impl Drop for Stream {
     fn drop(&mut self) {
         let home = self.home.lock();
         home.engine.give_stream_seq(home.seq);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::EngineConfig;
+
+    #[test]
+    fn an_engines_default_answer_cells_hold_the_default_answer_reserve() {
+        assert_eq!(EngineConfig::default().answer_cells, DEFAULT_ANSWER_RESERVE as u32);
     }
 }

@@ -10,9 +10,9 @@ use gst::prelude::*;
 use gst::subclass::prelude::*;
 use vlm_runtime::prompt::Prompt;
 use vlm_runtime::snapshot::PrefixCache;
-use vlm_runtime::{Engine, EngineConfig, Error, Gpu, KvLayout, KvType, models};
+use vlm_runtime::{DEFAULT_ANSWER_RESERVE, Engine, EngineConfig, Error, Gpu, KvLayout, KvType, models};
 
-use super::{ANSWER_RESERVE, CAT, KvLayoutKind, KvTypeKind, Settings, State, VlmContext};
+use super::{CAT, KvLayoutKind, KvTypeKind, Settings, State, VlmContext};
 
 /// A load of the engines running on its own thread (see `VlmContext::preload`).
 pub(super) struct Loading {
@@ -183,7 +183,7 @@ impl VlmContext {
                 KvTypeKind::Q8_0 => KvType::Q8_0,
                 KvTypeKind::Q4_0 => KvType::Q4_0,
             },
-            answer_cells: ANSWER_RESERVE as u32,
+            answer_cells: DEFAULT_ANSWER_RESERVE as u32,
             step_budget_ms: s.step_budget_ms,
             ingest_share: s.ingest_share,
             ..EngineConfig::default()

@@ -8,9 +8,9 @@ use std::sync::atomic::Ordering;
 
 use gst::prelude::*;
 use gst::subclass::prelude::*;
-use vlm_runtime::{Error, HistoryPolicy, Overload, Stream, StreamConfig};
+use vlm_runtime::{DEFAULT_ANSWER_RESERVE, Error, HistoryPolicy, Overload, Stream, StreamConfig};
 
-use super::{ANSWER_RESERVE, CAT, HistoryPolicyKind, OverloadKind, StreamPads, VlmContext};
+use super::{CAT, HistoryPolicyKind, OverloadKind, StreamPads, VlmContext};
 use crate::events::{ModelQuery, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
@@ -65,7 +65,7 @@ impl VlmContext {
             retain: settings.retain,
             max_pending: settings.max_pending as usize,
             overload,
-            answer_reserve: ANSWER_RESERVE,
+            answer_reserve: DEFAULT_ANSWER_RESERVE,
             history_policy: match settings.history_policy {
                 HistoryPolicyKind::Restart => HistoryPolicy::Restart { keep: settings.history_keep as usize },
                 HistoryPolicyKind::Stop => HistoryPolicy::Stop,

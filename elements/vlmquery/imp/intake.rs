@@ -9,7 +9,7 @@ use std::time::Instant;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 use parking_lot::Mutex;
-use vlm_runtime::Question;
+use vlm_runtime::{CommitTurn, Question};
 
 use super::{CAT, CommitAnswers, FRAME_HISTORY, Job, Outcome, Pending, Shared, VlmQuery};
 use crate::events::{QuestionEvent, StreamEvent};
@@ -114,8 +114,7 @@ impl VlmQuery {
             posted: AtomicBool::new(false),
             text: Mutex::new(String::new()),
             text_taken: AtomicUsize::new(0),
-            finished: AtomicBool::new(false),
-            committed_after: Mutex::new(None),
+            commit: CommitTurn::new(),
             thread: Mutex::new(None),
         });
         // With ordered commits a question sees the answers before it: it waits for them.
@@ -130,7 +129,7 @@ impl VlmQuery {
                 Outcome::Failed(format!("panic while answering: {}", vlm_runtime::error::panic_message(panic.as_ref())))
             });
             *p.outcome.lock() = Some(outcome);
-            p.finished.store(true, Ordering::Release);
+            p.commit.end();
             {
                 let _guard = this.shared.lock();
                 this.changed.notify_all();
@@ -142,7 +141,7 @@ impl VlmQuery {
             Ok(t) => *pending.thread.lock() = Some(t),
             Err(e) => {
                 *pending.outcome.lock() = Some(Outcome::Failed(format!("cannot start a thread: {e}")));
-                pending.finished.store(true, Ordering::Release);
+                pending.commit.end();
             }
         }
         shared.pending.push_back(pending);
@@ -156,16 +155,10 @@ impl VlmQuery {
         let q = &p.job.question;
         let mut frame = p.job.frames;
         if let Some(previous) = previous {
-            let mut shared = self.shared.lock();
-            while !previous.finished.load(Ordering::Acquire) && !p.cancel.load(Ordering::Acquire) {
-                self.changed.wait(&mut shared);
-            }
             // It sees the conversation so far: the newest version at or after the previous
             // answer's commit, which is appended after the newest frame registered then (so it
             // may hold frames newer than the question's own).
-            if let Some(after) = *previous.committed_after.lock() {
-                frame = frame.max(after);
-            }
+            frame = previous.commit.wait(frame, &p.cancel);
         }
         let Some(stream) = p.job.stream.clone() else {
             return Outcome::Failed("no video stream has reached vlmquery yet".into());
@@ -180,15 +173,12 @@ impl VlmQuery {
         });
         match result {
             Ok(report) if !report.cancelled => {
-                if commit {
-                    match stream.commit(&q.text, &report.token_ids, &p.cancel) {
-                        Ok(r) => *p.committed_after.lock() = Some(r.number),
-                        Err(e) => self.warn_question(
-                            gst::StreamError::Failed,
-                            Some(&q.id),
-                            &format!("answer {} not committed: {e}", q.id),
-                        ),
-                    }
+                if commit && let Err(e) = p.commit.commit(&stream, &q.text, &report.token_ids, &p.cancel) {
+                    self.warn_question(
+                        gst::StreamError::Failed,
+                        Some(&q.id),
+                        &format!("answer {} not committed: {e}", q.id),
+                    );
                 }
                 Outcome::Answered(report)
             }

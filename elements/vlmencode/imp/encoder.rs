@@ -1,0 +1,173 @@
+//! The vision encoder of `vlmencode`: the projector, loaded on the encoding task or (`leaky`)
+//! on a thread of its own, the language model asked of downstream when `model` is unset; each
+//! due frame encoded (or taken from the cache) and its embeddings attached as meta.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use gst_video::prelude::*;
+use vlm_runtime::encoder::{EncoderBackend, FrameEncoder, Picture, open_encoder};
+use vlm_runtime::{Device, models};
+
+use super::{Backend, CAT, VlmEncode, pixel_format};
+use crate::events::ModelQuery;
+use crate::meta::VlmFrameMeta;
+
+impl VlmEncode {
+    /// Load the projector, asking downstream for the language model when `model` is unset.
+    fn encoder(&self) -> Result<Arc<FrameEncoder>, gst::ErrorMessage> {
+        if let Some(e) = self.state.lock().encoder.clone() {
+            return Ok(e);
+        }
+        let _loading = self.load.lock();
+        if let Some(e) = self.state.lock().encoder.clone() {
+            return Ok(e); // loaded meanwhile by the other loader
+        }
+        let settings = self.settings.lock().clone();
+        let model_path = if settings.model.is_empty() {
+            let mut q = ModelQuery::query();
+            let srcpad = self.obj().static_pad("src").expect("src pad");
+            srcpad.peer_query(&mut q);
+            ModelQuery::model(&q).ok_or_else(|| {
+                gst::error_msg!(
+                    gst::LibraryError::Settings,
+                    ("No language model: set vlmencode's 'model' property or link it to a vlmcontext with 'model' set"),
+                    ["vlmencode model is empty and no downstream element answered the vlm-model query"]
+                )
+            })?
+        } else {
+            settings.model.clone()
+        };
+        // The message names the cause (the file); the debug text the element's settings.
+        let fail = |e: vlm_runtime::Error| {
+            gst::error_msg!(
+                gst::ResourceError::OpenRead,
+                ("{}", e),
+                ["vlmencode mmproj={} model={} backend={:?}", settings.mmproj, model_path, settings.backend]
+            )
+        };
+        // The projector needs the model's vocabulary and width only: bind it to the copy the
+        // engines loaded (on the GPU when every engine is there), or load one on the CPU.
+        let model = match models::any_loaded(&PathBuf::from(&model_path)) {
+            Some(model) => model,
+            None => models::model(&PathBuf::from(&model_path), &Device::Cpu).map_err(fail)?,
+        };
+        let backend = match settings.backend {
+            Backend::Auto => EncoderBackend::Auto,
+            Backend::Cpu => EncoderBackend::Cpu,
+            Backend::Gpu => EncoderBackend::Gpu,
+            Backend::Rknn => EncoderBackend::Rknn,
+        };
+        let rknn_model = (!settings.rknn_model.is_empty()).then(|| PathBuf::from(&settings.rknn_model));
+        let choice = open_encoder(
+            backend,
+            &PathBuf::from(&settings.mmproj),
+            rknn_model.as_deref(),
+            &model,
+            settings.threads as i32,
+        )
+        .map_err(fail)?;
+        if let Some(why) = &choice.fallback {
+            gst::info!(CAT, imp = self, "NPU unavailable ({why}): falling back to {}", choice.backend);
+            let _ = self.obj().post_message(
+                gst::message::Info::builder(
+                    gst::LibraryError::Init,
+                    &format!("vlmencode: NPU unavailable, using {}", choice.backend),
+                )
+                .debug(why)
+                .src(&*self.obj())
+                .build(),
+            );
+        }
+        gst::info!(CAT, imp = self, "{} vision encoder loaded for {}", choice.backend, model_path);
+        self.state.lock().backend = choice.backend;
+        let encoder =
+            Arc::new(FrameEncoder::new(choice.encoder, settings.cache_entries as usize, settings.cache_bytes as usize));
+        self.state.lock().encoder = Some(Arc::clone(&encoder));
+        Ok(encoder)
+    }
+
+    /// Whether the projector is loaded; if not, start loading it on a thread of its own (once).
+    /// A failure is posted and fails the stream.
+    pub(super) fn encoder_ready(&self) -> bool {
+        let mut state = self.state.lock();
+        if state.encoder.is_some() {
+            return true;
+        }
+        if !state.loading {
+            state.loading = true;
+            let this = self.ref_counted();
+            let load = move || {
+                let loaded = this.encoder();
+                this.state.lock().loading = false;
+                if let Err(e) = loaded {
+                    this.post_error_message(e);
+                    this.queue.lock().flow = Some(gst::FlowError::Error);
+                    this.changed.notify_all();
+                }
+            };
+            if let Err(e) = std::thread::Builder::new().name("vlmencode-load".into()).spawn(load) {
+                gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading on the encoding task");
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Encode one frame (or take it from the cache) and attach the embeddings.
+    pub(super) fn encode(&self, buffer: &mut gst::Buffer, info: &gst_video::VideoInfo) -> Result<(), gst::FlowError> {
+        let encoder = self.encoder().map_err(|e| {
+            self.post_error_message(e);
+            gst::FlowError::Error
+        })?;
+        let format = pixel_format(info).ok_or(gst::FlowError::NotNegotiated)?;
+        let started = Instant::now();
+        let (frame, hit) = {
+            let vframe = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer.as_ref(), info).map_err(|_| {
+                gst::element_imp_error!(self, gst::StreamError::Format, ("cannot map a video frame of {:?}", info));
+                gst::FlowError::Error
+            })?;
+            let plane = |i: u32| if i < vframe.n_planes() { vframe.plane_data(i).unwrap_or(&[]) } else { &[] };
+            let stride = |i: usize| vframe.plane_stride().get(i).map_or(0, |s| *s as usize);
+            let picture = Picture {
+                planes: [plane(0), plane(1), plane(2)],
+                strides: [stride(0), stride(1), stride(2)],
+                width: info.width(),
+                height: info.height(),
+                format,
+            };
+            encoder.encode(&picture).map_err(|e| {
+                gst::element_imp_error!(self, gst::StreamError::Decode, ("vision encoding failed: {}", e));
+                gst::FlowError::Error
+            })?
+        };
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        gst::debug!(
+            CAT,
+            imp = self,
+            "frame {:?}: {} in {:.1} ms",
+            buffer.pts(),
+            if hit { "cache hit" } else { "encoded" },
+            ms
+        );
+        VlmFrameMeta::add(buffer.make_mut(), frame);
+        if !hit {
+            let mut st = self.stats.lock();
+            st.encoded += 1;
+            st.encode_ms_total += ms;
+            // Frames leave an encoding later: a live pipeline must know, or its sinks drop them.
+            // Grown by a quarter or more, the latency is reported again.
+            let grown = ms > st.slowest_ms * 1.25;
+            st.slowest_ms = st.slowest_ms.max(ms);
+            drop(st);
+            if grown {
+                gst::debug!(CAT, imp = self, "latency now {ms:.1} ms (slowest encoding)");
+                let _ = self.obj().post_message(gst::message::Latency::builder().src(&*self.obj()).build());
+            }
+        }
+        Ok(())
+    }
+}
