@@ -36,17 +36,6 @@ fn size(var: &str, short: u64, long: u64) -> u64 {
     std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(if full() { long } else { short })
 }
 
-/// The process's resident set (VmRSS), MiB.
-fn rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS");
-    kib / 1024.0
-}
-
 unsafe extern "C" {
     /// glibc: give free heap memory back to the system.
     fn malloc_trim(pad: usize) -> i32;

@@ -14,17 +14,6 @@ use vlm_runtime::{Engine, EngineConfig, KvLayout, answer};
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// Resident memory of this process (MiB), from /proc/self/status.
-fn rss_mib() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").expect("status");
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS");
-    kib / 1024.0
-}
-
 fn start(layout: KvLayout, context: u32) -> Arc<Engine> {
     let config = EngineConfig {
         name: layout.name().into(),

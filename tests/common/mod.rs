@@ -114,3 +114,8 @@ pub fn launch(text: &str) -> gst::Element {
 mod rpc_server;
 #[allow(unused_imports)] // only the RPC tests start one
 pub use rpc_server::RpcServer;
+
+#[path = "../../runtime/tests/common/rss.rs"]
+mod rss;
+#[allow(unused_imports)] // only the memory tests read it
+pub use rss::rss_mib;

@@ -6,8 +6,11 @@
 use std::path::PathBuf;
 
 mod rpc_server;
+mod rss;
 #[allow(unused_imports)] // only the RPC tests start one
 pub use rpc_server::RpcServer;
+#[allow(unused_imports)] // only the memory tests read it
+pub use rss::rss_mib;
 use std::sync::Arc;
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
