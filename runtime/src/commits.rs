@@ -124,13 +124,16 @@ mod tests {
     fn a_cancelled_question_stops_waiting_when_woken() {
         let turn = Arc::new(CommitTurn::new());
         let cancel = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::channel();
         let waiter = {
             let (turn, cancel) = (Arc::clone(&turn), Arc::clone(&cancel));
-            std::thread::spawn(move || turn.wait(2, &cancel))
+            std::thread::spawn(move || tx.send(turn.wait(2, &cancel)).unwrap())
         };
-        std::thread::sleep(Duration::from_millis(50));
+        // Still waiting (the turn never ends): only the cancellation and the wake end it.
+        assert!(rx.recv_timeout(Duration::from_millis(50)).is_err(), "returned before it was cancelled");
         cancel.store(true, Ordering::Release);
         turn.wake();
-        assert_eq!(waiter.join().unwrap(), 2);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(2), "a woken cancelled wait must end");
+        waiter.join().unwrap();
     }
 }

@@ -85,9 +85,9 @@ pub(super) fn calibrate(w: &mut Worker, merge_frames: bool, cancelled: &dyn Fn()
         let model = std::sync::Arc::clone(w.ctx.model());
         w.merge_frames = model.rows_agree(|| rows_agree(w, seq));
     }
-    // llama.cpp cleared the whole KV at creation, which made all of it resident: give it back,
-    // so that the KV costs what its cells use (`llama::kv_pages`).
-    w.ctx.release_unused_pages();
+    // No cell is in use (no stream has opened yet): give back the pages the run wrote, so that
+    // the KV costs what its cells use (`llama::kv_pages`).
+    w.ctx.release_all_pages();
 }
 
 /// The fastest (ms) of one-token decode steps of `seq` at `positions` (infinite when none ran);

@@ -348,11 +348,12 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
             }
             s.step(&mut w, &shared);
             if s.idle() || kv_refreshed.elapsed() >= KV_REFRESH {
-                *shared.kv.lock() = w.kv_memory();
+                let kv = w.kv_memory();
+                *shared.kv.lock() = kv;
                 kv_refreshed = Instant::now();
-            }
-            if s.idle() {
-                w.ctx.release_unused_pages(); // every stream and answer has ended
+                if s.idle() && kv.in_use_bytes == 0 {
+                    w.ctx.release_all_pages(); // every stream and answer has ended
+                }
             }
         }));
         if let Err(panic) = stepped {

@@ -182,14 +182,15 @@ impl Context {
         (kv.found && !self.copy_pending).then_some(kv)
     }
 
-    /// Give the pages of the KV back to the OS if no cell is in use (llama.cpp's clearing of
-    /// the buffer at creation made all of them resident); returns the bytes given back.
-    pub fn release_unused_pages(&mut self) -> usize {
-        if self.pages_released || self.found_host_kv().is_none() || self.kv_bytes_in_use() > 0 {
-            return 0;
-        }
+    /// Give the pages of the whole KV back to the OS; the caller knows that no cell is in use
+    /// (`kv_bytes_in_use` is 0). Returns the bytes given back (none again before a decode).
+    pub fn release_all_pages(&mut self) -> usize {
+        let released = match self.found_host_kv() {
+            Some(kv) if !self.pages_released => kv.release(None),
+            _ => return 0,
+        };
         self.pages_released = true;
-        self.found_host_kv().map_or(0, |kv| kv.release(None))
+        released
     }
 
     pub fn model(&self) -> &Arc<Model> {
