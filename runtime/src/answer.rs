@@ -199,30 +199,9 @@ pub fn answer_on(
     mut on_text: impl FnMut(&str),
 ) -> Result<AnswerReport> {
     let resident = Arc::ptr_eq(engine, &version.stream.engine());
-    let rates = engine.rates();
-    let suffix = version.stream.prompt().question_tokens(engine.model(), &question.text)?.len() as f64;
-    // Moving the history costs per KV cell (token or embedding row), not per position.
-    let history = version.cells as f64;
-    let start_ms = suffix * rates.prefill_ms_per_token
-        + match path {
-            PreparePath::Resident => 0.0,
-            PreparePath::Import => history * rates.import_ms_per_token,
-            PreparePath::Replay => history * rates.prefill_ms_per_token,
-        };
-    let preparation = match path {
-        PreparePath::Resident if resident && version.stream.retain() => Preparation::Branch,
-        PreparePath::Resident => {
-            return Err(Error::Config(format!("the history is not resident on engine {}", engine.name())));
-        }
-        PreparePath::Import => {
-            let snapshot = snapshot(version)?;
-            if let Some(why) = snapshot.tag.incompatibility(&engine.compat_tag()) {
-                return Err(Error::Incompatible(why));
-            }
-            Preparation::Import(snapshot)
-        }
-        PreparePath::Replay => Preparation::Replay,
-    };
+    let suffix = version.stream.prompt().question_tokens(engine.model(), &question.text)?.len();
+    let start_ms = start_cost_ms(version, engine, path, suffix);
+    let preparation = Preparation::choose(version, engine, path, resident)?;
     let (tx, rx) = mpsc::channel();
     engine.generate(
         Box::new(Answer {
@@ -254,12 +233,82 @@ pub fn answer_on(
     Err(Error::Engine("the engine stopped before the answer finished".into()))
 }
 
+/// Estimated milliseconds of an answer's start on `engine`: preparing `version`'s history by
+/// `path` and prefilling a suffix of `suffix` tokens.
+pub(crate) fn start_cost_ms(version: &Version, engine: &Engine, path: PreparePath, suffix: usize) -> f64 {
+    let rates = engine.rates();
+    // Moving the history costs per KV cell (token or embedding row), not per position.
+    let history = version.cells as f64;
+    suffix as f64 * rates.prefill_ms_per_token
+        + match path {
+            PreparePath::Resident => 0.0,
+            PreparePath::Import => history * rates.import_ms_per_token,
+            PreparePath::Replay => history * rates.prefill_ms_per_token,
+        }
+}
+
 /// How the answering engine gets the version's history.
-enum Preparation {
+pub(crate) enum Preparation {
     /// Copy the stream's sequence (same engine).
     Branch,
     Import(Arc<Snapshot>),
     Replay,
+}
+
+impl Preparation {
+    /// How `engine` gets `version`'s history by `path` (`resident`: it is the stream's engine).
+    pub(crate) fn choose(version: &Version, engine: &Engine, path: PreparePath, resident: bool) -> Result<Preparation> {
+        Ok(match path {
+            PreparePath::Resident if resident && version.stream.retain() => Preparation::Branch,
+            PreparePath::Resident => {
+                return Err(Error::Config(format!("the history is not resident on engine {}", engine.name())));
+            }
+            PreparePath::Import => {
+                let snapshot = snapshot(version)?;
+                if let Some(why) = snapshot.tag.incompatibility(&engine.compat_tag()) {
+                    return Err(Error::Incompatible(why));
+                }
+                Preparation::Import(snapshot)
+            }
+            PreparePath::Replay => Preparation::Replay,
+        })
+    }
+
+    /// Make `version`'s history ready in `branch` as far as that needs no prefill (a branch
+    /// copy, an import) and return the path taken and the prefill left: the replayed history
+    /// (when not resident or imported) and `suffix`, with the logits of its last input.
+    pub(crate) fn prepare(
+        &self,
+        w: &mut Worker,
+        version: &Version,
+        branch: i32,
+        suffix: Vec<Token>,
+    ) -> Result<(PreparePath, Prefill)> {
+        let stream = &version.stream;
+        let prep = Instant::now();
+        let suffix = Entry::Text(suffix.into());
+        let (path, entries) = match self {
+            Preparation::Branch if stream.resident_epoch() == version.epoch => {
+                w.ctx.seq_copy_prefix(stream.home().1, branch, version.end);
+                (PreparePath::Resident, vec![suffix])
+            }
+            Preparation::Import(snapshot) => {
+                w.ctx.seq_restore(branch, &snapshot.bytes)?;
+                w.ctx.seq_truncate(branch, version.end);
+                w.record(Stage::Import, version.cells as usize, ms(prep.elapsed()));
+                (PreparePath::Import, vec![suffix])
+            }
+            // The baseline, a replay on another engine, or a version of an older epoch:
+            // rebuild the history from its frames.
+            Preparation::Branch | Preparation::Replay => {
+                w.ctx.seq_clear(branch);
+                let mut entries = stream.replay_entries(&version.history);
+                entries.push(suffix);
+                return Ok((PreparePath::Replay, Prefill::new(branch, 0, entries, true, w.frame_rows())));
+            }
+        };
+        Ok((path, Prefill::new(branch, version.end, entries, true, w.frame_rows())))
+    }
 }
 
 /// One answer being generated on the engine thread.
@@ -334,31 +383,9 @@ impl Answer {
         }
         self.next_pos = version.end + suffix.len() as i32;
         self.next_cell = version.cells + suffix.len() as i32;
-        let suffix = Entry::Text(suffix.into());
-        let (path, entries) = match &self.preparation {
-            Preparation::Branch if stream.resident_epoch() == version.epoch => {
-                w.ctx.seq_copy_prefix(stream.home().1, branch, version.end);
-                (PreparePath::Resident, vec![suffix])
-            }
-            Preparation::Import(snapshot) => {
-                w.ctx.seq_restore(branch, &snapshot.bytes)?;
-                w.ctx.seq_truncate(branch, version.end);
-                w.record(Stage::Import, version.cells as usize, ms(prep.elapsed()));
-                (PreparePath::Import, vec![suffix])
-            }
-            // The baseline, a replay on another engine, or a version of an older epoch:
-            // rebuild the history from its frames.
-            Preparation::Branch | Preparation::Replay => {
-                w.ctx.seq_clear(branch);
-                let mut entries = stream.replay_entries(&version.history);
-                entries.push(suffix);
-                let prefill = Prefill::new(branch, 0, entries, true, w.frame_rows());
-                self.report = Some(self.new_report(PreparePath::Replay));
-                return Ok(prefill);
-            }
-        };
+        let (path, prefill) = self.preparation.prepare(w, version, branch, suffix)?;
         self.report = Some(self.new_report(path));
-        Ok(Prefill::new(branch, version.end, entries, true, w.frame_rows()))
+        Ok(prefill)
     }
 
     fn new_report(&self, path: PreparePath) -> AnswerReport {

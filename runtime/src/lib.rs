@@ -6,6 +6,8 @@
 //! - [`engine`]: a language engine (one context, one thread, several sequences) and its step
 //!   scheduler; `prefill`: chunked prefill of frames, replays and questions;
 //! - [`stream`]: a stream's versioned, append-only history ([`entry`]: its entries);
+//! - [`alert`]: standing yes/no questions evaluated on every new version (forced choice,
+//!   hysteresis);
 //! - [`answer`](mod@answer): answering a question from a pinned version (branch, import or replay);
 //!   [`commits`]: answers committed to the history in question order;
 //! - [`placer`]: choosing the engine and path of each answer from measured stage costs;
@@ -15,6 +17,7 @@
 //! - [`prompt`]: the chat layout of histories and questions; [`text`]: streaming UTF-8;
 //! - `threads`: how many threads an engine computes with, measured and revised while it runs.
 
+pub mod alert;
 pub mod answer;
 pub mod cache;
 pub mod commits;

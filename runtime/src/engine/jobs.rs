@@ -31,6 +31,11 @@ pub(crate) trait Generation: Send {
     fn cancelled(&self) -> bool;
     /// Report `error` and stop.
     fn fail(&mut self, error: Error);
+    /// Background work (a standing alert's evaluation): every generation a user asked for that
+    /// is still waiting starts before it.
+    fn background(&self) -> bool {
+        false
+    }
 }
 
 pub(super) type Work = Box<dyn FnOnce(&mut Worker) + Send>;

@@ -55,6 +55,11 @@ impl Scheduler {
             Job::Run(f) => self.ordered.push_back(Ordered::Run(f)),
             Job::Ingest(i) => self.ordered.push_back(Ordered::Ingest(i)),
             Job::Urgent(f) => f(w),
+            // A user's question goes before the background evaluations still waiting.
+            Job::Generate(g, cost) if !g.background() => {
+                let at = self.waiting.iter().position(|(w, _)| w.background()).unwrap_or(self.waiting.len());
+                self.waiting.insert(at, (g, cost));
+            }
             Job::Generate(g, cost) => self.waiting.push_back((g, cost)),
         }
     }
@@ -66,7 +71,16 @@ impl Scheduler {
             let (mut generation, cost) = self.waiting.pop_front().expect("not empty");
             *shared.start_backlog.lock() -= cost;
             match generation.start(w, branch) {
-                Ok(prefill) => self.starting.push_back(Starting { generation, branch, prefill }),
+                // (A user's question also passes background evaluations starting.)
+                Ok(prefill) => {
+                    let at = match generation.background() {
+                        true => self.starting.len(),
+                        false => {
+                            self.starting.iter().position(|s| s.generation.background()).unwrap_or(self.starting.len())
+                        }
+                    };
+                    self.starting.insert(at, Starting { generation, branch, prefill })
+                }
                 Err(e) => {
                     generation.fail(e);
                     w.release(branch);

@@ -1,0 +1,71 @@
+//! Standing questions against real llama.cpp: the forced choice of an alert read on the
+//! stream's branch equals the same two tokens' logits on a branch that re-prefills the whole
+//! history (bit for bit, on the CPU backend), and cancelled evaluations end.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use common::*;
+use vlm_runtime::PreparePath;
+use vlm_runtime::alert::{self, AlertSpec, YesNo};
+
+fn alerts() -> Vec<AlertSpec> {
+    alert::parse_alerts("door:Is the door open?;person:Is there a person in the picture?;red:Is it red?").unwrap()
+}
+
+#[test]
+fn the_forced_choice_equals_the_logits_of_a_re_prefilled_branch() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    let never = Arc::new(AtomicBool::new(false));
+    for v in 0..2 {
+        stream.register(frame(&enc, v), &never).unwrap();
+    }
+    let version = stream.wait_version(2, &never).unwrap();
+    let yes_no = YesNo::find(engine.model()).expect("the test model has yes and no tokens");
+    assert_ne!(yes_no.yes, yes_no.no);
+    let alerts = alerts();
+    let branched = alert::evaluate(&version, &alerts, yes_no, &never).unwrap();
+    let replayed = alert::evaluate_on(&version, &alerts, yes_no, &engine, PreparePath::Replay, &never).unwrap();
+    for ((a, b), spec) in branched.into_iter().zip(replayed).zip(&alerts) {
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a.id, spec.id);
+        assert_eq!((a.path, b.path), (PreparePath::Resident, PreparePath::Replay));
+        assert_eq!((a.frame, a.frames), (2, 2));
+        eprintln!("{}: yes {} no {} p {:.4}", a.id, a.choice.yes_logit, a.choice.no_logit, a.choice.probability());
+        assert_eq!(
+            (a.choice.yes_logit.to_bits(), a.choice.no_logit.to_bits()),
+            (b.choice.yes_logit.to_bits(), b.choice.no_logit.to_bits()),
+            "alert {}: branch {:?} vs re-prefilled {:?}",
+            a.id,
+            a.choice,
+            b.choice
+        );
+        assert_eq!(a.choice.state(), a.choice.yes_logit > a.choice.no_logit);
+        assert_eq!(a.choice.probability(), b.choice.probability());
+    }
+    // The same version evaluated again gives the same choice (no sampling).
+    let again = alert::evaluate(&version, &alerts[..1], yes_no, &never).unwrap().remove(0).unwrap();
+    let first = alert::evaluate(&version, &alerts[..1], yes_no, &never).unwrap().remove(0).unwrap();
+    assert_eq!(again.choice, first.choice);
+}
+
+#[test]
+fn cancelled_evaluations_end_with_cancelled() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    let never = Arc::new(AtomicBool::new(false));
+    stream.register(frame(&enc, 0), &never).unwrap();
+    let version = stream.wait_version(1, &never).unwrap();
+    let yes_no = YesNo::find(engine.model()).unwrap();
+    let cancel = Arc::new(AtomicBool::new(true));
+    let results = alert::evaluate(&version, &alerts(), yes_no, &cancel).unwrap();
+    assert_eq!(results.len(), 3);
+    for r in results {
+        assert!(matches!(r, Err(vlm_runtime::Error::Cancelled)), "{r:?}");
+    }
+}
