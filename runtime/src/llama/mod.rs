@@ -14,7 +14,8 @@
 //! - `context`: [`KvType`], [`ContextParams`] and [`Context`] (KV memory, decode, snapshots);
 //! - `mtmd`: libmtmd's [`Projector`] and what it encodes ([`ImageEmbeddings`], [`Segment`]);
 //! - `rpc`: llama.cpp's RPC backend (devices on `rpc-server`s) and containing its failures;
-//! - `reference`: plain libmtmd for the family checks (tests and an example), not the runtime.
+//! - `reference` (feature `reference`): plain libmtmd for the family checks (tests and an
+//!   example), not the runtime; not in the default library.
 
 use std::ffi::{CStr, c_char, c_void};
 use std::ptr::null_mut;
@@ -32,7 +33,9 @@ mod kv_pages;
 mod model;
 mod mtmd;
 /// The plain-libmtmd reference the family checks compare the runtime with (the family test and
-/// example); not used by the runtime.
+/// example); not used by the runtime, so only built with the `reference` feature, which the
+/// runtime's own tests and examples turn on (a dev-dependency of the crate on itself).
+#[cfg(feature = "reference")]
 #[doc(hidden)]
 pub mod reference;
 pub(crate) mod rpc;
@@ -148,7 +151,6 @@ pub fn init_backend() {
             sys::llama_log_set(Some(log_callback), null_mut());
             sys::mtmd_log_set(Some(log_callback), null_mut());
             sys::mtmd_helper_log_set(Some(log_callback), null_mut());
-            sys::ggml_set_abort_callback(Some(rpc::on_abort));
             sys::llama_backend_init();
         }
         if !kv_pages::lazy_zero_cpu_buffers() {
