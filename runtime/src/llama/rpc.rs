@@ -4,14 +4,16 @@
 //! ggml-rpc has no error path. A server that cannot be reached, that dies, or that answers
 //! something malformed ends in `GGML_ABORT`, i.e. `abort()` of the whole process, on the thread
 //! that noticed it: usually the endpoint's dispatcher thread, while the thread that issued the
-//! command (an engine thread) waits for it for ever. Here a process-wide abort hook turns such an
+//! command (an engine thread) waits for it for ever. Here a process-wide abort hook (installed
+//! when the first RPC engine is set up, matching only ggml-rpc's transport failures) turns such an
 //! abort into an event instead: the failing thread is parked for good, the failure is recorded
 //! and waiters are woken ([`wait_failure`]); the engine watchdog (`crate::engine`) then declares
 //! the engines stuck on it failed. What such an engine holds (its context, its copy of the
 //! weights, the parked threads) is leaked on purpose: freeing it would talk to the dead server,
 //! and ggml-rpc keeps one connection per endpoint for the life of the process, so a failed
 //! endpoint is not used again until the process restarts. Other aborts keep llama.cpp's
-//! behaviour (the message on stderr, then `abort()`).
+//! behaviour (an abort callback installed before ours, else the message and ggml's backtrace on
+//! stderr; then `abort()`).
 //!
 //! ggml's RPC protocol has no authentication and no encryption: anyone who reaches the port can
 //! run computations and read or write the server's memory. Reach a remote server over an SSH
@@ -19,7 +21,7 @@
 
 use std::ffi::{CStr, CString, c_char};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::mpsc;
+use std::sync::{OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use llama_cpp_sys_2 as sys;
@@ -39,22 +41,89 @@ static FAILURES: (Mutex<(u64, String)>, Condvar) = (Mutex::new((0, String::new()
 /// Endpoints an engine failed on (not used again in this process).
 static FAILED_ENDPOINTS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
-/// ggml's abort hook (installed by `init_backend`).
-pub(super) unsafe extern "C" fn on_abort(message: *const c_char) {
+/// ggml-rpc's source files, as `__FILE__` ends in ggml's abort messages.
+const RPC_SOURCES: [&str; 2] = ["ggml-rpc/ggml-rpc.cpp", "ggml-rpc/transport.cpp"];
+/// The starts of ggml-rpc's abort messages that mean a lost or failed connection to a server
+/// (`RPC_STATUS_ASSERT` and `rpc_dispatcher::start` in ggml-rpc.cpp): only these are parked. A
+/// GGML_ASSERT in ggml-rpc's own code (a client-side bug) and every other abort keep ggml's
+/// behaviour.
+const TRANSPORT_FAILURES: [&str; 4] = [
+    "Remote RPC server crashed or returned malformed response",
+    "Failed to connect to ",
+    "RPC handshake failed for ",
+    "RPC transport initialization failed",
+];
+
+/// What the abort hook does with an abort message.
+#[derive(Debug, PartialEq, Eq)]
+enum OnAbort<'a> {
+    /// A transport failure of ggml-rpc: park the thread; the reason (the message without the
+    /// source location).
+    Park(&'a str),
+    /// Anything else: what ggml does without this hook (or the hook installed before it).
+    Pass,
+}
+
+/// Classify ggml's abort message, `"{__FILE__}:{__LINE__}: {message}"` (ggml_abort in ggml.c):
+/// the location must be one of ggml-rpc's sources and the message one of its transport failures.
+/// A build path that merely contains "ggml-rpc" (a checkout under such a directory) or a
+/// GGML_ASSERT inside ggml-rpc is not a transport failure.
+fn on_abort_message(text: &str) -> OnAbort<'_> {
+    // The location ends at the first ":<digits>: ".
+    let bytes = text.as_bytes();
+    let mut split = None;
+    for (i, _) in text.match_indices(':') {
+        let digits = bytes[i + 1..].iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits > 0 && text[i + 1 + digits..].starts_with(": ") {
+            split = Some((i, i + 1 + digits + 2));
+            break;
+        }
+    }
+    let Some((file_end, message_start)) = split else { return OnAbort::Pass };
+    let file = text[..file_end].replace('\\', "/");
+    let message = text[message_start..].trim();
+    let from_rpc = RPC_SOURCES.iter().any(|source| file == *source || file.ends_with(&format!("/{source}")));
+    if from_rpc && TRANSPORT_FAILURES.iter().any(|failure| message.starts_with(failure)) {
+        OnAbort::Park(message)
+    } else {
+        OnAbort::Pass
+    }
+}
+
+/// The abort callback that was installed before ours (chained for every other abort).
+static PREVIOUS_ABORT: OnceLock<sys::ggml_abort_callback_t> = OnceLock::new();
+
+unsafe extern "C" {
+    /// ggml's own backtrace on abort (ggml.c; declared in its private ggml-impl.h, exported by
+    /// libggml-base): what ggml prints when no abort callback is set.
+    fn ggml_print_backtrace();
+}
+
+/// Install the abort hook, once per process, before the first call into ggml-rpc: only a process
+/// that creates an RPC engine has it. The callback installed before it (if any) is kept and
+/// called for every abort that is not an RPC transport failure.
+pub(super) fn install_abort_hook() {
+    init_backend();
+    PREVIOUS_ABORT.get_or_init(|| {
+        // SAFETY: ggml_set_abort_callback swaps a plain function pointer; ours lives for the process.
+        unsafe { sys::ggml_set_abort_callback(Some(on_abort)) }
+    });
+}
+
+/// ggml's abort hook (installed by [`install_abort_hook`]).
+unsafe extern "C" fn on_abort(message: *const c_char) {
     let text = if message.is_null() {
         String::new()
     } else {
         // SAFETY: ggml passes its NUL-terminated message buffer, valid for the call.
         unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned()
     };
-    // ggml's messages start with the source file: ggml/src/ggml-rpc/ggml-rpc.cpp or transport.cpp.
-    if text.contains("ggml-rpc") {
-        let reason = text.split_once(": ").map_or(text.as_str(), |(_, m)| m).trim().to_owned();
+    if let OnAbort::Park(reason) = on_abort_message(&text) {
         log(LogLevel::Error, &format!("RPC failure (this thread is parked, not aborting the process): {reason}"));
         {
             let mut failures = FAILURES.0.lock();
             failures.0 += 1;
-            failures.1 = reason;
+            failures.1 = reason.to_owned();
         }
         FAILURES.1.notify_all();
         // Returning would abort the process. The thread's own state (a socket, a queue) is
@@ -63,7 +132,17 @@ pub(super) unsafe extern "C" fn on_abort(message: *const c_char) {
             std::thread::park();
         }
     }
-    eprintln!("{text}");
+    match PREVIOUS_ABORT.get().copied().flatten() {
+        // SAFETY: the callback that was installed before ours, with the message ggml gave us.
+        Some(previous) => unsafe { previous(message) },
+        None => {
+            // ggml's default without a callback: the message, then its backtrace.
+            eprintln!("{text}");
+            // SAFETY: a function of ggml taking and returning nothing; ggml calls it here itself.
+            unsafe { ggml_print_backtrace() }
+        }
+    }
+    // ggml calls abort() when this returns.
 }
 
 /// The number of RPC failures so far (what [`wait_failure`] counts from).
@@ -127,7 +206,7 @@ pub(super) fn free(endpoints: &[String], free: impl FnOnce() + Send + 'static) {
 /// llama.cpp's devices on the `rpc-server`s at `endpoints` (every device each one serves).
 /// Call through [`guarded`]: a server that fails during the handshake parks the calling thread.
 pub(super) fn devices(endpoints: &[String]) -> Result<Vec<sys::ggml_backend_dev_t>> {
-    init_backend();
+    install_abort_hook();
     for endpoint in endpoints {
         if failed(std::slice::from_ref(endpoint)) {
             return Err(Error::Engine(format!(
@@ -223,4 +302,50 @@ pub(crate) fn block_sigpipe() {
 pub(crate) fn failure_reason(endpoints: &[String]) -> String {
     let reason = FAILURES.0.lock().1.clone();
     format!("the RPC server at {} stopped answering ({reason})", endpoints.join(" + "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{OnAbort, on_abort_message};
+
+    #[test]
+    fn only_ggml_rpcs_transport_failures_are_parked() {
+        let src = "/home/ci/llama.cpp/ggml/src";
+        for (message, reason) in [
+            (
+                format!("{src}/ggml-rpc/ggml-rpc.cpp:354: Remote RPC server crashed or returned malformed response"),
+                "Remote RPC server crashed or returned malformed response",
+            ),
+            (
+                format!("{src}/ggml-rpc/ggml-rpc.cpp:547: Failed to connect to 127.0.0.1:1\n"),
+                "Failed to connect to 127.0.0.1:1",
+            ),
+            (
+                format!("{src}/ggml-rpc/ggml-rpc.cpp:550: RPC handshake failed for h:2\n"),
+                "RPC handshake failed for h:2",
+            ),
+            (
+                "ggml-rpc/transport.cpp:9: RPC transport initialization failed".into(),
+                "RPC transport initialization failed",
+            ),
+        ] {
+            assert_eq!(on_abort_message(&message), OnAbort::Park(reason), "{message}");
+        }
+        for message in [
+            // A checkout under a directory named ggml-rpc: a non-RPC assert names it in __FILE__.
+            "/home/u/ggml-rpc/gst-vlm/llama.cpp/ggml/src/ggml.c:1234: GGML_ASSERT(ne % 2 == 0) failed".to_owned(),
+            "/srv/ggml-rpc-build/ggml/src/ggml-cpu/ops.cpp:77: fatal error".into(),
+            // The same path with a transport failure's words, from another file.
+            "/home/u/ggml-rpc/ggml/src/ggml-backend.cpp:5: Failed to connect to nothing".into(),
+            // A client-side assert in ggml-rpc itself is a bug, not a transport failure.
+            format!("{src}/ggml-rpc/ggml-rpc.cpp:1222: GGML_ASSERT(ctx_ptr != nullptr) failed"),
+            format!("{src}/ggml-rpc/ggml-rpc.cpp:460: GGML_ASSERT(queue.push(msg)) failed"),
+            // A message that only mentions ggml-rpc.
+            format!("{src}/ggml.c:10: unexpected ggml-rpc/ggml-rpc.cpp:354: Remote RPC server crashed"),
+            "no location at all: Remote RPC server crashed or returned malformed response".into(),
+            String::new(),
+        ] {
+            assert_eq!(on_abort_message(&message), OnAbort::Pass, "{message}");
+        }
+    }
 }
