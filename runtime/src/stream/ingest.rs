@@ -122,11 +122,13 @@ impl Stream {
             self.config.peers.iter().filter(|e| !Arc::ptr_eq(e, failed) && e.failure().is_none()).cloned().collect();
         let engine = crate::placer::resident_engine(&others)
             .ok_or_else(|| Error::Config("no other engine is configured for it".into()))?;
-        let seq = engine.take_stream_seq()?;
+        // A stream that has already failed stays where it is: checked before a sequence is taken
+        // on the new engine, which would otherwise be lost to it (nothing gives it back).
         let mut t = self.timeline.lock();
         if let Some(e) = &t.failed {
             return Err(e.clone());
         }
+        let seq = engine.take_stream_seq()?;
         *self.home.lock() = Home { engine: Arc::clone(engine), seq };
         let mut planned: Vec<Record> = t.planned.drain(..).collect();
         if planned.is_empty() {
@@ -154,5 +156,49 @@ impl Stream {
             &format!("stream {} moved from engine {} to {}", self.name(), failed.name(), engine.name()),
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use crate::engine::Engine;
+    use crate::error::Error;
+    use crate::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+    use crate::{EngineConfig, Stream, StreamConfig};
+
+    fn model_path() -> PathBuf {
+        std::env::var_os("VLM_MODEL").map(PathBuf::from).unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        })
+    }
+
+    /// A stream that failed is not moved when its engine fails, and the stream sequence of the
+    /// engine it would have moved to stays free (it was taken, then lost with the error).
+    #[test]
+    fn a_failed_stream_takes_no_sequence_on_the_engine_it_cannot_move_to() {
+        let config = |name: &str| EngineConfig {
+            name: name.into(),
+            context_per_sequence: 256,
+            max_streams: 1,
+            max_branches: 1,
+            ..EngineConfig::default()
+        };
+        let a = Engine::start(&model_path(), config("a")).expect("engine a");
+        let b = Engine::start(&model_path(), config("b")).expect("engine b");
+        let prompt = Arc::new(Prompt::new(a.model(), DEFAULT_SYSTEM_PROMPT).expect("prompt"));
+        let stream_config = StreamConfig { peers: vec![Arc::clone(&a), Arc::clone(&b)], ..StreamConfig::new("s") };
+        let s = Stream::open(&a, prompt, stream_config).expect("stream");
+        s.timeline.lock().failed = Some(Error::Engine("an earlier failure".into()));
+        assert_eq!(b.stream_slots(), (0, 1));
+        let moved = s.move_home(&a);
+        assert!(moved.is_err_and(|e| e.to_string().contains("an earlier failure")));
+        assert_eq!(b.stream_slots(), (0, 1), "engine b's stream sequence was taken by a stream that stayed on a");
+        assert!(Arc::ptr_eq(&s.home().0, &a));
+        drop(s);
+        a.stop();
+        b.stop();
     }
 }
