@@ -338,6 +338,30 @@ fn a_model_file_replaced_while_running_keeps_its_identity() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A model's token rows (its input embedding table, read from its file) come from the file it
+/// was loaded from, opened and checked at load: a file renamed over its path later (here another
+/// model, of another width) is not read.
+#[test]
+fn a_model_file_replaced_while_running_keeps_its_token_rows() {
+    let dir = std::env::temp_dir().join(format!("vlm-token-rows-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.gguf");
+    std::fs::copy(model_path(), &path).unwrap();
+    let model = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
+    std::fs::copy(models_dir().join("test-idefics3-lm.gguf"), dir.join("new.gguf")).unwrap();
+    std::fs::rename(dir.join("new.gguf"), &path).unwrap();
+    let tokens = model.tokenize("<|im_start|>user", false, true).unwrap();
+    let mut rows = vec![];
+    model.token_rows(&tokens, &mut rows).expect("the loaded model's token rows");
+    let original = vlm_runtime::models::model(&model_path(), &vlm_runtime::Device::Cpu).unwrap();
+    let mut expected = vec![];
+    original.token_rows(&tokens, &mut expected).unwrap();
+    assert_eq!(rows.len(), tokens.len() * model.n_embd());
+    assert_eq!(rows, expected, "token rows read from the file renamed over the model");
+    drop(model);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_slid_history_shifts_in_place_keeps_old_versions_and_agrees_with_a_reprefill() {
     // 512 cells - 128 reserved: the prompt and 9 frames of 36; a slide keeps what leaves a

@@ -1,6 +1,7 @@
 //! A loaded language model and the checks of model files.
 
 use std::ffi::CString;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::ptr::{NonNull, null_mut};
 use std::sync::OnceLock;
@@ -43,8 +44,9 @@ pub struct Model {
     /// [`Model::identity`], fixed at load: a file replaced on disk while it runs changes neither
     /// prefix keys nor compatibility tags mid-run (the weights in memory are the loaded ones).
     identity: String,
-    /// Tokens' input embedding rows, read from the file when first asked (`token_rows`).
-    token_rows: OnceLock<std::result::Result<TokenRows, String>>,
+    /// Tokens' input embedding rows, from the file opened at load (checked against the model's
+    /// width and vocabulary then; `token_rows`).
+    token_rows: std::result::Result<TokenRows, String>,
     /// Whether this model on this device computes a token's row as it computes the token, as
     /// the first calibration run that asked measured ([`Model::rows_agree`]).
     rows_agree: OnceLock<bool>,
@@ -60,6 +62,10 @@ impl Model {
         init_backend();
         check_readable(path, "model")?;
         let cpath = c_path(path)?;
+        // Opened before llama.cpp opens the path, and checked to be the same file after: the
+        // token rows, the identity's size and the weights then all come from one file.
+        let file = std::fs::File::open(path)
+            .map_err(|e| Error::File { path: path.to_path_buf(), reason: format!("cannot read model file: {e}") })?;
         // SAFETY: default params are plain data; `devices` points at a null-terminated list
         // that outlives the call.
         let ptr = unsafe {
@@ -91,12 +97,21 @@ impl Model {
             path: path.to_path_buf(),
             device: device.clone(),
             identity: String::new(),
-            token_rows: OnceLock::new(),
+            token_rows: Err(String::new()),
             rows_agree: OnceLock::new(),
         };
-        let size = std::fs::metadata(path).map_or(0, |m| m.len());
+        let opened = file.metadata().map_err(|e| Error::File { path: path.to_path_buf(), reason: e.to_string() })?;
+        let same = std::fs::metadata(path).is_ok_and(|now| (now.dev(), now.ino()) == (opened.dev(), opened.ino()));
+        if !same {
+            return Err(Error::File {
+                path: path.to_path_buf(),
+                reason: "the file was replaced while it was being loaded: load it again".into(),
+            });
+        }
+        let size = opened.len();
         let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         model.identity = format!("{name} {} bytes={size} n_embd={}", model.description(), model.n_embd());
+        model.token_rows = TokenRows::open(file, model.n_embd(), model.n_vocab());
         Ok(model)
     }
 
@@ -121,7 +136,7 @@ impl Model {
 
     /// Append the input embedding rows of `tokens` (`n_embd` floats each) to `out`.
     pub fn token_rows(&self, tokens: &[Token], out: &mut Vec<f32>) -> Result<()> {
-        let rows = self.token_rows.get_or_init(|| TokenRows::open(&self.path, self.n_embd())).as_ref();
+        let rows = self.token_rows.as_ref();
         let bad = |reason: String| Error::File { path: self.path.clone(), reason };
         let rows = rows.map_err(|e| bad(e.clone()))?;
         for &t in tokens {

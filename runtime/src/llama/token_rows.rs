@@ -12,8 +12,9 @@
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs::File;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::ptr::null_mut;
 use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
@@ -25,6 +26,7 @@ use super::Token;
 const CACHED: usize = 4096;
 
 pub(super) struct TokenRows {
+    /// The model file as it was opened at load (a file renamed over its path later is not read).
     file: File,
     /// File offset of token 0's row, bytes of one row, floats in a row, tokens.
     offset: u64,
@@ -36,34 +38,52 @@ pub(super) struct TokenRows {
 }
 
 impl TokenRows {
-    /// Find `token_embd.weight` in the model file (`n_embd` floats a row).
-    pub(super) fn open(path: &Path, n_embd: usize) -> Result<TokenRows, String> {
-        let cpath = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
-        // SAFETY: metadata only (no_alloc); the context is freed before returning.
-        let (offset, ty, size) = unsafe {
-            let params = sys::gguf_init_params { no_alloc: true, ctx: std::ptr::null_mut() };
+    /// Find `token_embd.weight` in the open model `file` and check that it is the table of the
+    /// loaded model: `n_vocab` rows of `n_embd` floats (a model whose input rows are wider than
+    /// its token table, or a table of another shape, gets no token rows). Called once, at load,
+    /// on the file the model was loaded from.
+    pub(super) fn open(file: File, n_embd: usize, n_vocab: usize) -> Result<TokenRows, String> {
+        // The metadata of this open file, whatever its path names now: through its descriptor.
+        let cpath = CString::new(format!("/proc/self/fd/{}", file.as_raw_fd())).expect("no NUL");
+        // SAFETY: metadata only (no_alloc): gguf_init_from_file fills `meta` with a ggml context of
+        // tensor descriptions (no data); both are freed before returning, and the tensor is read
+        // while they live.
+        let (offset, ty, size, ne) = unsafe {
+            let mut meta: *mut sys::ggml_context = null_mut();
+            let params = sys::gguf_init_params { no_alloc: true, ctx: &mut meta };
             let gguf = sys::gguf_init_from_file(cpath.as_ptr(), params);
             if gguf.is_null() {
                 return Err("not a readable GGUF file".into());
             }
             let id = sys::gguf_find_tensor(gguf, c"token_embd.weight".as_ptr());
-            let found = (id >= 0).then(|| {
+            let tensor =
+                if meta.is_null() { null_mut() } else { sys::ggml_get_tensor(meta, c"token_embd.weight".as_ptr()) };
+            let found = (id >= 0 && !tensor.is_null()).then(|| {
                 (
                     (sys::gguf_get_data_offset(gguf) + sys::gguf_get_tensor_offset(gguf, id)) as u64,
                     sys::gguf_get_tensor_type(gguf, id),
                     sys::gguf_get_tensor_size(gguf, id),
+                    (*tensor).ne,
                 )
             });
+            if !meta.is_null() {
+                sys::ggml_free(meta);
+            }
             sys::gguf_free(gguf);
             found.ok_or("no token_embd.weight tensor")?
         };
+        if ne != [n_embd as i64, n_vocab as i64, 1, 1] {
+            return Err(format!(
+                "token_embd.weight is {} x {} (x {} x {}), not the model's {n_vocab} tokens of {n_embd} values",
+                ne[1], ne[0], ne[2], ne[3]
+            ));
+        }
         // SAFETY: ggml_row_size takes any type id; an unknown one fails the size check below.
         let row_bytes = unsafe { sys::ggml_row_size(ty, n_embd as i64) };
-        if row_bytes == 0 || size % row_bytes != 0 || !(ty == sys::GGML_TYPE_F32 || to_float(ty).is_some()) {
+        if row_bytes == 0 || size != row_bytes * n_vocab || !(ty == sys::GGML_TYPE_F32 || to_float(ty).is_some()) {
             return Err(format!("token_embd.weight of type {ty} and {size} bytes is not rows of {n_embd}"));
         }
-        let file = File::open(path).map_err(|e| e.to_string())?;
-        Ok(TokenRows { file, offset, row_bytes, n_embd, n_vocab: size / row_bytes, ty, cache: Mutex::default() })
+        Ok(TokenRows { file, offset, row_bytes, n_embd, n_vocab, ty, cache: Mutex::default() })
     }
 
     /// The input embedding row of `token`.
@@ -102,5 +122,59 @@ fn to_float(ty: sys::ggml_type) -> Option<unsafe extern "C" fn(*const std::ffi::
     unsafe {
         let traits = sys::ggml_get_type_traits(ty);
         if traits.is_null() { None } else { (*traits).to_float }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CString;
+
+    use llama_cpp_sys_2 as sys;
+
+    use super::TokenRows;
+
+    /// A GGUF holding only an F32 `token_embd.weight` of `rows` x `width` (row r, column c holds
+    /// r * 1000 + c).
+    fn table(path: &std::path::Path, width: i64, rows: i64) {
+        let cpath = CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a ggml context large enough for the one tensor and its data; the gguf context
+        // refers to the tensor until it is written; both are freed after.
+        unsafe {
+            let params = sys::ggml_init_params {
+                mem_size: (width * rows * 4) as usize + 4096,
+                mem_buffer: std::ptr::null_mut(),
+                no_alloc: false,
+            };
+            let ctx = sys::ggml_init(params);
+            let t = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, width, rows);
+            sys::ggml_set_name(t, c"token_embd.weight".as_ptr());
+            let data = std::slice::from_raw_parts_mut((*t).data.cast::<f32>(), (width * rows) as usize);
+            for (i, x) in data.iter_mut().enumerate() {
+                *x = ((i as i64 / width) * 1000 + i as i64 % width) as f32;
+            }
+            let gguf = sys::gguf_init_empty();
+            sys::gguf_add_tensor(gguf, t);
+            assert!(sys::gguf_write_to_file(gguf, cpath.as_ptr(), false));
+            sys::gguf_free(gguf);
+            sys::ggml_free(ctx);
+        }
+    }
+
+    #[test]
+    fn a_token_table_of_another_width_gives_no_rows() {
+        let dir = std::env::temp_dir().join(format!("vlm-token-rows-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("table.gguf");
+        // 8 tokens of 16 values: as many bytes as 16 tokens of 8, or 4 of 32.
+        table(&path, 16, 8);
+        let open = |width, vocab| TokenRows::open(std::fs::File::open(&path).unwrap(), width, vocab);
+        let rows = open(16, 8).expect("the table's own shape");
+        assert_eq!(&rows.row(3).unwrap()[..3], &[3000.0, 3001.0, 3002.0]);
+        assert!(rows.row(8).is_err(), "a token past the table");
+        for (width, vocab) in [(8, 16), (32, 4), (8, 8), (16, 9)] {
+            let err = open(width, vocab).err().unwrap_or_else(|| panic!("a {vocab} x {width} model took the table"));
+            assert!(err.contains("8 x 16"), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
