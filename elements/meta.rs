@@ -17,6 +17,9 @@ pub struct VlmFrameMeta {
     frame: Option<Arc<Frame>>,
     stream: u64,
     number: u64,
+    /// `vlmencode min-change`: the frame was due but had not changed since the last encoded
+    /// one, which still stands for it (no embeddings).
+    held: bool,
 }
 
 // SAFETY: the fields are Send + Sync Rust values.
@@ -34,6 +37,23 @@ impl VlmFrameMeta {
             (*meta).frame = Some(frame);
             Self::from_mut_ptr(buffer, meta)
         }
+    }
+
+    /// Mark `buffer` as a due frame that did not change since the last encoded one
+    /// (`vlmencode min-change`): it carries no embeddings, the last encoded frame stands for it.
+    pub fn add_held(buffer: &mut gst::BufferRef) -> gst::MetaRefMut<'_, Self, gst::meta::Standalone> {
+        // SAFETY: as in `add`.
+        unsafe {
+            let meta =
+                gst::ffi::gst_buffer_add_meta(buffer.as_mut_ptr(), info(), ptr::null_mut()).cast::<VlmFrameMeta>();
+            (*meta).held = true;
+            Self::from_mut_ptr(buffer, meta)
+        }
+    }
+
+    /// Whether this frame was held by `vlmencode min-change` (see [`VlmFrameMeta::add_held`]).
+    pub fn held(&self) -> bool {
+        self.held
     }
 
     pub fn frame(&self) -> Option<&Arc<Frame>> {
@@ -67,6 +87,7 @@ impl fmt::Debug for VlmFrameMeta {
             .field("frame", &self.frame)
             .field("stream", &self.stream)
             .field("number", &self.number)
+            .field("held", &self.held)
             .finish()
     }
 }
@@ -83,6 +104,7 @@ unsafe extern "C" fn init(
         ptr::write(&mut (*m).frame, None);
         ptr::write(&mut (*m).stream, 0);
         ptr::write(&mut (*m).number, 0);
+        ptr::write(&mut (*m).held, false);
     }
     glib::ffi::GTRUE
 }
@@ -109,6 +131,7 @@ unsafe extern "C" fn transform(
         (*copy).frame = src.frame.clone();
         (*copy).stream = src.stream;
         (*copy).number = src.number;
+        (*copy).held = src.held;
     }
     glib::ffi::GTRUE
 }

@@ -53,6 +53,8 @@ fn encode_harness(format: gst_video::VideoFormat, interval: u64) -> Harness {
         .property("mmproj", mmproj())
         .property("model", model())
         .property("interval", interval)
+        // Every due frame encoded: these tests are about encoding (tests/gate.rs about the gate).
+        .property("min-change", 0.0)
         .build()
         .unwrap();
     let mut h = Harness::with_element(&e, Some("sink"), Some("src"));

@@ -6,8 +6,12 @@ use std::time::Instant;
 use gst::glib;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
+use gst_video::prelude::*;
 use parking_lot::{Condvar, Mutex};
-use vlm_runtime::encoder::{FrameEncoder, PixelFormat, PixelLayout, YuvMatrix};
+use vlm_runtime::encoder::gate::{ChangeGate, Decision, Luma};
+use vlm_runtime::encoder::{FrameEncoder, Picture, PixelFormat, PixelLayout, YuvMatrix};
+
+use crate::meta::VlmFrameMeta;
 
 mod encoder;
 mod task;
@@ -23,6 +27,11 @@ const DEFAULT_MAX_PENDING: u32 = 2;
 /// Frames (encoded or not) and events waiting in order behind the encoder, at most.
 const MAX_QUEUED: usize = 64;
 const DEFAULT_CACHE_BYTES: u64 = 64 << 20;
+/// The change gate's default: a due frame is encoded when at least 0.1% of its blocks (and
+/// at least one) changed beyond the noise since the last encoded frame.
+const DEFAULT_MIN_CHANGE: f64 = 0.001;
+/// At most this much stream time (ns) between encodes of an unchanged picture.
+const DEFAULT_MAX_UNCHANGED: u64 = 30_000_000_000;
 
 /// The raw formats vlmencode reads, and how.
 const FORMATS: [(gst_video::VideoFormat, Option<PixelLayout>); 12] = [
@@ -88,6 +97,8 @@ struct Settings {
     max_pending: u32,
     leaky: bool,
     threads: u32,
+    min_change: f64,
+    max_unchanged: u64,
 }
 
 impl Default for Settings {
@@ -104,6 +115,8 @@ impl Default for Settings {
             max_pending: DEFAULT_MAX_PENDING,
             leaky: false,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
+            min_change: DEFAULT_MIN_CHANGE,
+            max_unchanged: DEFAULT_MAX_UNCHANGED,
         }
     }
 }
@@ -119,6 +132,8 @@ struct Stats {
     slowest_ms: f64,
     /// Most due frames ever waiting for the encoder at once.
     peak_pending: usize,
+    /// Due frames the change gate held (no change since the last encoded frame).
+    unchanged: u64,
 }
 
 #[derive(Default)]
@@ -132,6 +147,9 @@ struct State {
     backend: &'static str,
     last_encoded: Option<gst::ClockTime>,
     last_encoded_at: Option<Instant>,
+    /// The change gate (`min-change`), and the running time of the frame it last let through.
+    gate: ChangeGate,
+    gate_passed: Option<gst::ClockTime>,
 }
 
 /// What waits, in stream order, for the encoding task.
@@ -204,7 +222,65 @@ impl VlmEncode {
     }
 }
 
+/// What the change gate decided for a due frame.
+enum Gate {
+    /// Encode it (changed, the gate off, or `max-unchanged` reached), with its sampling for
+    /// later frames to compare with once it goes to the encoder.
+    Encode(Option<Luma>),
+    /// It did not change (the share of the picture that did): the last encoded frame stands.
+    Hold(f64),
+}
+
+/// The raw picture of a mapped video frame.
+pub(crate) fn picture<'a>(
+    vframe: &'a gst_video::VideoFrameRef<&'a gst::BufferRef>,
+    info: &gst_video::VideoInfo,
+    format: PixelFormat,
+) -> Picture<'a> {
+    let plane = |i: u32| if i < vframe.n_planes() { vframe.plane_data(i).unwrap_or(&[]) } else { &[] };
+    let stride = |i: usize| vframe.plane_stride().get(i).map_or(0, |s| *s as usize);
+    Picture {
+        planes: [plane(0), plane(1), plane(2)],
+        strides: [stride(0), stride(1), stride(2)],
+        width: info.width(),
+        height: info.height(),
+        format,
+    }
+}
+
 impl VlmEncode {
+    /// The change gate (`min-change`) for a due frame at running time `time`.
+    fn gate(&self, buffer: &gst::Buffer, info: &gst_video::VideoInfo, time: Option<gst::ClockTime>) -> Gate {
+        let (min_change, max_unchanged) = {
+            let s = self.settings.lock();
+            (s.min_change, gst::ClockTime::from_nseconds(s.max_unchanged))
+        };
+        if min_change <= 0.0 {
+            return Gate::Encode(None);
+        }
+        let Some(format) = pixel_format(info) else { return Gate::Encode(None) };
+        let Ok(vframe) = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer.as_ref(), info) else {
+            return Gate::Encode(None);
+        };
+        let state = self.state.lock();
+        let stale = match (time, state.gate_passed) {
+            (Some(t), Some(passed)) => !max_unchanged.is_zero() && (t < passed || t >= passed + max_unchanged),
+            _ => false,
+        };
+        match state.gate.decide(&picture(&vframe, info, format), min_change) {
+            Some(Decision::Unchanged(change, _)) if !stale => Gate::Hold(change.share()),
+            Some(Decision::Unchanged(_, luma) | Decision::Changed(_, luma)) => Gate::Encode(Some(luma)),
+            None => Gate::Encode(None),
+        }
+    }
+
+    /// Start the change gate afresh: the next due frame is encoded.
+    fn reset_gate(&self) {
+        let mut state = self.state.lock();
+        state.gate.reset();
+        state.gate_passed = None;
+    }
+
     fn sink_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
         self.stats.lock().seen += 1;
         let (running_time, info) = {
@@ -217,6 +293,19 @@ impl VlmEncode {
             gst::trace!(CAT, imp = self, "frame {:?} not due", buffer.pts());
             return self.enqueue(Item::Frame(buffer, None), false);
         }
+        let luma = match self.gate(&buffer, &info, running_time) {
+            Gate::Encode(luma) => luma,
+            Gate::Hold(share) => {
+                // The last encoded frame stands for this one: it passes, marked, and the interval
+                // starts again from it.
+                gst::trace!(CAT, imp = self, "frame {:?} unchanged ({:.4} of the picture)", buffer.pts(), share);
+                self.stats.lock().unchanged += 1;
+                self.encoding(running_time);
+                let mut buffer = buffer;
+                VlmFrameMeta::add_held(buffer.make_mut());
+                return self.enqueue(Item::Frame(buffer, None), false);
+            }
+        };
         let (max_pending, leaky) = {
             let s = self.settings.lock();
             (s.max_pending as usize, s.leaky)
@@ -236,6 +325,11 @@ impl VlmEncode {
             return self.enqueue(Item::Frame(buffer, None), false);
         }
         self.encoding(running_time);
+        if let Some(luma) = luma {
+            let mut state = self.state.lock();
+            state.gate.encoded(luma);
+            state.gate_passed = running_time;
+        }
         self.enqueue(Item::Frame(buffer, Some(info)), true)
     }
 
@@ -252,13 +346,20 @@ impl VlmEncode {
             EventView::FlushStop(_) => {
                 self.set_flushing(false);
                 self.state.lock().last_encoded = None;
+                self.reset_gate();
                 let forwarded = self.srcpad.push_event(event);
                 self.start_task();
                 return forwarded;
             }
             EventView::Caps(c) => match gst_video::VideoInfo::from_caps(c.caps()) {
                 Ok(info) if info.width() > 0 && info.height() > 0 && pixel_format(&info).is_some() => {
-                    self.state.lock().info = Some(info);
+                    let mut state = self.state.lock();
+                    // A new geometry or format: the change gate starts afresh.
+                    if state.info.as_ref() != Some(&info) {
+                        state.gate.reset();
+                        state.gate_passed = None;
+                    }
+                    state.info = Some(info);
                 }
                 _ => {
                     gst::element_imp_error!(self, gst::StreamError::Format, ("unsupported video caps {}", c.caps()));
@@ -267,6 +368,7 @@ impl VlmEncode {
             },
             EventView::Segment(seg) => {
                 self.state.lock().segment = seg.segment().downcast_ref::<gst::ClockTime>().cloned();
+                self.reset_gate();
             }
             _ => (),
         }
@@ -432,6 +534,26 @@ impl ObjectImpl for VlmEncode {
                     .default_value(false)
                     .mutable_playing()
                     .build(),
+                glib::ParamSpecDouble::builder("min-change")
+                    .nick("Minimum change")
+                    .blurb("Share of the picture (0-1) that must have changed beyond noise since the last encoded frame for a due frame to be encoded; 0 = encode every due frame")
+                    .minimum(0.0)
+                    .maximum(1.0)
+                    .default_value(DEFAULT_MIN_CHANGE)
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecUInt64::builder("max-unchanged")
+                    .nick("Maximum unchanged")
+                    .blurb("Stream time in ns after which an unchanged picture is encoded again (0 = never)")
+                    .maximum(gst::ClockTime::MAX.nseconds())
+                    .default_value(DEFAULT_MAX_UNCHANGED)
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecUInt64::builder("frames-unchanged")
+                    .nick("Frames unchanged")
+                    .blurb("Due frames not encoded because they had not changed (min-change)")
+                    .read_only()
+                    .build(),
                 glib::ParamSpecUInt::builder("threads")
                     .nick("Threads")
                     .blurb("CPU threads of the vision encoder")
@@ -486,6 +608,8 @@ impl ObjectImpl for VlmEncode {
             "cache-entries" => s.cache_entries = value.get().unwrap(),
             "cache-bytes" => s.cache_bytes = value.get().unwrap(),
             "threads" => s.threads = value.get().unwrap(),
+            "min-change" => s.min_change = value.get().unwrap(),
+            "max-unchanged" => s.max_unchanged = value.get().unwrap(),
             _ => unreachable!(),
         }
     }
@@ -508,6 +632,9 @@ impl ObjectImpl for VlmEncode {
             "cache-hits" => self.cache_stats().hits.to_value(),
             "cache-misses" => self.cache_stats().misses.to_value(),
             "threads" => self.settings.lock().threads.to_value(),
+            "min-change" => self.settings.lock().min_change.to_value(),
+            "max-unchanged" => self.settings.lock().max_unchanged.to_value(),
+            "frames-unchanged" => self.stats.lock().unchanged.to_value(),
             "frames-seen" => self.stats.lock().seen.to_value(),
             "frames-encoded" => self.stats.lock().encoded.to_value(),
             "mean-encode-ms" => {

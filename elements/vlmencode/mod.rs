@@ -8,6 +8,18 @@
 //! then upstream blocks, or with `leaky=true` due frames pass without embeddings (counted in
 //! `frames-skipped`). Frames between two due frames (`interval`, `max-rate`) pass without
 //! embeddings. A repeated picture (hash of the visible pixels) is a cache hit: no encode.
+//!
+//! A due frame that has not changed since the last encoded one (`min-change`, on by default)
+//! is not encoded either: it passes marked as held (`VlmFrameMeta::held`), without embeddings,
+//! so `vlmcontext` ingests nothing and a question about its time binds at once to the last
+//! changed frame (`vlm-answer`'s `picture-age-ms` says how old that picture is). The picture is
+//! cut into blocks (16 px or more, at most 64 across) and a block has changed when its
+//! brightness moved one way beyond what noise does (sensor noise and noise patches move
+//! samples both ways; an object that moves, appears or leaves moves them one way). An object
+//! smaller than about 10 × 10 px, a change under 24 levels (of 255) of brightness, or a change of
+//! colour alone is not seen; `max-unchanged` re-encodes an unchanged picture every so often
+//! (30 s of stream time by default) so that slow drifts are caught. A caps change, a flush or a
+//! new segment starts the gate afresh.
 //! Serialized queries (ALLOCATION, DRAIN) keep their place in the stream: one goes downstream
 //! once the frames before it have left (a flush or a stop releases it unanswered).
 //!
@@ -64,8 +76,13 @@
 //! - `leaky` (false): when the encoder is full, due frames pass without embeddings instead.
 //! - `cache-entries` (64, 0 = no cache), `cache-bytes` (64 MiB): the embedding cache.
 //! - `threads` (the machine's cores): CPU threads of the encoder.
+//! - `min-change` (0-1, 0.001; 0 = off): the share of the picture's blocks (and at least one)
+//!   that must have changed since the last encoded frame for a due frame to be encoded.
+//! - `max-unchanged` (ns, 30000000000; 0 = never): stream time after which an unchanged
+//!   picture is encoded again.
 //! - Read-only: `active-backend`, `frames-seen`, `frames-encoded`, `frames-skipped`,
-//!   `peak-pending`, `cache-hits`, `cache-misses`, `mean-encode-ms`.
+//!   `frames-unchanged` (due frames the gate held), `peak-pending`, `cache-hits`,
+//!   `cache-misses`, `mean-encode-ms`.
 //!
 //! ## Messages
 //!

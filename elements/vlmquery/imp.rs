@@ -12,6 +12,7 @@ use vlm_runtime::{AnswerReport, CommitTurn, Lag, Question, Sampling, Stream};
 // The two halves of the element, each its own `impl VlmQuery`: question intake (the video and
 // query pads, `ask`, captions, binding and answering) and the text pad's output task (answers,
 // JSON, `vlm-answer`). The ObjectSubclass, properties and state changes stay here.
+mod alerts;
 mod intake;
 mod output;
 
@@ -107,6 +108,9 @@ struct Job {
     stream: Option<Arc<Stream>>,
     frames: u64,
     pts: Option<gst::ClockTime>,
+    /// The running time the question is about (its own for a timed question, else the newest
+    /// video buffer's): the picture's age is counted to it.
+    at: Option<gst::ClockTime>,
 }
 
 /// How an accepted question ended.
@@ -138,6 +142,10 @@ struct Pending {
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The lag of the question's stream when it was accepted.
     lag: Lag,
+    /// How old the picture the question is bound to was at the question's time (ms): the
+    /// running time from its frame's capture, which with `vlmencode min-change` includes the
+    /// unchanged frames it stood for.
+    picture_age_ms: Option<f64>,
 }
 
 /// What the video sink pad has seen.
@@ -163,6 +171,11 @@ struct Video {
 impl Video {
     fn newest(&self) -> (u64, Option<gst::ClockTime>) {
         self.frames.back().map_or((0, None), |&(_, pts, n)| (n, pts))
+    }
+
+    /// The running time of registered frame `number`, while it is among the recent ones.
+    fn time_of(&self, number: u64) -> Option<gst::ClockTime> {
+        self.frames.iter().rev().find(|f| f.2 == number).and_then(|f| f.0)
     }
 
     /// The newest frame at or before running time `t`.
@@ -221,6 +234,8 @@ struct Shared {
     query_waiting: bool,
     /// Ids of the most recent accepted questions: an id is answered once.
     recent_ids: VecDeque<String>,
+    /// JSON lines of `vlm-alert`s (`output-format=json`) for the text pad, with their frames' pts.
+    alert_lines: VecDeque<(String, Option<gst::ClockTime>)>,
 }
 
 pub struct VlmQuery {
@@ -235,12 +250,15 @@ pub struct VlmQuery {
     /// before `shared`).
     post_order: Mutex<()>,
     changed: Condvar,
+    /// Standing questions (`alerts`).
+    alerts: alerts::Alerts,
 }
 
 impl VlmQuery {
     /// Cancel every pending question (each still gets its `vlm-answer`, `cancelled`) and stop
     /// the source task's output until `flush_stop`.
     fn flush_start(&self, reason: &str) {
+        self.alerts_flush(true);
         let _order = self.post_order.lock();
         let pending = {
             let mut shared = self.shared.lock();
@@ -265,6 +283,7 @@ impl VlmQuery {
     /// Reset what the flush made void; the query pad's own state (its caps, segment and EOS,
     /// sent once) stays.
     fn flush_stop(&self) {
+        self.alerts_flush(false);
         let mut shared = self.shared.lock();
         let old = std::mem::take(&mut *shared);
         *shared = Shared {
@@ -285,6 +304,7 @@ impl VlmQuery {
     /// returns, or deactivating its pad would wait for it forever.
     fn stop(&self) {
         self.flush_start("the element stopped");
+        self.alerts_stop();
     }
 
     /// PAUSED→READY, once the pads are inactive (the text pad's task stopped): a fresh state
@@ -402,6 +422,7 @@ impl ObjectSubclass for VlmQuery {
             shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
             post_order: Mutex::new(()),
             changed: Condvar::new(),
+            alerts: alerts::Alerts::default(),
         }
     }
 }
@@ -531,11 +552,17 @@ impl ObjectImpl for VlmQuery {
                     .read_only()
                     .build(),
             ]
+            .into_iter()
+            .chain(alerts::properties())
+            .collect()
         });
         PROPS.as_ref()
     }
 
     fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
+        if self.set_alert_property(pspec.name(), value) {
+            return;
+        }
         let mut s = self.settings.lock();
         match pspec.name() {
             "placement" => {
@@ -576,6 +603,9 @@ impl ObjectImpl for VlmQuery {
         // (Not under the settings lock: the text pad's task takes the shared lock first.)
         if pspec.name() == "answers" {
             return self.shared.lock().stats.answers.to_value();
+        }
+        if let Some(value) = self.alert_property(pspec.name()) {
+            return value;
         }
         let s = self.settings.lock();
         match pspec.name() {

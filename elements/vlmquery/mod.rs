@@ -116,7 +116,9 @@
 //! answers; answered questions only), `engine`, `path` (`resident`, `import` or `replay`), `ttft-ms` and `wait-ms` (from the
 //! question's arrival), `queue-ms`, `prepare-ms`, `tokens`, `total-ms`, `estimate-ms` (the
 //! placer's, -1 when none), `lag-frames` and `lag-ms` (the stream's ingestion lag when the
-//! question arrived), `pts`. A failed question also posts a WARNING. A question cancelled by a
+//! question arrived), `pts`, `picture-age-ms` (how old the bound frame's picture was at the
+//! question's time, in running time: with `vlmencode min-change` it includes the unchanged
+//! frames it stood for; -1 when unknown). A failed question also posts a WARNING. A question cancelled by a
 //! flush or a stop gets its `vlm-answer` (`cancelled`, `reason` says which) then; at the video's
 //! EOS nothing is left to cancel (see above), so `gst-launch-1.0 -m` shows every answer.
 //!

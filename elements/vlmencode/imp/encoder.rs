@@ -8,8 +8,7 @@ use std::time::Instant;
 
 use gst::prelude::*;
 use gst::subclass::prelude::*;
-use gst_video::prelude::*;
-use vlm_runtime::encoder::{EncoderBackend, FrameEncoder, Picture, open_encoder};
+use vlm_runtime::encoder::{EncoderBackend, FrameEncoder, open_encoder};
 use vlm_runtime::{Device, models};
 
 use super::{Backend, CAT, VlmEncode, pixel_format};
@@ -130,16 +129,7 @@ impl VlmEncode {
                 gst::element_imp_error!(self, gst::StreamError::Format, ("cannot map a video frame of {:?}", info));
                 gst::FlowError::Error
             })?;
-            let plane = |i: u32| if i < vframe.n_planes() { vframe.plane_data(i).unwrap_or(&[]) } else { &[] };
-            let stride = |i: usize| vframe.plane_stride().get(i).map_or(0, |s| *s as usize);
-            let picture = Picture {
-                planes: [plane(0), plane(1), plane(2)],
-                strides: [stride(0), stride(1), stride(2)],
-                width: info.width(),
-                height: info.height(),
-                format,
-            };
-            encoder.encode(&picture).map_err(|e| {
+            encoder.encode(&super::picture(&vframe, info, format)).map_err(|e| {
                 gst::element_imp_error!(self, gst::StreamError::Decode, ("vision encoding failed: {}", e));
                 gst::FlowError::Error
             })?

@@ -105,8 +105,14 @@ impl VlmQuery {
             job.question.text
         );
         let id = job.question.id.clone();
+        let picture_age_ms = shared
+            .video
+            .time_of(job.frames)
+            .zip(job.at)
+            .map(|(frame, at)| at.saturating_sub(frame).nseconds() as f64 / 1e6);
         let pending = Arc::new(Pending {
             lag: stream.as_ref().map(|s| s.lag()).unwrap_or_default(),
+            picture_age_ms,
             job: Job { stream, ..job },
             cancel: Arc::new(AtomicBool::new(false)),
             outcome: Mutex::new(None),
@@ -253,6 +259,7 @@ impl VlmQuery {
             }
             shared.video.frames.push_back((rt, buffer.pts(), number));
             self.maybe_caption(&mut shared, rt, buffer.pts(), number);
+            self.alert_frame(shared.video.stream.as_ref(), number, buffer.pts(), rt);
         }
         if rt.is_some() {
             shared.video.running_time = rt;
@@ -304,7 +311,7 @@ impl VlmQuery {
         shared.video.last_caption = rt;
         let question = self.question(&prompt, None, None);
         let stream = shared.video.stream.clone();
-        if self.accept(shared, Job { question, stream, frames: number, pts }, false).is_err() {
+        if self.accept(shared, Job { question, stream, frames: number, pts, at: rt }, false).is_err() {
             gst::debug!(CAT, imp = self, "caption at frame {number} skipped: the question queue is full");
         }
     }
@@ -336,7 +343,8 @@ impl VlmQuery {
                     // Refused, not waited for, when the queue is full: the video's thread must not
                     // wait for answers that may wait for the video (an overlay holds them until
                     // the video passes their time).
-                    let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, false);
+                    let at = shared.video.running_time;
+                    let accepted = self.accept(&mut shared, Job { question, stream, frames, pts, at }, false);
                     drop(shared);
                     return match accepted {
                         Ok(_) => true,
@@ -375,6 +383,8 @@ impl VlmQuery {
                 true
             }
             EventView::Eos(_) => {
+                // The alerts of the last frames are evaluated (and their lines queued) first.
+                self.alerts_drain();
                 let mut shared = self.shared.lock();
                 shared.video.eos = true;
                 shared.query_quiet_since = Some(Instant::now());
@@ -492,7 +502,8 @@ impl VlmQuery {
         };
         let stream = shared.video.stream.clone();
         let refusal = question.clone();
-        let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, true);
+        let at = t.or(shared.video.running_time);
+        let accepted = self.accept(&mut shared, Job { question, stream, frames, pts, at }, true);
         drop(shared);
         if let Err(why) = accepted {
             self.refused(&refusal, why);
@@ -559,7 +570,8 @@ impl VlmQuery {
         let frames = stream.as_ref().map_or(0, |s| s.registered());
         let pts = shared.video.frames.iter().rev().find(|f| f.2 <= frames).and_then(|f| f.1);
         let refusal = question.clone();
-        let accepted = self.accept(&mut shared, Job { question, stream, frames, pts }, false);
+        let at = shared.video.running_time;
+        let accepted = self.accept(&mut shared, Job { question, stream, frames, pts, at }, false);
         drop(shared);
         accepted.map_err(|why| self.refused(&refusal, why)).ok()
     }

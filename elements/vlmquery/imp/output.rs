@@ -86,6 +86,8 @@ enum Next {
         status: String,
     },
     Gap(gst::ClockTime, gst::ClockTime),
+    /// A `vlm-alert`'s JSON line, at its frame's pts.
+    Alert(String, Option<gst::ClockTime>),
     Eos,
 }
 
@@ -191,6 +193,7 @@ impl VlmQuery {
                 self.srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
             }
             Next::Text { p, text, pts, duration, status } => self.push_text(&p, pts, duration, text, &status),
+            Next::Alert(text, pts) => self.push_alert_line(text, pts),
             Next::Eos => {
                 gst::debug!(CAT, imp = self, "all questions answered, EOS");
                 self.srcpad.push_event(gst::event::Eos::new());
@@ -303,6 +306,11 @@ impl VlmQuery {
             if shown.until.is_some_and(|until| until <= from) {
                 shared.shown = None;
             }
+        }
+        if let Some((text, pts)) = shared.alert_lines.pop_front() {
+            let at = shared.text_position.max(pts);
+            shared.text_position = at;
+            return Some(Next::Alert(text, at));
         }
         if shared.pending.is_empty() && shared.eos {
             shared.all_answered = true;
@@ -417,7 +425,8 @@ impl VlmQuery {
             .field("stream", stream)
             .field("lag-frames", p.lag.frames)
             .field("lag-ms", p.lag.ms)
-            .field("pts", p.job.pts);
+            .field("pts", p.job.pts)
+            .field("picture-age-ms", p.picture_age_ms.unwrap_or(-1.0));
         msg = match &outcome {
             Outcome::Answered(r) => {
                 gst::info!(

@@ -15,6 +15,8 @@ use crate::error::{Error, Result};
 use crate::llama::{Projector, Segment};
 use crate::stream::Frame;
 
+/// The change gate: whether a frame changed enough since the last encoded one to encode it.
+pub mod gate;
 /// The Rockchip NPU backend (the `rknn` cargo feature).
 #[cfg(feature = "rknn")]
 pub mod rknn;

@@ -1,0 +1,142 @@
+//! The change gate of `vlmencode` (`min-change`, `max-unchanged`, `frames-unchanged`): what did
+//! not change is not encoded, what moved is, and what the gate lets through answers as a full
+//! encode of the same pictures would.
+
+mod common;
+
+use common::*;
+use gst::prelude::*;
+use gst_check::Harness;
+use gst_vlm_elements::meta::VlmFrameMeta;
+
+/// Encode `pattern` at 320x240, 30 frames/s for 10 s, one due frame a second; returns
+/// (frames-encoded, frames-unchanged).
+fn encodes(pattern: &str, settings: &str) -> (u64, u64) {
+    let pipeline = launch(&format!(
+        "videotestsrc pattern={pattern} num-buffers=300 ! video/x-raw,width=320,height=240,framerate=30/1 ! videoconvert \
+         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf {settings} \
+         ! fakesink"
+    ));
+    let run = run_to_eos(&pipeline, 240);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let enc = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
+    let counts = (enc.property::<u64>("frames-encoded"), enc.property::<u64>("frames-unchanged"));
+    pipeline.set_state(gst::State::Null).unwrap();
+    counts
+}
+
+#[test]
+fn a_still_scene_with_a_noise_patch_is_encoded_once_per_cap() {
+    // smpte: still bars and a patch of fresh noise every frame (5-6% of the pixels change).
+    // Due at 0..9 s; the cap re-encodes the unchanged picture at 4 s and 8 s.
+    assert_eq!(encodes("smpte", "max-unchanged=4000000000"), (3, 7));
+    // Without the gate every due frame is encoded.
+    assert_eq!(encodes("smpte", "min-change=0"), (10, 0));
+}
+
+#[test]
+fn a_moving_ball_is_encoded_at_every_due_frame() {
+    // The ball changes under 1% of the pixels from one frame to the next, but all one way in
+    // the blocks it leaves and enters.
+    assert_eq!(encodes("ball", ""), (10, 0));
+}
+
+fn gray(level: u8) -> gst::Buffer {
+    gst::Buffer::from_mut_slice(vec![level; 64 * 48 * 3])
+}
+
+fn rgb_caps(width: i32, height: i32) -> gst::Caps {
+    gst::Caps::builder("video/x-raw")
+        .field("format", "RGB")
+        .field("width", width)
+        .field("height", height)
+        .field("framerate", gst::Fraction::new(1, 1))
+        .build()
+}
+
+/// Push `buffer` at `secs` and return whether it left with embeddings, or held.
+fn push(h: &mut Harness, mut buffer: gst::Buffer, secs: u64) -> &'static str {
+    buffer.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(secs));
+    let out = h.push_and_pull(buffer).unwrap();
+    match out.meta::<VlmFrameMeta>() {
+        Some(m) if m.frame().is_some() => "encoded",
+        Some(m) if m.held() => "held",
+        _ => "passed",
+    }
+}
+
+#[test]
+fn new_caps_and_a_flush_start_the_gate_afresh() {
+    init();
+    let e = gst::ElementFactory::make("vlmencode")
+        .property("mmproj", mmproj())
+        .property("model", model())
+        .property("interval", 0u64)
+        .property("cache-entries", 0u32)
+        .build()
+        .unwrap();
+    let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
+    h.set_src_caps(rgb_caps(64, 48));
+    let mut seen = vec![push(&mut h, gray(100), 0), push(&mut h, gray(100), 1), push(&mut h, gray(160), 2)];
+    // The same caps again change nothing; a new size does (the harness sends a new segment with
+    // new caps, which starts afresh too).
+    assert!(h.push_event(gst::event::Caps::new(&rgb_caps(64, 48))));
+    seen.push(push(&mut h, gray(160), 3));
+    h.set_src_caps(rgb_caps(32, 24));
+    seen.push(push(&mut h, gst::Buffer::from_mut_slice(vec![160u8; 32 * 24 * 3]), 4));
+    seen.push(push(&mut h, gst::Buffer::from_mut_slice(vec![160u8; 32 * 24 * 3]), 5));
+    assert!(h.push_event(gst::event::FlushStart::new()));
+    assert!(h.push_event(gst::event::FlushStop::new(true)));
+    h.push_event(gst::event::Segment::new(&gst::FormattedSegment::<gst::ClockTime>::new()));
+    seen.push(push(&mut h, gst::Buffer::from_mut_slice(vec![160u8; 32 * 24 * 3]), 6));
+    assert_eq!(seen, ["encoded", "held", "encoded", "held", "encoded", "held", "encoded"]);
+    assert_eq!(e.property::<u64>("frames-unchanged"), 3);
+    assert_eq!(e.property::<u64>("frames-encoded"), 4);
+}
+
+/// Frames (gray level, second) through the three elements, then a question timed at 4.5 s;
+/// returns its `vlm-answer` and vlmencode's frames-unchanged.
+fn answer(frames: &[(u8, u64)], settings: &str) -> (gst::Structure, u64) {
+    let srt = std::env::temp_dir().join(format!("vlm-gate-{}-{}.srt", std::process::id(), frames.len()));
+    std::fs::write(&srt, "1\n00:00:04,500 --> 00:00:05,000\nWhat changed?\n").unwrap();
+    let pipeline = launch(&format!(
+        "appsrc name=src format=time caps=video/x-raw,format=RGB,width=64,height=48,framerate=1/1 \
+         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 {settings} \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=8 ! fakesink sync=false \
+         filesrc location={} ! subparse ! q.query",
+        srt.display()
+    ));
+    let src = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("src").unwrap();
+    let src = src.downcast::<gst_app::AppSrc>().unwrap();
+    for &(level, secs) in frames {
+        let mut b = gray(level);
+        b.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(secs));
+        b.get_mut().unwrap().set_duration(gst::ClockTime::from_seconds(1));
+        src.push_buffer(b).unwrap();
+    }
+    src.end_of_stream().unwrap();
+    let run = run_to_eos(&pipeline, 240);
+    let _ = std::fs::remove_file(&srt);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert_eq!(run.answers.len(), 1, "{:?}", run.answers);
+    let enc = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
+    let unchanged = enc.property::<u64>("frames-unchanged");
+    pipeline.set_state(gst::State::Null).unwrap();
+    (run.answers[0].clone(), unchanged)
+}
+
+#[test]
+fn held_duplicates_answer_as_the_changed_frames_alone_with_the_pictures_age() {
+    // With the gate (default), the repeated pictures are held: the history is A, B, C as if
+    // only the changes had been sent; the question at 4.5 s binds to B (captured at 3 s).
+    let (gated, unchanged) = answer(&[(60, 0), (60, 1), (60, 2), (120, 3), (120, 4), (180, 5)], "");
+    assert_eq!(unchanged, 3);
+    let (plain, none) = answer(&[(60, 0), (120, 3), (180, 5)], "min-change=0");
+    assert_eq!(none, 0);
+    for a in [&gated, &plain] {
+        assert_eq!(a.get::<&str>("status").unwrap(), "answered", "{a}");
+        assert_eq!(a.get::<u64>("frames").unwrap(), 2, "{a}");
+        assert_eq!(a.get::<f64>("picture-age-ms").unwrap(), 1500.0, "{a}");
+    }
+    assert_eq!(gated.get::<&str>("text").unwrap(), plain.get::<&str>("text").unwrap());
+}
