@@ -2,15 +2,18 @@
 //! after given frames, answers of exactly T tokens) through gst-vlm's runtime, against its
 //! baselines and llama.cpp's own server, configurations alternating round by round.
 //!
-//!   cargo run --release -p vlm-bench -- [--configs B0,B1,B2,P,B3,PEER] [--rounds 3]
+//!   cargo run --release -p vlm-bench -- [--configs B0,B1,B2,P,B3,PEER,PEER-WARM] [--rounds 3]
 //!       [--json FILE] [--plots DIR]
+//!   vlm-bench --print-peer-plan warm [--streams 1 --frames 3 ...]  # the peer's requests, no server
 //!   cargo run --release -p vlm-bench -- --smoke        # seconds-long, for CI
 //!   vlm-bench plot --from FILE --plots DIR             # redraw the plots of a JSON report
 //!   vlm-bench capacity [--max-streams 8] [--pair smolvlm-256m] [--smoke]   # streams sustained
 //!
 //! Each runtime configuration runs in a fresh worker process (this binary, re-executed), so model
 //! load, warm-up and peak RSS are its own; B3 runs one worker per stream, and the peer is a
-//! llama-server started once per round. See docs/benchmarks.md.
+//! llama-server started once per round, driven by a naive client (PEER) or a warm one
+//! (PEER-WARM). TTFT is reported on two clocks: from the capture of the question's frame (the
+//! headline) and from the question's arrival. See docs/benchmarks.md.
 
 mod capacity;
 mod peer;
@@ -82,8 +85,10 @@ struct RunArgs {
     /// Answer length: exactly this many tokens (end-of-generation ignored).
     #[arg(long, default_value_t = 128)]
     tokens: u32,
-    /// Configurations to run, in this order in round 1 (later rounds rotate it).
-    #[arg(long, value_delimiter = ',', default_value = "B0,B1,B2,P,B3,PEER")]
+    /// Configurations to run, in this order in round 1 (later rounds rotate it). PEER is
+    /// llama-server with a naive client, PEER-WARM the same server with every frame sent as it
+    /// is captured.
+    #[arg(long, value_delimiter = ',', default_value = "B0,B1,B2,P,B3,PEER,PEER-WARM")]
     configs: Vec<Config>,
     /// Rounds; every configuration runs once per round.
     #[arg(long, default_value_t = 3)]
@@ -96,6 +101,10 @@ struct RunArgs {
     /// round, 2 frames, 1 question, 8 tokens.
     #[arg(long)]
     smoke: bool,
+    /// Print the requests the peer's client of this mode (naive or warm) would send over the
+    /// workload, as JSON (images named, not sent), and exit: no server, no model.
+    #[arg(long, value_parser = ["naive", "warm"])]
+    print_peer_plan: Option<String>,
     #[command(flatten)]
     common: CommonArgs,
 }
@@ -346,16 +355,29 @@ fn progress_bar(answers: usize) -> ProgressBar {
 /// Print one run's line above the progress bar: `prefix` (round, level), answers, TTFT, RSS.
 fn report_run(bar: &ProgressBar, prefix: &str, record: &RunRecord, expected: usize) {
     let ok: Vec<_> = record.answers.iter().filter(|a| a.error.is_none()).collect();
+    let from_capture: Vec<f64> = ok.iter().filter_map(|a| a.ttft_from_capture_ms).collect();
     let mut line = format!(
-        "{prefix} {:<4}: {}/{} answers in {:.1} s, mean TTFT {:.0} ms, load {:.0} ms, peak RSS {} MiB",
+        "{prefix} {:<9}: {}/{} answers in {:.1} s, mean TTFT from capture {}, from question {:.0} ms, load {:.0} ms, \
+         peak RSS {} MiB",
         record.config.name(),
         ok.len(),
         expected,
         record.window_ms / 1e3,
-        ok.iter().map(|a| a.ttft_ms).sum::<f64>() / ok.len().max(1) as f64,
+        if from_capture.is_empty() {
+            "-".into()
+        } else {
+            format!("{:.0} ms", from_capture.iter().sum::<f64>() / from_capture.len() as f64)
+        },
+        ok.iter().map(|a| a.ttft_from_question_ms).sum::<f64>() / ok.len().max(1) as f64,
         record.load_ms,
         record.peak_rss_kib / 1024
     );
+    if let Some(f) = record.feed.filter(|f| f.frames > 0) {
+        line.push_str(&format!(", feed late {:.0}/{:.0} ms", f.late_mean_ms().unwrap_or(0.0), f.late_max_ms));
+        if let Some(fps) = f.encoder_fps() {
+            line.push_str(&format!(", encoder {fps:.2} frames/s"));
+        }
+    }
     if let Some(pct) = record.foreign_cpu_pct.filter(|&p| p >= 5.0) {
         line.push_str(&format!("; other processes used {pct:.0}% of the CPU meanwhile"));
     }
@@ -410,6 +432,12 @@ fn run(mut a: RunArgs) -> Result<(), BoxError> {
         a.ask_after = vec![2];
         a.tokens = 8;
     }
+    if let Some(mode) = &a.print_peer_plan {
+        let w = workload(&a)?;
+        let mode = if mode == "warm" { peer::Mode::Warm } else { peer::Mode::Naive };
+        println!("{}", serde_json::to_string_pretty(&peer::plan_json(&w, mode))?);
+        return Ok(());
+    }
     resolve_pair(&mut a.common)?;
     let w = workload(&a)?;
     let session = Session::new(&a.common, &w, &a.configs, Duration::from_secs(a.timeout_s))?;
@@ -442,7 +470,7 @@ fn run(mut a: RunArgs) -> Result<(), BoxError> {
         let mut order = configs.clone();
         order.rotate_left(round % configs.len());
         if frame_cells.is_none() {
-            order.sort_by_key(|c| *c == Config::Peer);
+            order.sort_by_key(|c| c.is_peer());
         }
         for config in order {
             bar.set_message(format!("round {}/{}: {} ({})", round + 1, a.rounds, config, config.describe()));
@@ -460,7 +488,7 @@ fn run(mut a: RunArgs) -> Result<(), BoxError> {
         .map(|&c| report::summarize(c, &runs.iter().filter(|r| r.config == c).collect::<Vec<_>>(), w.total_questions()))
         .collect();
     let ratios = report::ratios(&summaries);
-    println!("{}", report::table(&summaries));
+    println!("{}\n{}", report::CLOCKS, report::table(&summaries));
     println!("ratios: {ratios}");
     let json = serde_json::json!({
         "benchmark": "vlm-bench",
@@ -468,6 +496,7 @@ fn run(mut a: RunArgs) -> Result<(), BoxError> {
         "rounds": a.rounds,
         "elapsed_s": started.elapsed().as_secs_f64(),
         "peer": session.peer_json(),
+        "clocks": report::CLOCKS,
         "decode_split_note": "decode_ingesting/idle come from the engines' step times (one token per active answer \
             per step); llama-server does not expose the split",
         "summaries": summaries,
@@ -542,6 +571,7 @@ mod tests {
         assert_eq!(w.ask_after, vec![2, 4]);
         assert_eq!((w.width, w.height), (64, 48));
         assert_eq!(args(&["--configs", "p,peer"]).configs, vec![Config::P, Config::Peer]);
+        assert_eq!(args(&["--configs", "b1,peer-warm"]).configs, vec![Config::B1, Config::PeerWarm]);
         assert!(workload(&args(&["--frame-size", "64"])).is_err());
         assert!(workload(&args(&["--ask-after", "2,9"])).is_err()); // only 8 frames
         assert!(workload(&args(&["--questions", "5"])).is_err());

@@ -1,8 +1,14 @@
 //! The peer: llama.cpp's own `llama-server` (built by `scripts/build-llama-server.sh` from the
 //! same llama.cpp source as the runtime), fed the same pictures as PNG images with the same
-//! projector. One slot per stream (`-np S`, each stream's questions pinned to its slot with
-//! `id_slot`), prompt caching on, each question sent at its arrival time from its own thread,
+//! projector. One slot per stream (`-np S`, each stream's requests pinned to its slot with
+//! `id_slot`), prompt caching on, each question sent at its frame's due time from its own thread,
 //! streamed, with `ignore_eos` and the same exact length.
+//!
+//! Two clients ([`Mode`]): the naive one sends nothing but the questions, each carrying every
+//! frame of its stream so far (the server encodes them at question time); the warm one sends
+//! every frame as it is captured (a 1-token request carrying the stream's history, so the slot's
+//! prompt cache holds it), and a question on top. What each sends is planned by [`plan`], a pure
+//! function of the workload (`vlm-bench --print-peer-plan warm` prints it).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -16,7 +22,7 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use vlm_runtime::prompt::DEFAULT_SYSTEM_PROMPT;
 
-use crate::record::{AnswerRecord, Config, RunRecord};
+use crate::record::{AnswerRecord, Config, FeedStats, RunRecord};
 use crate::workload::{HistorySpec, Workload, ms, peak_rss_kib, picture, question_text, sleep_until};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -118,10 +124,99 @@ fn start(settings: &PeerSettings, w: &Workload, label: &str) -> Result<Server, B
     }
 }
 
-fn request_body(images: &[Arc<String>], question: &str, slot: usize, tokens: u32, stream: bool) -> String {
+/// How the client drives the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Questions only, each with every frame of its stream so far.
+    Naive,
+    /// Every frame sent as it is captured; the question on top, on the same slot.
+    Warm,
+}
+
+impl Mode {
+    pub fn of(config: Config) -> Option<Mode> {
+        match config {
+            Config::Peer => Some(Mode::Naive),
+            Config::PeerWarm => Some(Mode::Warm),
+            _ => None,
+        }
+    }
+}
+
+/// What the warm client does, as the JSON report says it.
+pub const WARM_CLIENT: &str = "warm: at each frame's due time the stream's thread sends a 1-token request \
+    (n_predict 1, cache_prompt, id_slot = the stream) carrying the stream's frames so far and no text, and waits \
+    for it, so the slot's prompt cache holds the history; a question is sent at its frame's due time from its \
+    own thread on the same slot with the same frames and its text, so the server prefills only what its cache \
+    lacks (the question's frame travels with the question: a separate 1-token request for it would only put a \
+    decode step before the question on the same slot)";
+
+/// One request of a client, planned.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Planned {
+    pub stream: usize,
+    /// The frame (1-based) at whose due time the request is sent; it carries frames 1..=frame
+    /// of its stream.
+    pub frame: usize,
+    /// The question's index in its stream; None for a frame's 1-token request.
+    pub question: Option<usize>,
+}
+
+impl Planned {
+    /// The request's JSON body over `images` (frames 1..=frame of the stream).
+    pub fn body(&self, images: &[Arc<String>], w: &Workload) -> String {
+        match self.question {
+            Some(index) => request_body(images, Some(question_text(index)), self.stream, w.tokens, true),
+            None => request_body(images, None, self.stream, 1, false),
+        }
+    }
+}
+
+/// Every request the client of `mode` sends over the live workload `w`, stream by stream, each
+/// stream's in the order it sends them (by frame; the frame's request before its questions).
+pub fn plan(w: &Workload, mode: Mode) -> Vec<Planned> {
+    let mut out = vec![];
+    for stream in 0..w.streams {
+        for frame in 1..=w.frames {
+            let questions: Vec<usize> =
+                w.ask_after.iter().enumerate().filter(|(_, a)| **a == frame).map(|(i, _)| i).collect();
+            if mode == Mode::Warm && questions.is_empty() {
+                out.push(Planned { stream, frame, question: None });
+            }
+            out.extend(questions.into_iter().map(|q| Planned { stream, frame, question: Some(q) }));
+        }
+    }
+    out
+}
+
+/// The plan of `mode` over `w` as JSON: each request's stream, frame, due time (ms from the
+/// first frame) and body, the images named `frame S:N` instead of their data.
+pub fn plan_json(w: &Workload, mode: Mode) -> Value {
+    let t0 = Instant::now();
+    let requests: Vec<Value> = plan(w, mode)
+        .iter()
+        .map(|p| {
+            let images: Vec<Arc<String>> = (1..=p.frame).map(|n| Arc::new(format!("frame {}:{n}", p.stream))).collect();
+            let body: Value = serde_json::from_str(&p.body(&images, w)).expect("bodies are JSON");
+            json!({
+                "stream": p.stream,
+                "frame": p.frame,
+                "question": p.question,
+                "due_ms": ms(w.frame_due(t0, p.stream, p.frame) - t0),
+                "body": body,
+            })
+        })
+        .collect();
+    json!({ "mode": format!("{mode:?}").to_lowercase(), "requests": requests })
+}
+
+/// A chat completion over `images` with `question` after them (none: the images alone).
+fn request_body(images: &[Arc<String>], question: Option<&str>, slot: usize, tokens: u32, stream: bool) -> String {
     let mut content: Vec<Value> =
         images.iter().map(|url| json!({"type": "image_url", "image_url": {"url": url.as_str()}})).collect();
-    content.push(json!({"type": "text", "text": question}));
+    if let Some(question) = question {
+        content.push(json!({"type": "text", "text": question}));
+    }
     json!({
         "messages": [
             {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
@@ -182,14 +277,16 @@ fn ask(agent: &ureq::Agent, base: &str, body: String, arrival: Instant) -> Resul
 /// stop it: one round of the peer. `label` names the server's log.
 pub fn run_round(
     settings: &PeerSettings,
+    config: Config,
     w: &Workload,
     round: usize,
     label: &str,
     history: Option<&HistorySpec>,
     on_answer: &(dyn Fn(&AnswerRecord) + Sync),
 ) -> RunRecord {
-    let mut record = RunRecord::empty(Config::Peer, round, 1);
-    if let Err(e) = run(settings, w, label, history, on_answer, &mut record) {
+    let mut record = RunRecord::empty(config, round, 1);
+    let mode = Mode::of(config).expect("a peer configuration");
+    if let Err(e) = run(settings, mode, w, label, history, on_answer, &mut record) {
         record.error = Some(e.to_string());
     }
     record
@@ -207,11 +304,21 @@ struct Window<'a> {
 }
 
 impl Window<'_> {
-    /// Send question `index` of stream `gs` over `images` (asked right after frame `after`)
-    /// now, streamed and timed from its arrival; record it.
-    fn ask(&self, gs: usize, index: usize, after: usize, images: &[Arc<String>], prime_ms: Option<f64>) {
+    /// Send question `index` of stream `gs` over `images` (asked at frame `after`) now,
+    /// streamed and timed from its arrival; record it. `capture`: frame `after`'s due time
+    /// (live workload only), the newest frame in `images`.
+    fn ask(
+        &self,
+        gs: usize,
+        index: usize,
+        after: usize,
+        images: &[Arc<String>],
+        prime_ms: Option<f64>,
+        capture: Option<Instant>,
+    ) {
         // The body (every image as a data URL) is the client's work: built before the arrival.
-        let body = request_body(images, question_text(index), gs, self.w.tokens, true);
+        let planned = Planned { stream: gs, frame: after, question: Some(index) };
+        let body = planned.body(images, self.w);
         let arrival = Instant::now();
         let result = ask(&self.agent, &self.base, body, arrival);
         let end = Instant::now();
@@ -223,11 +330,15 @@ impl Window<'_> {
         };
         match result {
             Ok(s) => {
-                answer.ttft_ms = s.ttft_ms;
+                answer.ttft_from_question_ms = s.ttft_ms;
                 answer.total_ms = s.total_ms;
                 answer.tokens = s.tokens;
             }
             Err(e) => answer.error = Some(e.to_string()),
+        }
+        if let Some(due) = capture {
+            let due_ms = ms(due - self.t0);
+            answer.set_capture(due_ms, Some(due_ms));
         }
         (self.on_answer)(&answer);
         self.answers.lock().expect("no panics hold it").push(answer);
@@ -238,7 +349,11 @@ impl Window<'_> {
     /// A one-token request over `images` on `slot`, outside the measurements (warm-up, and the
     /// history curve's priming); its text differs from every question's.
     fn prime(&self, slot: usize, images: &[Arc<String>]) -> Result<(), BoxError> {
-        let body = request_body(images, "Hello", slot, 1, false);
+        self.send(request_body(images, Some("Hello"), slot, 1, false))
+    }
+
+    /// Send a request that is not streamed and read its whole response.
+    fn send(&self, body: String) -> Result<(), BoxError> {
         accepted(
             self.agent
                 .post(format!("{}/v1/chat/completions", self.base))
@@ -250,16 +365,26 @@ impl Window<'_> {
         Ok(())
     }
 
-    /// The live workload: each stream's frames at their due times, each question sent from its
-    /// own thread with all of the stream's frames so far.
-    fn live(&self) {
+    /// The live workload: each stream's frames made at their due times (PNG images) and the
+    /// client's plan sent: a frame's 1-token request from the stream's thread, waited for (the
+    /// warm client), each question from its own thread with all of the stream's frames so far.
+    /// The frames' feed lateness (their request answered minus their due time) and the first
+    /// frame request's error, if any.
+    fn live(&self, mode: Mode) -> (FeedStats, Option<String>) {
         let w = self.w;
+        let plan = plan(w, mode);
+        let feed = Mutex::new((FeedStats::default(), None::<String>));
         std::thread::scope(|scope| {
             for gs in 0..w.streams {
+                let mine: Vec<Planned> = plan.iter().filter(|p| p.stream == gs).cloned().collect();
+                let feed = &feed;
                 scope.spawn(move || {
                     let mut images: Vec<Arc<String>> = vec![];
+                    let mut local = FeedStats::default();
+                    let mut error = None;
                     for number in 1..=w.frames {
-                        sleep_until(w.frame_due(self.t0, gs, number));
+                        let due = w.frame_due(self.t0, gs, number);
+                        sleep_until(due);
                         match png_data_url(&picture(gs, number, w.width, w.height), w.width, w.height) {
                             Ok(url) => images.push(Arc::new(url)),
                             Err(e) => {
@@ -267,14 +392,30 @@ impl Window<'_> {
                                 break;
                             }
                         }
-                        for (index, _) in w.ask_after.iter().enumerate().filter(|(_, a)| **a == number) {
-                            let images = images.clone();
-                            scope.spawn(move || self.ask(gs, index, number, &images, None));
+                        for p in mine.iter().filter(|p| p.frame == number) {
+                            match p.question {
+                                Some(index) => {
+                                    let images = images.clone();
+                                    scope.spawn(move || self.ask(gs, index, number, &images, None, Some(due)));
+                                }
+                                None => match self.send(p.body(&images, w)) {
+                                    Ok(()) => local.fed(ms(Instant::now().saturating_duration_since(due))),
+                                    Err(e) => {
+                                        error.get_or_insert(format!("stream {gs}, frame {number}: {e}"));
+                                    }
+                                },
+                            }
                         }
+                    }
+                    let mut all = feed.lock().expect("no panics hold it");
+                    all.0.add(&local);
+                    if all.1.is_none() {
+                        all.1 = error;
                     }
                 });
             }
         });
+        feed.into_inner().expect("no panics hold it")
     }
 
     /// The history curve on slot 0: at each point, one priming request carries the frames so
@@ -292,7 +433,7 @@ impl Window<'_> {
             let prime_ms = ms(started.elapsed());
             for rep in 0..h.reps {
                 std::thread::sleep(Duration::from_millis(h.settle_ms));
-                self.ask(0, rep, point, &images, Some(prime_ms));
+                self.ask(0, rep, point, &images, Some(prime_ms), None);
             }
         }
         Ok(())
@@ -301,6 +442,7 @@ impl Window<'_> {
 
 fn run(
     settings: &PeerSettings,
+    mode: Mode,
     w: &Workload,
     label: &str,
     history: Option<&HistorySpec>,
@@ -333,8 +475,11 @@ fn run(
             window.history(h)
         }
         None => {
-            window.live();
-            Ok(())
+            let (feed, error) = window.live(mode);
+            if mode == Mode::Warm {
+                record.feed = Some(feed);
+            }
+            error.map_or(Ok(()), |e| Err(format!("a frame request failed: {e}").into()))
         }
     };
     record.window_ms = ms(*window.last_end.lock().expect("no panics hold it") - window.t0);
@@ -352,4 +497,82 @@ pub fn find_server(given: Option<&Path>) -> Option<PathBuf> {
     let cache = std::env::var_os("PEER_CACHE").map_or_else(|| PathBuf::from("/var/tmp/gst-vlm-peer"), PathBuf::from);
     let built = cache.join("11434.0.0/build-cpu/bin/llama-server");
     built.is_file().then_some(built)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workload(streams: usize, frames: usize, ask_after: Vec<usize>) -> Workload {
+        Workload {
+            streams,
+            frames,
+            fps: 0.1,
+            ask_after,
+            tokens: 64,
+            width: 32,
+            height: 24,
+            model: "lm.gguf".into(),
+            mmproj: "mmproj.gguf".into(),
+            engine: "cpu:cpu:2".into(),
+            engines: "cpu0:cpu:1,cpu1:cpu:1".into(),
+            max_answers: 8,
+            context: 2048,
+            max_pending: 2,
+            skip_on_overload: true,
+            stagger: false,
+            frame_cells: None,
+            encoder_gpu: false,
+            kv_layout: "per-sequence".into(),
+            kv_type: "f16".into(),
+            flash_attention: false,
+            merge_frames: "auto".into(),
+            encoder_threads: 1,
+        }
+    }
+
+    fn p(stream: usize, frame: usize, question: Option<usize>) -> Planned {
+        Planned { stream, frame, question }
+    }
+
+    #[test]
+    fn the_warm_client_sends_every_frame_and_the_question_carries_its_own() {
+        // The issue's W1 shape, shortened: questions after frames 2 and 4 of 4.
+        let w = workload(2, 4, vec![2, 4]);
+        let plan = plan(&w, Mode::Warm);
+        let stream0: Vec<_> = plan.iter().filter(|r| r.stream == 0).cloned().collect();
+        assert_eq!(stream0, vec![p(0, 1, None), p(0, 2, Some(0)), p(0, 3, None), p(0, 4, Some(1))]);
+        assert_eq!(plan.len(), 8, "every frame of both streams once");
+        // Two questions about one frame: both go, no frame request besides.
+        let plan = super::plan(&workload(1, 2, vec![2, 2]), Mode::Warm);
+        assert_eq!(plan, vec![p(0, 1, None), p(0, 2, Some(0)), p(0, 2, Some(1))]);
+    }
+
+    #[test]
+    fn the_naive_client_sends_only_questions() {
+        let plan = plan(&workload(2, 4, vec![2, 4]), Mode::Naive);
+        assert_eq!(plan, vec![p(0, 2, Some(0)), p(0, 4, Some(1)), p(1, 2, Some(0)), p(1, 4, Some(1))]);
+    }
+
+    #[test]
+    fn frame_requests_are_one_token_on_the_stream_slot_and_a_prefix_of_the_question() {
+        let w = workload(2, 3, vec![3]);
+        let images: Vec<Arc<String>> = (1..=3).map(|n| Arc::new(format!("data:image/png;base64,{n}"))).collect();
+        let frame: Value = serde_json::from_str(&p(1, 2, None).body(&images[..2], &w)).unwrap();
+        let question: Value = serde_json::from_str(&p(1, 3, Some(0)).body(&images, &w)).unwrap();
+        for (body, n_predict, streamed) in [(&frame, 1, false), (&question, 64, true)] {
+            assert_eq!(body["id_slot"], 1);
+            assert_eq!(body["cache_prompt"], true);
+            assert_eq!((body["n_predict"].as_u64(), body["stream"].as_bool()), (Some(n_predict), Some(streamed)));
+            assert_eq!(body["messages"][0], question["messages"][0], "the same system prompt");
+        }
+        // The frame request's user content (its images) starts the question's.
+        let (f, q) = (
+            frame["messages"][1]["content"].as_array().unwrap(),
+            question["messages"][1]["content"].as_array().unwrap(),
+        );
+        assert_eq!(f.len(), 2);
+        assert_eq!(&q[..2], &f[..]);
+        assert_eq!(q[3]["text"], question_text(0));
+    }
 }

@@ -34,13 +34,14 @@ fn register_font() -> Result<(), BoxError> {
     Ok(())
 }
 
-const PALETTE: [RGBColor; 6] = [
+const PALETTE: [RGBColor; 7] = [
     RGBColor(0x4c, 0x72, 0xb0),
     RGBColor(0xdd, 0x84, 0x52),
     RGBColor(0x55, 0xa8, 0x68),
     RGBColor(0xc4, 0x4e, 0x52),
     RGBColor(0x81, 0x72, 0xb3),
     RGBColor(0x93, 0x78, 0x60),
+    RGBColor(0xda, 0x8b, 0xc3),
 ];
 
 fn color(config: Config) -> RGBColor {
@@ -75,9 +76,15 @@ pub fn write(dir: &Path, summaries: &[Summary], runs: &[RunRecord], title: &str)
     Ok(files)
 }
 
+/// Whether the answers carry the capture clock (reports made before it only have the question's).
+fn has_capture_clock(runs: &[RunRecord]) -> bool {
+    runs.iter().flat_map(|r| &r.answers).any(|a| a.ttft_from_capture_ms.is_some())
+}
+
 fn ttft(path: &Path, summaries: &[Summary], runs: &[RunRecord], title: &str) -> Result<(), BoxError> {
     let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
     root.fill(&WHITE)?;
+    let capture = has_capture_clock(runs);
     let points: Vec<(usize, f64)> = summaries
         .iter()
         .enumerate()
@@ -86,13 +93,21 @@ fn ttft(path: &Path, summaries: &[Summary], runs: &[RunRecord], title: &str) -> 
                 .filter(move |r| r.config == s.config)
                 .flat_map(|r| r.answers.iter())
                 .filter(|a| a.error.is_none())
-                .map(move |a| (i, a.ttft_ms))
+                .filter_map(move |a| {
+                    if capture { a.ttft_from_capture_ms } else { Some(a.ttft_from_question_ms) }.map(|v| (i, v))
+                })
         })
         .collect();
     let top = points.iter().map(|p| p.1).fold(1.0, f64::max) * 1.1;
     let n = summaries.len();
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("Time to first token from arrival: {title}"), ("sans-serif", 20))
+        .caption(
+            format!(
+                "Time to first token from {}: {title}",
+                if capture { "the frame's capture" } else { "the question's arrival" }
+            ),
+            ("sans-serif", 20),
+        )
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(70)
@@ -110,9 +125,12 @@ fn ttft(path: &Path, summaries: &[Summary], runs: &[RunRecord], title: &str) -> 
     }))?;
     for (i, s) in summaries.iter().enumerate() {
         let x = i as f64;
-        for (v, c, w) in
-            [(s.ttft_p50_ms, BLACK, 3), (s.ttft_mean_ms, RED, 2), (s.ttft_p95_ms, RGBColor(150, 150, 150), 2)]
-        {
+        let (p50, mean, p95) = if capture {
+            (s.ttft_from_capture_p50_ms, s.ttft_from_capture_mean_ms, s.ttft_from_capture_p95_ms)
+        } else {
+            (s.ttft_from_question_p50_ms, s.ttft_from_question_mean_ms, s.ttft_from_question_p95_ms)
+        };
+        for (v, c, w) in [(p50, BLACK, 3), (mean, RED, 2), (p95, RGBColor(150, 150, 150), 2)] {
             if v.is_finite() {
                 chart.draw_series(LineSeries::new([(x + 0.15, v), (x + 0.85, v)], c.stroke_width(w)))?;
             }
@@ -311,10 +329,21 @@ pub fn capacity(
     let mut files = vec![];
     if !levels.is_empty() {
         let path = dir.join("capacity-ttft.png");
-        let mut series = per_level(&|l| l.summary.ttft_p95_ms, " p95", 3);
-        series.extend(per_level(&|l| l.summary.ttft_mean_ms, " mean", 1));
+        // Reports made before the capture clock have only the question's.
+        let capture = levels.iter().any(|l| l.summary.ttft_from_capture_mean_ms.is_finite());
+        let mut series = if capture {
+            let mut s = per_level(&|l| l.summary.ttft_from_capture_p95_ms, " p95", 3);
+            s.extend(per_level(&|l| l.summary.ttft_from_capture_mean_ms, " mean", 1));
+            s
+        } else {
+            let mut s = per_level(&|l| l.summary.ttft_from_question_p95_ms, " p95", 3);
+            s.extend(per_level(&|l| l.summary.ttft_from_question_mean_ms, " mean", 1));
+            s
+        };
+        series.retain(|l| l.points.iter().any(|p| p.1.is_finite()));
         let target = format!("target p95 {target_ms:.0} ms");
-        let caption = format!("TTFT from arrival: {title}");
+        let caption =
+            format!("TTFT from {}: {title}", if capture { "the frame's capture" } else { "the question's arrival" });
         lines(&path, &caption, ("live streams", "TTFT (ms)"), &series, Some((target_ms, &target)))?;
         files.push(path);
 
@@ -349,11 +378,15 @@ pub fn capacity(
                 label: format!("{c} (median)"),
                 color: color(c),
                 width: 3,
-                points: history.iter().filter(|p| p.config == c).map(|p| (p.frames as f64, p.ttft_median_ms)).collect(),
+                points: history
+                    .iter()
+                    .filter(|p| p.config == c)
+                    .map(|p| (p.frames as f64, p.ttft_from_question_median_ms))
+                    .collect(),
             })
             .filter(|l| !l.points.is_empty())
             .collect();
-        let caption = format!("TTFT against history, one stream: {history_title}");
+        let caption = format!("TTFT from the question against history, one stream: {history_title}");
         lines(&path, &caption, ("frames of history", "TTFT (ms)"), &series, None)?;
         files.push(path);
     }

@@ -18,12 +18,18 @@ pub enum Config {
     P,
     /// One process per stream.
     B3,
-    /// llama.cpp's own llama-server, prompt caching on, one slot per stream.
+    /// llama.cpp's own llama-server, prompt caching on, one slot per stream, driven naively:
+    /// each question resends every frame of its stream, so the server encodes at question time.
     #[serde(rename = "PEER")]
     Peer,
+    /// The same server driven as a user who knows it would: every frame sent as it is captured
+    /// (a 1-token request with the stream's history on its slot), the question only on top.
+    #[serde(rename = "PEER-WARM")]
+    PeerWarm,
 }
 
-pub const ALL_CONFIGS: [Config; 6] = [Config::B0, Config::B1, Config::B2, Config::P, Config::B3, Config::Peer];
+pub const ALL_CONFIGS: [Config; 7] =
+    [Config::B0, Config::B1, Config::B2, Config::P, Config::B3, Config::Peer, Config::PeerWarm];
 
 impl Config {
     pub fn name(self) -> &'static str {
@@ -34,6 +40,7 @@ impl Config {
             Config::P => "P",
             Config::B3 => "B3",
             Config::Peer => "PEER",
+            Config::PeerWarm => "PEER-WARM",
         }
     }
 
@@ -44,8 +51,14 @@ impl Config {
             Config::B2 => "retained, second engine only",
             Config::P => "placer over both engines",
             Config::B3 => "one process per stream",
-            Config::Peer => "llama-server, prompt cache, one slot per stream",
+            Config::Peer => "llama-server, naive client: every frame resent with each question",
+            Config::PeerWarm => "llama-server, warm client: each frame sent as captured, question on its slot",
         }
+    }
+
+    /// One of llama-server's clients (no worker process of the runtime).
+    pub fn is_peer(self) -> bool {
+        matches!(self, Config::Peer | Config::PeerWarm)
     }
 }
 
@@ -62,7 +75,7 @@ impl FromStr for Config {
         ALL_CONFIGS
             .into_iter()
             .find(|c| c.name().eq_ignore_ascii_case(s.trim()))
-            .ok_or_else(|| format!("unknown configuration {s:?} (expected B0, B1, B2, P, B3 or PEER)"))
+            .ok_or_else(|| format!("unknown configuration {s:?} (expected B0, B1, B2, P, B3, PEER or PEER-WARM)"))
     }
 }
 
@@ -76,14 +89,29 @@ pub struct AnswerRecord {
     pub after_frame: usize,
     /// Arrival, from the first frame of the window (ms).
     pub arrival_ms: f64,
+    /// Capture of the frame the question is about (`after_frame`): its due time on the live
+    /// source, from the first frame of the window (ms). None where no live source ran (the
+    /// history curve).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capture_ms: Option<f64>,
     /// Arrival until the answer was started with its version published (runtime only).
     pub wait_ms: Option<f64>,
     /// From the answer's start on its engine to its first token: making the history ready
     /// (branch, import or replay), the question's prefill and the first decode (runtime only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prepare_ms: Option<f64>,
-    /// Arrival to first token.
-    pub ttft_ms: f64,
+    /// The headline clock: from the capture of the frame the question is about (its due time)
+    /// to the first token, so its encoding, ingestion and the question's wait all count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_from_capture_ms: Option<f64>,
+    /// From the question's arrival to the first token (the runtime asks right after the frame's
+    /// registration; the peers at the frame's due time).
+    #[serde(alias = "ttft_ms")]
+    pub ttft_from_question_ms: f64,
+    /// The question's arrival minus the capture of the newest frame in the history its answer
+    /// read (ms): how old a picture the answer describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_ms: Option<f64>,
     /// Arrival to last token.
     pub total_ms: f64,
     /// Tokens generated.
@@ -109,9 +137,12 @@ impl AnswerRecord {
             index,
             after_frame,
             arrival_ms,
+            capture_ms: None,
             wait_ms: None,
             prepare_ms: None,
-            ttft_ms: 0.0,
+            ttft_from_capture_ms: None,
+            ttft_from_question_ms: 0.0,
+            staleness_ms: None,
             total_ms,
             tokens: 0,
             path: None,
@@ -124,9 +155,20 @@ impl AnswerRecord {
 }
 
 impl AnswerRecord {
-    /// Decode rate of this answer after its first token (tokens/s).
+    /// Decode time of this answer after its first token (s).
     pub fn decode_seconds(&self) -> f64 {
-        ((self.total_ms - self.ttft_ms) / 1e3).max(0.0)
+        ((self.total_ms - self.ttft_from_question_ms) / 1e3).max(0.0)
+    }
+
+    /// Set the capture clock: the frame the question is about was due at `capture_ms` and the
+    /// newest frame its answer read at `newest_ms` (both from the window's start). Call once
+    /// `ttft_from_question_ms` is known.
+    pub fn set_capture(&mut self, capture_ms: f64, newest_ms: Option<f64>) {
+        self.capture_ms = Some(capture_ms);
+        if self.error.is_none() {
+            self.ttft_from_capture_ms = Some(self.arrival_ms - capture_ms + self.ttft_from_question_ms);
+        }
+        self.staleness_ms = newest_ms.map(|n| self.arrival_ms - n);
     }
 }
 
@@ -157,8 +199,6 @@ pub struct LagStats {
     /// Oldest unpublished frame's age, at most and summed over the samples (ms).
     pub max_ms: f64,
     pub sum_ms: f64,
-    /// Frames registered later than their due time (a blocking registration), at most (ms).
-    pub feed_late_max_ms: f64,
     /// Frames the stream skipped under its overload policy.
     pub skipped: u64,
 }
@@ -169,12 +209,53 @@ impl LagStats {
         self.max_frames = self.max_frames.max(other.max_frames);
         self.max_ms = self.max_ms.max(other.max_ms);
         self.sum_ms += other.sum_ms;
-        self.feed_late_max_ms = self.feed_late_max_ms.max(other.feed_late_max_ms);
         self.skipped += other.skipped;
     }
 
     pub fn mean_ms(&self) -> f64 {
         if self.samples == 0 { 0.0 } else { self.sum_ms / self.samples as f64 }
+    }
+}
+
+/// How the live sources' frames got in: feed lateness (a frame's registration, after its
+/// encoding, minus its due time; the warm peer: its frame request answered, so encoded and
+/// prefilled, minus its due time) and the vision encoder's busy time.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct FeedStats {
+    /// Frames fed (registered, or the warm peer's frame requests answered).
+    pub frames: u64,
+    pub late_sum_ms: f64,
+    pub late_max_ms: f64,
+    /// Frames the runtime's encoder encoded in the window, and its busy time (ms); the server's
+    /// encoder is not timed apart.
+    pub encoded: u64,
+    pub encode_ms: f64,
+}
+
+impl FeedStats {
+    pub fn add(&mut self, o: &FeedStats) {
+        self.frames += o.frames;
+        self.late_sum_ms += o.late_sum_ms;
+        self.late_max_ms = self.late_max_ms.max(o.late_max_ms);
+        self.encoded += o.encoded;
+        self.encode_ms += o.encode_ms;
+    }
+
+    /// One frame fed `late_ms` after its due time.
+    pub fn fed(&mut self, late_ms: f64) {
+        self.frames += 1;
+        self.late_sum_ms += late_ms;
+        self.late_max_ms = self.late_max_ms.max(late_ms);
+    }
+
+    pub fn late_mean_ms(&self) -> Option<f64> {
+        (self.frames > 0).then(|| self.late_sum_ms / self.frames as f64)
+    }
+
+    /// Frames the encoder encodes per second of its busy time (its throughput when it never
+    /// idles).
+    pub fn encoder_fps(&self) -> Option<f64> {
+        (self.encoded > 0 && self.encode_ms > 0.0).then(|| 1e3 * self.encoded as f64 / self.encode_ms)
     }
 }
 
@@ -215,6 +296,9 @@ pub struct RunRecord {
     /// Runtime configurations only: the engines' decode steps during the window.
     pub decode_split: Option<DecodeSplit>,
     pub lag: Option<LagStats>,
+    /// Feed lateness and encoder time (runtime configurations and the warm peer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feed: Option<FeedStats>,
     /// The engines' KV memory (runtime configurations; B3: summed over its processes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv: Option<KvStats>,
@@ -245,6 +329,7 @@ impl RunRecord {
             answers: vec![],
             decode_split: None,
             lag: None,
+            feed: None,
             kv: None,
             frame_cells: None,
             foreign_cpu_pct: None,
@@ -273,6 +358,8 @@ pub enum WorkerMsg {
         kv: KvStats,
         decode_split: DecodeSplit,
         lag: LagStats,
+        #[serde(default)]
+        feed: FeedStats,
     },
     Failed {
         error: String,

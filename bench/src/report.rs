@@ -17,16 +17,42 @@ pub struct Summary {
     #[serde(deserialize_with = "nan_if_null")]
     pub throughput: f64,
     pub throughput_rounds: Vec<f64>,
-    /// Arrival to first token (ms).
-    #[serde(deserialize_with = "nan_if_null")]
-    pub ttft_mean_ms: f64,
-    #[serde(deserialize_with = "nan_if_null")]
-    pub ttft_p50_ms: f64,
-    #[serde(deserialize_with = "nan_if_null")]
-    pub ttft_p95_ms: f64,
-    /// Mean TTFT of each round, so a round hit by outside load shows.
+    /// The headline: TTFT from the capture of the question's frame (its due time on the live
+    /// source), encoding included (ms; NaN in reports made before this clock existed).
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
+    pub ttft_from_capture_mean_ms: f64,
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
+    pub ttft_from_capture_p50_ms: f64,
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
+    pub ttft_from_capture_p95_ms: f64,
+    /// Mean TTFT from capture of each round, so a round hit by outside load shows.
+    #[serde(default, deserialize_with = "nans_if_null")]
+    pub ttft_from_capture_mean_rounds: Vec<f64>,
+    /// TTFT from the question's arrival (the runtime asks right after the frame's registration,
+    /// the peers at its due time): the only clock of older reports.
+    #[serde(alias = "ttft_mean_ms", deserialize_with = "nan_if_null")]
+    pub ttft_from_question_mean_ms: f64,
+    #[serde(alias = "ttft_p50_ms", deserialize_with = "nan_if_null")]
+    pub ttft_from_question_p50_ms: f64,
+    #[serde(alias = "ttft_p95_ms", deserialize_with = "nan_if_null")]
+    pub ttft_from_question_p95_ms: f64,
+    #[serde(default, alias = "ttft_mean_rounds", deserialize_with = "nans_if_null")]
+    pub ttft_from_question_mean_rounds: Vec<f64>,
+    /// The question's arrival minus the capture of the newest frame its answer read, mean and
+    /// most (ms).
     #[serde(default)]
-    pub ttft_mean_rounds: Vec<f64>,
+    pub staleness_mean_ms: Option<f64>,
+    #[serde(default)]
+    pub staleness_max_ms: Option<f64>,
+    /// Feed lateness: a frame's registration (runtime, after its encoding) or its 1-token
+    /// request answered (warm peer) minus its due time, mean and most over the frames (ms).
+    #[serde(default)]
+    pub feed_late_mean_ms: Option<f64>,
+    #[serde(default)]
+    pub feed_late_max_ms: Option<f64>,
+    /// Frames the runtime's vision encoder encoded per second of its busy time.
+    #[serde(default)]
+    pub encoder_fps: Option<f64>,
     /// Arrival until the bound version was published and the answer started (runtime only).
     pub wait_mean_ms: Option<f64>,
     /// Per-answer decode rate after the first token: sum of (tokens - 1) / sum of decode time.
@@ -68,9 +94,18 @@ pub struct Summary {
     pub errors: Vec<String>,
 }
 
+fn nan() -> f64 {
+    f64::NAN
+}
+
 /// JSON has no NaN: serde_json writes it as null; read null back as NaN.
 pub fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// The same for a list (a round with no answer on a clock has a NaN mean).
+pub fn nans_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<f64>, D::Error> {
+    Ok(Vec::<Option<f64>>::deserialize(d)?.into_iter().map(|v| v.unwrap_or(f64::NAN)).collect())
 }
 
 fn mib(bytes: u64) -> f64 {
@@ -93,8 +128,16 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 pub fn summarize(config: Config, runs: &[&RunRecord], expected_per_round: usize) -> Summary {
     let answers: Vec<_> = runs.iter().flat_map(|r| r.answers.iter()).collect();
     let ok: Vec<_> = answers.iter().filter(|a| a.error.is_none()).collect();
-    let mut ttft: Vec<f64> = ok.iter().map(|a| a.ttft_ms).collect();
+    let mut ttft: Vec<f64> = ok.iter().map(|a| a.ttft_from_question_ms).collect();
     ttft.sort_by(f64::total_cmp);
+    let mut from_capture: Vec<f64> = ok.iter().filter_map(|a| a.ttft_from_capture_ms).collect();
+    from_capture.sort_by(f64::total_cmp);
+    let staleness: Vec<f64> = ok.iter().filter_map(|a| a.staleness_ms).collect();
+    let feeds: Vec<_> = runs.iter().filter_map(|r| r.feed).collect();
+    let feed = feeds.iter().fold(crate::record::FeedStats::default(), |mut acc, f| {
+        acc.add(f);
+        acc
+    });
     let waits: Vec<f64> = ok.iter().filter_map(|a| a.wait_ms).collect();
     let decode_tokens: f64 = ok.iter().map(|a| a.tokens.saturating_sub(1) as f64).sum();
     let decode_s: f64 = ok.iter().map(|a| a.decode_seconds()).sum();
@@ -130,13 +173,41 @@ pub fn summarize(config: Config, runs: &[&RunRecord], expected_per_round: usize)
         failed: answers.len() - ok.len(),
         throughput: mean(&throughput_rounds),
         throughput_rounds,
-        ttft_mean_ms: mean(&ttft),
-        ttft_p50_ms: percentile(&ttft, 50.0),
-        ttft_p95_ms: percentile(&ttft, 95.0),
-        ttft_mean_rounds: runs
+        ttft_from_capture_mean_ms: mean(&from_capture),
+        ttft_from_capture_p50_ms: percentile(&from_capture, 50.0),
+        ttft_from_capture_p95_ms: percentile(&from_capture, 95.0),
+        ttft_from_capture_mean_rounds: runs
             .iter()
-            .map(|r| mean(&r.answers.iter().filter(|a| a.error.is_none()).map(|a| a.ttft_ms).collect::<Vec<_>>()))
+            .map(|r| {
+                mean(
+                    &r.answers
+                        .iter()
+                        .filter(|a| a.error.is_none())
+                        .filter_map(|a| a.ttft_from_capture_ms)
+                        .collect::<Vec<_>>(),
+                )
+            })
             .collect(),
+        ttft_from_question_mean_ms: mean(&ttft),
+        ttft_from_question_p50_ms: percentile(&ttft, 50.0),
+        ttft_from_question_p95_ms: percentile(&ttft, 95.0),
+        ttft_from_question_mean_rounds: runs
+            .iter()
+            .map(|r| {
+                mean(
+                    &r.answers
+                        .iter()
+                        .filter(|a| a.error.is_none())
+                        .map(|a| a.ttft_from_question_ms)
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect(),
+        staleness_mean_ms: (!staleness.is_empty()).then(|| mean(&staleness)),
+        staleness_max_ms: staleness.iter().copied().reduce(f64::max),
+        feed_late_mean_ms: feed.late_mean_ms(),
+        feed_late_max_ms: (feed.frames > 0).then_some(feed.late_max_ms),
+        encoder_fps: feed.encoder_fps(),
         wait_mean_ms: (!waits.is_empty()).then(|| mean(&waits)),
         decode_tok_s: if decode_s > 0.0 { decode_tokens / decode_s } else { f64::NAN },
         decode_ingesting_tok_s: rate(split.busy_steps, split.busy_ms),
@@ -172,13 +243,31 @@ pub fn ratios(summaries: &[Summary]) -> serde_json::Value {
         }
     };
     let best_throughput = [Config::B1, Config::B2].into_iter().filter_map(get).map(|s| s.throughput).reduce(f64::max);
-    let best_ttft = [Config::B1, Config::B2].into_iter().filter_map(get).map(|s| s.ttft_mean_ms).reduce(f64::min);
+    let best_ttft =
+        [Config::B1, Config::B2].into_iter().filter_map(get).map(|s| s.ttft_from_capture_mean_ms).reduce(f64::min);
     put("P_over_best_B1_B2_throughput", get(Config::P).zip(best_throughput).map(|(p, b)| p.throughput / b));
-    put("P_over_best_B1_B2_ttft_mean", get(Config::P).zip(best_ttft).map(|(p, b)| p.ttft_mean_ms / b));
-    let ttft = |a: Config, b: Config| get(a).zip(get(b)).map(|(a, b)| a.ttft_mean_ms / b.ttft_mean_ms);
-    put("B1_over_B0_ttft_mean", ttft(Config::B1, Config::B0));
-    put("B1_over_PEER_ttft_mean", ttft(Config::B1, Config::Peer));
-    put("P_over_PEER_ttft_mean", ttft(Config::P, Config::Peer));
+    put(
+        "P_over_best_B1_B2_ttft_from_capture_mean",
+        get(Config::P).zip(best_ttft).map(|(p, b)| p.ttft_from_capture_mean_ms / b),
+    );
+    let by = |a: Config, b: Config, f: fn(&Summary) -> f64| get(a).zip(get(b)).map(|(a, b)| f(a) / f(b));
+    put("B1_over_B0_ttft_from_capture_mean", by(Config::B1, Config::B0, |s| s.ttft_from_capture_mean_ms));
+    // The peers: warm (the headline comparison) and naive, on both clocks.
+    for (x, peer) in [
+        (Config::B1, Config::PeerWarm),
+        (Config::P, Config::PeerWarm),
+        (Config::B1, Config::Peer),
+        (Config::P, Config::Peer),
+    ] {
+        let (x_name, p_name) = (x.name(), peer.name().replace('-', "_"));
+        put(&format!("{x_name}_over_{p_name}_ttft_from_capture_mean"), by(x, peer, |s| s.ttft_from_capture_mean_ms));
+        put(&format!("{x_name}_over_{p_name}_ttft_from_capture_p95"), by(x, peer, |s| s.ttft_from_capture_p95_ms));
+        put(&format!("{x_name}_over_{p_name}_ttft_from_question_mean"), by(x, peer, |s| s.ttft_from_question_mean_ms));
+    }
+    put(
+        "PEER_WARM_over_PEER_ttft_from_capture_mean",
+        by(Config::PeerWarm, Config::Peer, |s| s.ttft_from_capture_mean_ms),
+    );
     let rss = |a: Config, b: Config| get(a).zip(get(b)).map(|(a, b)| a.peak_rss_mib / b.peak_rss_mib);
     put("B1_over_B3_peak_rss", rss(Config::B1, Config::B3));
     put("P_over_B3_peak_rss", rss(Config::P, Config::B3));
@@ -189,17 +278,36 @@ fn opt(v: Option<f64>, digits: usize) -> String {
     v.filter(|v| v.is_finite()).map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
 }
 
+/// What the tables' clocks and peers are, printed above them.
+pub const CLOCKS: &str = "TTFT from capture: from the due time of the question's frame on the live source to the \
+    first token (encoding, ingestion and the question's wait included; the headline). From question: from the \
+    question's arrival (runtime: right after its frame's registration; peers: at the frame's due time). PEER: \
+    llama-server with a naive client (every frame resent with each question); PEER-WARM: the same server with each \
+    frame sent as it is captured and the question on its slot.";
+
+fn feed_column(s: &Summary) -> String {
+    match (s.feed_late_mean_ms, s.feed_late_max_ms) {
+        (Some(mean), Some(max)) => format!("{mean:.0}/{max:.0}"),
+        _ => "-".into(),
+    }
+}
+
 /// The table, one configuration a row.
 pub fn table(summaries: &[Summary]) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "{:<5} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9} {:>11} {:>8} {:>8}\n",
+        "{:<9} {:>7} {:>7} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11} {:>7} {:>8} {:>7} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9} {:>11} {:>8} {:>8}\n",
         "cfg",
         "answers",
         "ans/s",
-        "ttft avg",
-        "ttft p50",
-        "ttft p95",
+        "cap avg",
+        "cap p50",
+        "cap p95",
+        "q avg",
+        "q p95",
+        "stale",
+        "feed late",
+        "enc f/s",
         "wait avg",
         "dec t/s",
         "dec ing",
@@ -214,13 +322,18 @@ pub fn table(summaries: &[Summary]) -> String {
     ));
     for s in summaries {
         out.push_str(&format!(
-            "{:<5} {:>7} {:>7.3} {:>8.0} {:>8.0} {:>8.0} {:>8} {:>7.1} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9.0} {:>11} {:>8.0} {:>8}\n",
+            "{:<9} {:>7} {:>7.3} {:>9.0} {:>9.0} {:>9.0} {:>8.0} {:>8.0} {:>8} {:>11} {:>7} {:>8} {:>7.1} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9.0} {:>11} {:>8.0} {:>8}\n",
             s.config.name(),
             format!("{}/{}", s.answered, s.expected),
             s.throughput,
-            s.ttft_mean_ms,
-            s.ttft_p50_ms,
-            s.ttft_p95_ms,
+            s.ttft_from_capture_mean_ms,
+            s.ttft_from_capture_p50_ms,
+            s.ttft_from_capture_p95_ms,
+            s.ttft_from_question_mean_ms,
+            s.ttft_from_question_p95_ms,
+            opt(s.staleness_mean_ms, 0),
+            feed_column(s),
+            opt(s.encoder_fps, 2),
             opt(s.wait_mean_ms, 0),
             s.decode_tok_s,
             opt(s.decode_ingesting_tok_s, 1),
@@ -241,6 +354,7 @@ pub fn table(summaries: &[Summary]) -> String {
             s.failed,
         ));
     }
+    out.push_str("cap: TTFT from capture (ms); q: TTFT from the question's arrival (ms); stale: staleness (ms); feed late: mean/max (ms)\n");
     out
 }
 
@@ -251,23 +365,38 @@ fn kv_column(s: &Summary) -> String {
     }
 }
 
-/// The table as Markdown (for docs/benchmarks.md).
+fn ms_cell(v: f64) -> String {
+    if v.is_finite() { format!("{v:.0} ms") } else { "-".into() }
+}
+
+/// The table as Markdown (for docs/benchmarks.md); the clocks are named in its header.
 pub fn markdown(summaries: &[Summary]) -> String {
     let mut out = String::from(
-        "| config | answers | answers/s | TTFT mean | p50 | p95 | wait mean | decode tok/s (all / ingesting / idle) | length min/mean/max | resident/import/replay | lag max (frames / ms) | peak RSS MiB | KV MiB allocated / in use | load ms |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| config | answers | answers/s | TTFT from capture mean | p50 | p95 | TTFT from question mean | p95 | staleness mean / max | feed lateness mean / max | encoder frames/s | wait mean | decode tok/s (all / ingesting / idle) | length min/mean/max | resident/import/replay | lag max (frames / ms) | peak RSS MiB | KV MiB allocated / in use | load ms |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for s in summaries {
         out.push_str(&format!(
-            "| {} ({}) | {}/{} | {:.3} | {:.0} ms | {:.0} ms | {:.0} ms | {} | {:.1} / {} / {} | {}/{:.0}/{} | {} | {} | {:.0} | {} | {:.0} |\n",
+            "| {} ({}) | {}/{} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} / {} / {} | {}/{:.0}/{} | {} | {} | {:.0} | {} | {:.0} |\n",
             s.config.name(),
             s.description,
             s.answered,
             s.expected,
             s.throughput,
-            s.ttft_mean_ms,
-            s.ttft_p50_ms,
-            s.ttft_p95_ms,
+            ms_cell(s.ttft_from_capture_mean_ms),
+            ms_cell(s.ttft_from_capture_p50_ms),
+            ms_cell(s.ttft_from_capture_p95_ms),
+            ms_cell(s.ttft_from_question_mean_ms),
+            ms_cell(s.ttft_from_question_p95_ms),
+            match (s.staleness_mean_ms, s.staleness_max_ms) {
+                (Some(m), Some(x)) => format!("{m:.0} / {x:.0} ms"),
+                _ => "-".into(),
+            },
+            match (s.feed_late_mean_ms, s.feed_late_max_ms) {
+                (Some(m), Some(x)) => format!("{m:.0} / {x:.0} ms"),
+                _ => "-".into(),
+            },
+            opt(s.encoder_fps, 2),
             s.wait_mean_ms.map_or_else(|| "-".into(), |w| format!("{w:.0} ms")),
             s.decode_tok_s,
             opt(s.decode_ingesting_tok_s, 1),
@@ -297,23 +426,18 @@ mod tests {
     use super::*;
     use crate::record::{AnswerRecord, DecodeSplit, RunRecord};
 
+    /// An answer asked 50 ms after its frame's capture (its newest frame's too).
     fn answer(ttft_ms: f64, tokens: u32, path: Option<&str>) -> AnswerRecord {
-        AnswerRecord {
-            stream: 0,
-            index: 0,
-            after_frame: 2,
-            arrival_ms: 0.0,
+        let mut a = AnswerRecord {
             wait_ms: path.map(|_| 10.0),
-            prepare_ms: None,
-            ttft_ms,
-            total_ms: ttft_ms + 1000.0,
+            ttft_from_question_ms: ttft_ms,
             tokens,
             path: path.map(str::to_owned),
-            engine: None,
             frames: 2,
-            prime_ms: None,
-            error: None,
-        }
+            ..AnswerRecord::asked(0, 0, 2, 100.0, ttft_ms + 1000.0)
+        };
+        a.set_capture(50.0, Some(50.0));
+        a
     }
 
     fn run(config: Config, answers: Vec<AnswerRecord>, window_ms: f64, rss_kib: u64) -> RunRecord {
@@ -349,7 +473,10 @@ mod tests {
         let s = summarize(Config::P, &[&r], 4);
         assert_eq!((s.answered, s.failed, s.expected), (2, 1, 4));
         assert_eq!(s.throughput, 1.0); // 2 answers over 2 s
-        assert_eq!(s.ttft_mean_ms, 200.0);
+        assert_eq!(s.ttft_from_question_mean_ms, 200.0);
+        assert_eq!(s.ttft_from_capture_mean_ms, 250.0, "the question came 50 ms after its frame's capture");
+        assert_eq!((s.staleness_mean_ms, s.staleness_max_ms), (Some(50.0), Some(50.0)));
+        assert_eq!(s.feed_late_mean_ms, None, "no feed measured");
         assert_eq!(s.decode_tok_s, 10.0); // 20 tokens after the first ones over 2 s of decode
         assert_eq!(s.decode_ingesting_tok_s, Some(20.0)); // 50 ms a step
         assert_eq!(s.decode_idle_tok_s, Some(50.0)); // 20 ms a step
@@ -371,18 +498,73 @@ mod tests {
             .collect();
         let r = ratios(&summaries);
         assert_eq!(r["P_over_best_B1_B2_throughput"], 2.0); // 2/s against B1's 1/s
-        assert_eq!(r["P_over_best_B1_B2_ttft_mean"], 0.5); // 100 ms against B2's 200 ms
+        assert_eq!(r["P_over_best_B1_B2_ttft_from_capture_mean"], 0.6); // 150 ms against B2's 250 ms
         assert_eq!(r["B1_over_B3_peak_rss"], 0.5);
-        assert!(r.get("B1_over_PEER_ttft_mean").is_none());
-        assert_eq!(table(&summaries).lines().count(), 5);
+        assert!(r.get("B1_over_PEER_WARM_ttft_from_capture_mean").is_none());
+        assert_eq!(table(&summaries).lines().count(), 6);
         assert_eq!(markdown(&summaries).lines().count(), 6);
+    }
+
+    #[test]
+    fn peers_are_compared_on_both_clocks_warm_first() {
+        let b1 = run(Config::B1, vec![answer(100.0, 8, Some("resident"))], 1000.0, 1024);
+        let warm = run(Config::PeerWarm, vec![answer(350.0, 8, None)], 1000.0, 1024);
+        let naive = run(Config::Peer, vec![answer(950.0, 8, None)], 1000.0, 1024);
+        let summaries: Vec<_> = [(Config::B1, &b1), (Config::PeerWarm, &warm), (Config::Peer, &naive)]
+            .into_iter()
+            .map(|(c, r)| summarize(c, &[r], 1))
+            .collect();
+        let r = ratios(&summaries);
+        assert_eq!(r["B1_over_PEER_WARM_ttft_from_capture_mean"], 0.375); // 150 / 400
+        assert_eq!(r["B1_over_PEER_ttft_from_capture_mean"], 0.15); // 150 / 1000
+        assert_eq!(r["B1_over_PEER_WARM_ttft_from_question_mean"], 100.0 / 350.0);
+        assert_eq!(r["PEER_WARM_over_PEER_ttft_from_capture_mean"], 0.4);
+        let md = markdown(&summaries);
+        assert!(md.lines().next().unwrap().contains("TTFT from capture mean"), "{md}");
+        assert!(md.contains("| PEER-WARM (llama-server, warm client"), "{md}");
+    }
+
+    #[test]
+    fn feed_lateness_and_encoder_rate_are_summarized() {
+        let mut r = run(Config::B1, vec![answer(100.0, 8, Some("resident"))], 1000.0, 1024);
+        let mut feed = crate::record::FeedStats { encoded: 4, encode_ms: 2000.0, ..Default::default() };
+        for late in [100.0, 300.0, 200.0, 400.0] {
+            feed.fed(late);
+        }
+        r.feed = Some(feed);
+        let s = summarize(Config::B1, &[&r], 1);
+        assert_eq!((s.feed_late_mean_ms, s.feed_late_max_ms), (Some(250.0), Some(400.0)));
+        assert_eq!(s.encoder_fps, Some(2.0));
+    }
+
+    #[test]
+    fn older_reports_read_back_on_the_question_clock() {
+        let old = serde_json::json!({
+            "config": "B1", "description": "", "rounds": 1, "answered": 1, "expected": 1, "failed": 0,
+            "throughput": 1.0, "throughput_rounds": [1.0], "ttft_mean_ms": 120.0, "ttft_p50_ms": 110.0,
+            "ttft_p95_ms": 150.0, "ttft_mean_rounds": [120.0], "wait_mean_ms": null, "decode_tok_s": 50.0,
+            "decode_ingesting_tok_s": null, "decode_idle_tok_s": null, "decode_ingesting_steps": null,
+            "decode_idle_steps": null, "generated_tok_s": 10.0, "length_min": 8, "length_mean": 8.0,
+            "length_max": 8, "path_resident": 1, "path_import": 0, "path_replay": 0, "lag_max_frames": null,
+            "lag_max_ms": null, "lag_mean_ms": null, "frames_skipped": null, "peak_rss_mib": 100.0,
+            "load_ms": 10.0, "errors": []
+        });
+        let s: Summary = serde_json::from_value(old).unwrap();
+        assert_eq!((s.ttft_from_question_mean_ms, s.ttft_from_question_p95_ms), (120.0, 150.0));
+        assert!(s.ttft_from_capture_mean_ms.is_nan());
+        let a: AnswerRecord = serde_json::from_value(serde_json::json!({
+            "stream": 0, "index": 0, "after_frame": 2, "arrival_ms": 5.0, "wait_ms": null, "ttft_ms": 80.0,
+            "total_ms": 200.0, "tokens": 8, "path": null, "engine": null, "frames": 2, "error": null
+        }))
+        .unwrap();
+        assert_eq!((a.ttft_from_question_ms, a.ttft_from_capture_ms), (80.0, None));
     }
 
     #[test]
     fn summaries_survive_json_with_nan() {
         let s = summarize(Config::B0, &[], 8);
         let back: Summary = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
-        assert!(back.ttft_mean_ms.is_nan());
+        assert!(back.ttft_from_capture_mean_ms.is_nan() && back.ttft_from_question_mean_ms.is_nan());
         assert_eq!(back.expected, 0);
     }
 }

@@ -2,6 +2,7 @@
 //! `vlm_runtime`, with no GStreamer. It loads and warms up, says `ready`, waits for the start
 //! time on stdin, runs the window and reports every answer and its totals on stdout.
 
+use std::collections::HashMap;
 use std::error::Error;
 use std::io::BufRead;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,7 +15,7 @@ use vlm_runtime::{
     Engine, EngineConfig, KvLayout, KvType, Overload, Question, Sampling, Stream, StreamConfig, answer_frame, models,
 };
 
-use crate::record::{AnswerRecord, Config, DecodeSplit, KvStats, LagStats, WorkerMsg};
+use crate::record::{AnswerRecord, Config, DecodeSplit, FeedStats, KvStats, LagStats, WorkerMsg};
 use crate::workload::{
     HistorySpec, Workload, instant_of_unix_ms, ms, peak_rss_kib, picture, question_text, sleep_until,
 };
@@ -97,7 +98,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         Config::B2 => vec![pair[1].clone()],
         Config::P => pair[..2].to_vec(),
         Config::B3 => vec![pair[spec.only_stream.unwrap_or(0) % pair.len()].clone()],
-        Config::Peer => return Err("the peer does not run in a worker".into()),
+        Config::Peer | Config::PeerWarm => return Err("the peer does not run in a worker".into()),
     };
 
     // The encoder (libmtmd, like vlmencode: on the CPU unless --encoder gpu) and a warm-up frame,
@@ -150,9 +151,16 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         .ok_or_else(|| format!("expected \"go <unix ms>\" on stdin, got {line:?}"))?;
     let t0 = instant_of_unix_ms(start_ms);
     let before = totals(&engines);
-    let window = Window { w, t0, encode: &encode, never: &never, last_end: Mutex::new(t0) };
+    let window = Window {
+        w,
+        t0,
+        encode: &encode,
+        encoder: Mutex::new(BusyClock::default()),
+        never: &never,
+        last_end: Mutex::new(t0),
+    };
     let done = AtomicBool::new(false);
-    let (lag, kv) = std::thread::scope(|s| {
+    let ((lag, mut feed), kv) = std::thread::scope(|s| {
         // The engines' KV memory, sampled over the window.
         let sampler = s.spawn(|| {
             let mut kv = KvStats::default();
@@ -173,6 +181,9 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         (lag, sampler.join().expect("the KV sampler does not panic"))
     });
 
+    let encoder = window.encoder.lock().expect("no panics hold it");
+    (feed.encoded, feed.encode_ms) = (encoder.encoded, encoder.busy_ms);
+    drop(encoder);
     let window_ms = ms(*window.last_end.lock().expect("no panics hold it") - t0);
     let after = totals(&engines);
     let decode_split = DecodeSplit {
@@ -181,7 +192,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         idle_steps: after.idle_steps - before.idle_steps,
         idle_ms: after.idle_ms - before.idle_ms,
     };
-    emit(&WorkerMsg::Done { window_ms, peak_rss_kib: peak_rss_kib(None).unwrap_or(0), kv, decode_split, lag });
+    emit(&WorkerMsg::Done { window_ms, peak_rss_kib: peak_rss_kib(None).unwrap_or(0), kv, decode_split, lag, feed });
     for o in &opened {
         o.stream.close();
     }
@@ -201,11 +212,42 @@ struct Opened {
 
 type Encode<'a> = dyn Fn(&[u8]) -> vlm_runtime::Result<vlm_runtime::Frame> + Sync + 'a;
 
+/// The encoder's busy time: the union of the intervals during which at least one frame was
+/// being encoded (so encodes of several streams that overlap count once, whether the encoder
+/// runs them one after another or together).
+#[derive(Default)]
+struct BusyClock {
+    active: usize,
+    since: Option<Instant>,
+    busy_ms: f64,
+    encoded: u64,
+}
+
+impl BusyClock {
+    fn start(&mut self, now: Instant) {
+        if self.active == 0 {
+            self.since = Some(now);
+        }
+        self.active += 1;
+    }
+
+    fn end(&mut self, now: Instant, encoded: bool) {
+        self.active -= 1;
+        self.encoded += encoded as u64;
+        if self.active == 0
+            && let Some(since) = self.since.take()
+        {
+            self.busy_ms += ms(now - since);
+        }
+    }
+}
+
 /// The measured window, shared by the live workload and the history curve.
 struct Window<'a> {
     w: &'a Workload,
     t0: Instant,
     encode: &'a Encode<'a>,
+    encoder: Mutex<BusyClock>,
     never: &'a Arc<AtomicBool>,
     /// When the last answer ended.
     last_end: Mutex<Instant>,
@@ -215,14 +257,27 @@ impl Window<'_> {
     /// Encode and register frame `number` of stream `o`.
     fn feed(&self, o: &Opened, number: usize) -> Result<vlm_runtime::Registration, String> {
         let w = self.w;
-        (self.encode)(&picture(o.gs, number, w.width, w.height))
+        let rgb = picture(o.gs, number, w.width, w.height);
+        self.encoder.lock().expect("no panics hold it").start(Instant::now());
+        let frame = (self.encode)(&rgb);
+        self.encoder.lock().expect("no panics hold it").end(Instant::now(), frame.is_ok());
+        frame
             .map_err(|e| e.to_string())
             .and_then(|f| o.stream.register(Arc::new(f), self.never).map_err(|e| e.to_string()))
             .map_err(|e| format!("stream {}, frame {number}: {e}", o.gs))
     }
 
     /// Ask question `index` about frame `bound` (asked right after frame `after`), now; report it.
-    fn ask(&self, o: &Opened, index: usize, after: usize, bound: u64, prime_ms: Option<f64>) {
+    /// `capture`: when frame `after` was due and frame `bound` was (live workload only).
+    fn ask(
+        &self,
+        o: &Opened,
+        index: usize,
+        after: usize,
+        bound: u64,
+        prime_ms: Option<f64>,
+        capture: Option<(Instant, Option<Instant>)>,
+    ) {
         let arrival = Instant::now();
         let question = Question {
             id: format!("s{}q{index}", o.gs),
@@ -240,7 +295,7 @@ impl Window<'_> {
             Ok(r) => {
                 record.wait_ms = Some(r.wait_ms);
                 record.prepare_ms = Some(r.prepare_ms);
-                record.ttft_ms = r.ttft_ms;
+                record.ttft_from_question_ms = r.ttft_ms;
                 record.total_ms = r.total_ms;
                 record.tokens = r.tokens;
                 record.path = Some(r.path.name().into());
@@ -249,6 +304,9 @@ impl Window<'_> {
             }
             Err(e) => record.error = Some(e.to_string()),
         }
+        if let Some((due, newest)) = capture {
+            record.set_capture(ms(due - self.t0), newest.map(|n| ms(n - self.t0)));
+        }
         emit(&WorkerMsg::Answer(record));
         let mut last = self.last_end.lock().expect("no panics hold it");
         *last = (*last).max(end);
@@ -256,14 +314,17 @@ impl Window<'_> {
 
     /// The live workload: every stream fed in real time, each question asked from its own
     /// thread right after its frame is registered.
-    fn live(&self, opened: &[Opened]) -> LagStats {
+    fn live(&self, opened: &[Opened]) -> (LagStats, FeedStats) {
         let w = self.w;
-        let lag = Mutex::new(LagStats::default());
+        let lag = Mutex::new((LagStats::default(), FeedStats::default()));
         std::thread::scope(|scope| {
             for o in opened {
                 let lag = &lag;
                 scope.spawn(move || {
                     let mut local = LagStats::default();
+                    let mut feed = FeedStats::default();
+                    // Due time of each frame that joined the history, by its number there.
+                    let mut joined: HashMap<u64, Instant> = HashMap::new();
                     for number in 1..=w.frames {
                         let due = w.frame_due(self.t0, o.gs, number);
                         sleep_until(due);
@@ -280,14 +341,20 @@ impl Window<'_> {
                         local.max_frames = local.max_frames.max(l.frames);
                         local.max_ms = local.max_ms.max(l.ms);
                         local.sum_ms += l.ms;
-                        local.feed_late_max_ms = local.feed_late_max_ms.max(ms(now.saturating_duration_since(due)));
+                        feed.fed(ms(now.saturating_duration_since(due)));
                         local.skipped += registration.skipped as u64;
+                        if !registration.skipped {
+                            joined.insert(registration.number, due);
+                        }
                         for (index, _) in w.ask_after.iter().enumerate().filter(|(_, a)| **a == number) {
                             let bound = registration.number;
-                            scope.spawn(move || self.ask(o, index, number, bound, None));
+                            let capture = Some((due, joined.get(&bound).copied()));
+                            scope.spawn(move || self.ask(o, index, number, bound, None, capture));
                         }
                     }
-                    lag.lock().expect("no panics hold it").add(&local);
+                    let mut all = lag.lock().expect("no panics hold it");
+                    all.0.add(&local);
+                    all.1.add(&feed);
                 });
             }
         });
@@ -296,27 +363,27 @@ impl Window<'_> {
 
     /// The history curve: frames given as fast as they are taken (blocking past max-pending);
     /// at each point, once its version is published, `reps` questions one after another.
-    fn history(&self, o: &Opened, h: &HistorySpec) -> LagStats {
+    fn history(&self, o: &Opened, h: &HistorySpec) -> (LagStats, FeedStats) {
         let mut next = 1;
         for &point in &h.points {
             let started = Instant::now();
             while next <= point {
                 if let Err(error) = self.feed(o, next) {
                     emit(&WorkerMsg::Failed { error });
-                    return LagStats::default();
+                    return Default::default();
                 }
                 next += 1;
             }
             if let Err(e) = o.stream.wait_version(point as u64, self.never) {
                 emit(&WorkerMsg::Failed { error: format!("frame {point}: {e}") });
-                return LagStats::default();
+                return Default::default();
             }
             let prime_ms = ms(started.elapsed());
             for rep in 0..h.reps {
                 std::thread::sleep(Duration::from_millis(h.settle_ms));
-                self.ask(o, rep, point, point as u64, Some(prime_ms));
+                self.ask(o, rep, point, point as u64, Some(prime_ms), None);
             }
         }
-        LagStats::default()
+        Default::default()
     }
 }

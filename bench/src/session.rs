@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 
-use crate::record::{AnswerRecord, Config, DecodeSplit, LagStats, RunRecord, WorkerMsg};
+use crate::record::{AnswerRecord, Config, DecodeSplit, FeedStats, LagStats, RunRecord, WorkerMsg};
 use crate::runtime_run::WorkerSpec;
 use crate::workload::{CpuTicks, HistorySpec, Workload, unix_ms};
 use crate::{BoxError, CommonArgs, cores, peer, report_run};
 
 enum Event {
-    Msg(usize, WorkerMsg),
+    Msg(usize, Box<WorkerMsg>),
     Closed,
 }
 
@@ -57,7 +57,7 @@ fn run_workers(
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 if let Ok(msg) = serde_json::from_str::<WorkerMsg>(&line) {
-                    let _ = tx.send(Event::Msg(i, msg));
+                    let _ = tx.send(Event::Msg(i, Box::new(msg)));
                 }
             }
             let _ = tx.send(Event::Closed);
@@ -68,6 +68,7 @@ fn run_workers(
     let mut record = RunRecord {
         decode_split: Some(DecodeSplit::default()),
         lag: Some(LagStats::default()),
+        feed: Some(FeedStats::default()),
         ..RunRecord::empty(config, round, specs.len())
     };
     let mut errors: Vec<String> = vec![];
@@ -76,8 +77,10 @@ fn run_workers(
     let mut started = false;
     let deadline = Instant::now() + timeout;
     loop {
+        // A worker's message (unboxed), or None when a worker's stdout closed.
         let event = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(event) => event,
+            Ok(Event::Msg(i, msg)) => Some((i, *msg)),
+            Ok(Event::Closed) => None,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 errors.push(format!("timed out after {} s", timeout.as_secs()));
                 started = false; // stop the workers below
@@ -86,7 +89,7 @@ fn run_workers(
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
         match event {
-            Event::Msg(_, WorkerMsg::Ready { load_ms, frame_cells }) => {
+            Some((_, WorkerMsg::Ready { load_ms, frame_cells })) => {
                 record.load_ms = record.load_ms.max(load_ms);
                 record.frame_cells = record.frame_cells.max(frame_cells);
                 ready += 1;
@@ -100,24 +103,25 @@ fn run_workers(
                     started = true;
                 }
             }
-            Event::Msg(_, WorkerMsg::Answer(a)) => {
+            Some((_, WorkerMsg::Answer(a))) => {
                 bar.inc(1);
                 record.answers.push(a);
             }
-            Event::Msg(_, WorkerMsg::Done { window_ms, peak_rss_kib, kv, decode_split, lag }) => {
+            Some((_, WorkerMsg::Done { window_ms, peak_rss_kib, kv, decode_split, lag, feed })) => {
                 record.window_ms = record.window_ms.max(window_ms);
                 record.peak_rss_kib += peak_rss_kib;
                 record.kv.get_or_insert_default().add(&kv);
                 record.decode_split.as_mut().expect("set above").add(&decode_split);
                 record.lag.as_mut().expect("set above").add(&lag);
+                record.feed.as_mut().expect("set above").add(&feed);
             }
-            Event::Msg(i, WorkerMsg::Failed { error }) => {
+            Some((i, WorkerMsg::Failed { error })) => {
                 errors.push(format!("worker {i}: {error}"));
                 if !started {
                     break; // it will never be ready: stop the others below
                 }
             }
-            Event::Closed => {
+            None => {
                 open -= 1;
                 if open == 0 {
                     break;
@@ -182,13 +186,13 @@ impl Session {
         let mut configs = configs.to_vec();
         configs.dedup();
         let server = peer::find_server(c.llama_server.as_deref());
-        if configs.contains(&Config::Peer) && server.as_ref().is_none_or(|s| !s.is_file()) {
+        if configs.iter().any(|c| c.is_peer()) && server.as_ref().is_none_or(|s| !s.is_file()) {
             eprintln!(
-                "vlm-bench: no llama-server binary ({}); PEER is left out. Build it with scripts/build-llama-server.sh \
-                 or name it with --llama-server.",
+                "vlm-bench: no llama-server binary ({}); PEER and PEER-WARM are left out. Build it with \
+                 scripts/build-llama-server.sh or name it with --llama-server.",
                 server.as_ref().map_or_else(|| "not built".into(), |s| s.display().to_string())
             );
-            configs.retain(|c| *c != Config::Peer);
+            configs.retain(|c| !c.is_peer());
         }
         if configs.is_empty() {
             return Err("no configuration to run".into());
@@ -230,10 +234,10 @@ impl Session {
             }
             let ticks = CpuTicks::now();
             let answered = bar.position();
-            let mut record = if config == Config::Peer {
+            let mut record = if config.is_peer() {
                 let settings = self.peer.as_ref().expect("the peer is only kept with a server");
                 let on_answer = |_: &AnswerRecord| bar.inc(1);
-                peer::run_round(settings, w, round, label, history, &on_answer)
+                peer::run_round(settings, config, w, round, label, history, &on_answer)
             } else {
                 run_workers(&worker_specs(config, w, history), round, label, &self.logs, bar, self.timeout)?
             };
@@ -258,6 +262,12 @@ impl Session {
         self.peer.as_ref().map_or(serde_json::Value::Null, |p| {
             serde_json::json!({
                 "server": p.server, "threads": p.threads, "args": p.args, "media_marker": peer::MEDIA_MARKER,
+                "modes": {
+                    "PEER": "naive: each question, sent at its frame's due time, carries every frame of its stream \
+                        so far (the server encodes the frames it has not seen at question time)",
+                    "PEER-WARM": peer::WARM_CLIENT,
+                },
+                "clock": "TTFT from capture counts from the due time of the question's frame, as for the runtime",
             })
         })
     }
