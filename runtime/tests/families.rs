@@ -433,6 +433,31 @@ fn plain_embeddings_are_refused_by_mrope_and_non_causal_models() {
     assert_eq!(models::model(&lm, &Device::Cpu).unwrap().plain_embeddings_refusal(), None);
 }
 
+/// The non-causal refusal comes from the projector: libmtmd's own answer for each family's
+/// projector (`mtmd_decode_use_non_causal`) equals the runtime's rule for its projector type, and
+/// a model refuses plain rows as non-causal exactly when its projector is (naming the type).
+#[test]
+fn the_non_causal_refusal_follows_libmtmds_answer_for_the_projector() {
+    for family in ["idefics3", "qwen2vl", "gemma3"] {
+        let (lm, mmproj) = pair(family);
+        let _serial = serial();
+        let model = models::model(&lm, &Device::Cpu).unwrap();
+        let projector = models::projector(&mmproj, &model, false, threads()).unwrap();
+        let ty = vlm_runtime::llama::projector_type(&mmproj).unwrap();
+        let libmtmd = projector.decodes_non_causally();
+        assert_eq!(vlm_runtime::llama::projector_type_non_causal(&ty, model.n_embd()), libmtmd, "{family}: {ty}");
+        assert_eq!(libmtmd, family == "gemma3", "{family}: {ty}");
+        let refusal = model.plain_embeddings_refusal();
+        if family != "qwen2vl" {
+            // (Qwen2-VL is refused for its M-RoPE positions.)
+            assert_eq!(refusal.is_some(), libmtmd, "{family}: {refusal:?}");
+        }
+        if libmtmd {
+            assert!(refusal.as_deref().is_some_and(|r| r.contains(&ty) && r.contains("non-causally")), "{refusal:?}");
+        }
+    }
+}
+
 /// libmtmd's helper would cut a non-causal image into batches of n_batch silently.
 #[test]
 fn a_non_causal_image_larger_than_the_batch_is_refused() {

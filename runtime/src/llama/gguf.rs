@@ -28,6 +28,41 @@ fn string_value(gguf: &GgufContext, key: &str) -> Option<String> {
     (idx >= 0 && gguf.kv_type(idx) == sys::GGUF_TYPE_STRING).then(|| gguf.val_str(idx).map(str::to_owned)).flatten()
 }
 
+/// The vision projector type of a projector file (`clip.projector_type`, else
+/// `clip.vision.projector_type`), as libmtmd reads it.
+pub fn projector_type(path: &Path) -> Result<String> {
+    let bad = |reason: &str| Error::File { path: path.to_path_buf(), reason: reason.into() };
+    let gguf = GgufContext::from_file(path).ok_or_else(|| bad("not a GGUF file"))?;
+    string_value(&gguf, "clip.projector_type")
+        .or_else(|| string_value(&gguf, "clip.vision.projector_type"))
+        .ok_or_else(|| bad("projector file has no clip.projector_type"))
+}
+
+/// libmtmd's rule for whether the images of a projector type attend to each other (decoded
+/// whole, non-causally): `mtmd_decode_use_non_causal` in tools/mtmd/mtmd.cpp of the pinned
+/// llama.cpp. `n_embd` is the projector's output width (the language model's input width):
+/// Gemma 4's E2B and E4B (1536, 2560) decode images causally.
+pub fn projector_type_non_causal(projector_type: &str, n_embd: usize) -> bool {
+    match projector_type {
+        "gemma4v" => n_embd != 1536 && n_embd != 2560,
+        "gemma3" | "gemma4uv" | "deepseek4v" => true,
+        _ => false,
+    }
+}
+
+/// The vision projector types llama.cpp's converter writes beside a language model of
+/// architecture `arch`, for the families libmtmd's rule names (conversion/gemma.py:
+/// Gemma3VisionModel, Gemma4VisionAudioModel, Gemma4UnifiedVisionAudioModel;
+/// conversion/deepseek.py: DeepseekV4FlashVisionModel).
+pub fn paired_projector_types(arch: &str) -> &'static [&'static str] {
+    match arch {
+        "gemma3" => &["gemma3"],
+        "gemma4" => &["gemma4v", "gemma4uv"],
+        "deepseek4" => &["deepseek4v"],
+        _ => &[],
+    }
+}
+
 /// Refuse a file that is not a libmtmd projector, or one whose wrapper tokens the model lacks.
 pub fn check_projector(path: &Path, model: &Model) -> Result<()> {
     let bad = |reason: String| Error::File { path: path.to_path_buf(), reason };
@@ -48,4 +83,36 @@ pub fn check_projector(path: &Path, model: &Model) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{paired_projector_types, projector_type_non_causal};
+
+    /// Which images libmtmd decodes non-causally comes from the projector type (libmtmd's list),
+    /// and a language model is matched to the projector types that pair with it.
+    #[test]
+    fn non_causal_images_follow_libmtmds_projector_types() {
+        for (ty, n_embd, non_causal) in [
+            ("gemma3", 2560, true),
+            ("gemma4uv", 1536, true),
+            ("deepseek4v", 4096, true),
+            ("gemma4v", 5376, true),
+            ("gemma4v", 1536, false),
+            ("gemma4v", 2560, false),
+            ("idefics3", 576, false),
+            ("mlp", 576, false),
+            ("qwen2vl_merger", 1536, false),
+        ] {
+            assert_eq!(projector_type_non_causal(ty, n_embd), non_causal, "{ty} at {n_embd}");
+        }
+        let refused =
+            |arch: &str, n_embd| paired_projector_types(arch).iter().any(|t| projector_type_non_causal(t, n_embd));
+        assert!(refused("gemma3", 640));
+        assert!(refused("gemma4", 5376));
+        assert!(refused("gemma4", 1536), "a Gemma 4 E2B may come with the unified (non-causal) projector");
+        assert!(refused("deepseek4", 4096));
+        assert!(!refused("llama", 576));
+        assert!(!refused("qwen2vl", 1536));
+    }
 }

@@ -197,11 +197,16 @@ impl Model {
     /// The bytes of one token (special tokens rendered as nothing). Pieces may split a UTF-8
     /// character; [`crate::text::Utf8Stream`] reassembles them.
     pub fn token_bytes(&self, token: Token) -> Vec<u8> {
+        self.token_piece(token, false)
+    }
+
+    /// The bytes of one token, special tokens rendered as their text when `special`.
+    pub fn token_piece(&self, token: Token, special: bool) -> Vec<u8> {
         let mut buf = vec![0u8; 64];
         loop {
             // SAFETY: buf/len describe a writable buffer.
             let n = unsafe {
-                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, false)
+                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special)
             };
             if n >= 0 {
                 buf.truncate(n as usize);
@@ -288,8 +293,12 @@ impl Model {
     /// Why plain image embeddings (rows on consecutive 1-D positions, decoded causally: what the
     /// NPU encoder gives) cannot feed this model, if they cannot. M-RoPE models (Qwen2-VL,
     /// Qwen2.5-VL) place an image on 2-D positions that only libmtmd computes, and llama.cpp
-    /// reads 4 positions per embedding row of such a model; Gemma 3 decodes an image
-    /// non-causally.
+    /// reads 4 positions per embedding row of such a model. Models whose projectors libmtmd
+    /// decodes non-causally (its rule by projector type: Gemma 3, Gemma 4 but its E2B/E4B with
+    /// the plain vision projector, DeepSeek V4's vision) need the image's rows to attend to each
+    /// other. No projector is at hand here (the NPU replaces it), so the projector types that
+    /// pair with the model's architecture are checked ([`super::gguf::paired_projector_types`]);
+    /// a loaded [`super::Projector`] answers for itself (`decodes_non_causally`).
     pub fn plain_embeddings_refusal(&self) -> Option<String> {
         // SAFETY: valid model pointer.
         let rope = unsafe { sys::llama_model_rope_type(self.ptr.as_ptr()) };
@@ -299,9 +308,16 @@ impl Model {
                 "the language model {name} uses M-RoPE: embeddings from the NPU need 2-D M-RoPE positions that this build does not give; use backend=cpu|gpu"
             ));
         }
-        if self.meta_str("general.architecture").as_deref() == Some("gemma3") {
+        let arch = self.meta_str("general.architecture").unwrap_or_default();
+        let non_causal: Vec<&str> = super::gguf::paired_projector_types(&arch)
+            .iter()
+            .copied()
+            .filter(|t| super::gguf::projector_type_non_causal(t, self.n_embd()))
+            .collect();
+        if !non_causal.is_empty() {
             return Some(format!(
-                "the language model {name} (gemma3) decodes images non-causally: embeddings from the NPU are decoded causally on 1-D positions in this build; use backend=cpu|gpu"
+                "the language model {name} ({arch}) takes images from {} projectors, which libmtmd decodes non-causally: embeddings from the NPU are decoded causally on 1-D positions in this build; use backend=cpu|gpu",
+                non_causal.join("/")
             ));
         }
         None

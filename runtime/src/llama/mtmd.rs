@@ -100,6 +100,66 @@ impl ImageEmbeddings {
     }
 }
 
+/// Where an image of a frame comes from in the picture: one cell of the grid libmtmd cut the
+/// picture into (idefics3/SmolVLM tiles: 1-based `row` and `col` of `rows` × `cols`, as the
+/// `<row_R_col_C>` markers before it say), or the whole picture (an overview, or a projector
+/// that encodes the picture as one image).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tile {
+    Cell { row: u32, col: u32, rows: u32, cols: u32 },
+    Whole,
+}
+
+impl Tile {
+    /// The part of a `width` × `height` picture the tile shows, as (x0, y0, x1, y1) pixels:
+    /// libmtmd resizes the whole picture to the grid, so a cell is a fraction of it.
+    pub fn region(&self, width: u32, height: u32) -> (u32, u32, u32, u32) {
+        match *self {
+            Tile::Whole => (0, 0, width, height),
+            Tile::Cell { row, col, rows, cols } => (
+                (col - 1) * width / cols,
+                (row - 1) * height / rows,
+                (col * width).div_ceil(cols),
+                (row * height).div_ceil(rows),
+            ),
+        }
+    }
+}
+
+/// The markers of a frame's images (the wrapper text before each), as tiles: `None` for an
+/// image whose place cannot be told.
+fn tiles(markers: &[String]) -> Vec<Option<Tile>> {
+    let cell = |m: &str| -> Option<(u32, u32)> {
+        let at = m.rfind("<row_")?;
+        let (row, rest) = m[at + 5..].split_once("_col_")?;
+        let col = rest.split('>').next()?;
+        Some((row.parse().ok()?, col.parse().ok()?))
+    };
+    let cells: Vec<Option<(u32, u32)>> = markers.iter().map(|m| cell(m)).collect();
+    let rows = cells.iter().flatten().map(|c| c.0).max().unwrap_or(0);
+    let cols = cells.iter().flatten().map(|c| c.1).max().unwrap_or(0);
+    markers
+        .iter()
+        .zip(cells)
+        .map(|(m, c)| match c {
+            Some((row, col)) if row >= 1 && col >= 1 => Some(Tile::Cell { row, col, rows, cols }),
+            Some(_) => None,
+            None if markers.len() == 1 || m.contains("<global-img>") => Some(Tile::Whole),
+            None => None,
+        })
+        .collect()
+}
+
+/// How a frame's images were made: encoded, or taken from an earlier frame (tile reuse), and
+/// where each image is in the picture.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TileCount {
+    pub encoded: usize,
+    pub reused: usize,
+    /// One per image segment, in order.
+    pub tiles: Vec<Option<Tile>>,
+}
+
 /// What one image becomes in the language sequence: the projector's wrapper text around it (for
 /// models that have one) and the image itself.
 #[derive(Debug)]
@@ -158,6 +218,14 @@ impl Projector {
         &self.model
     }
 
+    /// Whether libmtmd decodes this projector's images non-causally (`mtmd_decode_use_non_causal`:
+    /// the image's rows attend to each other, so they are decoded whole).
+    pub fn decodes_non_causally(&self) -> bool {
+        // SAFETY: a valid mtmd context; a null chunk asks about its vision projector, reading only
+        // what mtmd_init_from_file fixed (see DecodeView).
+        unsafe { sys::mtmd_decode_use_non_causal(self.decode_view.0.as_ptr(), std::ptr::null()) }
+    }
+
     /// Hold the vision encoder as an encode holds it for its whole run, until the guard drops:
     /// stands in for a long encode in tests (decodes of this projector's images must go on).
     #[doc(hidden)]
@@ -168,6 +236,18 @@ impl Projector {
     /// Encode one packed RGB image (width × height × 3 bytes) into the segments it becomes in
     /// the language sequence.
     pub fn encode(self: &Arc<Self>, rgb: &[u8], width: u32, height: u32) -> Result<Vec<Segment>> {
+        Ok(self.encode_tiles(rgb, width, height, &mut |_, _| None)?.0)
+    }
+
+    /// [`Projector::encode`], asking `reuse` first for each image (its tile, its rows): rows of
+    /// an earlier encode of the same tile are taken instead of encoding it.
+    pub fn encode_tiles(
+        self: &Arc<Self>,
+        rgb: &[u8],
+        width: u32,
+        height: u32,
+        reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
+    ) -> Result<(Vec<Segment>, TileCount)> {
         if width == 0 || height == 0 || rgb.len() != width as usize * height as usize * 3 {
             return Err(Error::BadInput(format!(
                 "image of {width}x{height} with {} bytes is not packed RGB",
@@ -177,6 +257,7 @@ impl Projector {
         let ctx = self.ctx.lock();
         let n_embd = self.model.n_embd();
         let mut segments = Vec::new();
+        let mut count = TileCount::default();
         // SAFETY: the bitmap copies `rgb` (w*h*3 bytes, checked above); the input text points at
         // the marker, alive for the call; chunks are freed before return; the output embedding
         // buffer holds n_tokens*n_embd floats after a successful encode and is copied out before
@@ -200,6 +281,22 @@ impl Projector {
                 Err(Error::Engine(format!("mtmd_tokenize failed ({rc})")))
             } else {
                 (|| {
+                    // The wrapper text before each image says where it is in the picture.
+                    let mut markers = vec![];
+                    let mut text = String::new();
+                    for i in 0..sys::mtmd_input_chunks_size(chunks) {
+                        let c = sys::mtmd_input_chunks_get(chunks, i);
+                        if sys::mtmd_input_chunk_get_type(c) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT {
+                            let mut n = 0usize;
+                            let p = sys::mtmd_input_chunk_get_tokens_text(c, &mut n);
+                            for &t in std::slice::from_raw_parts(p, n) {
+                                text.push_str(&String::from_utf8_lossy(&self.model.token_piece(t, true)));
+                            }
+                        } else {
+                            markers.push(std::mem::take(&mut text));
+                        }
+                    }
+                    count.tiles = tiles(&markers);
                     for i in 0..sys::mtmd_input_chunks_size(chunks) {
                         let c = sys::mtmd_input_chunks_get(chunks, i);
                         if sys::mtmd_input_chunk_get_type(c) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT {
@@ -211,12 +308,22 @@ impl Projector {
                             continue;
                         }
                         let rows = sys::mtmd_input_chunk_get_n_tokens(c);
-                        let rc = sys::mtmd_encode_chunk(ctx.0.as_ptr(), c);
-                        if rc != 0 {
-                            return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
-                        }
-                        let data =
-                            std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.0.as_ptr()), rows * n_embd).into();
+                        let tile = count.tiles.get(count.encoded + count.reused).copied().flatten();
+                        let data = match tile.and_then(|t| reuse(t, rows)).filter(|d| d.len() == rows * n_embd) {
+                            Some(data) => {
+                                count.reused += 1;
+                                data
+                            }
+                            None => {
+                                let rc = sys::mtmd_encode_chunk(ctx.0.as_ptr(), c);
+                                if rc != 0 {
+                                    return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
+                                }
+                                count.encoded += 1;
+                                std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.0.as_ptr()), rows * n_embd)
+                                    .into()
+                            }
+                        };
                         let mut len = 0usize;
                         sys::mtmd_input_chunk_save(c, null_mut(), 0, &mut len);
                         let mut chunk = vec![0u8; len];
@@ -243,7 +350,7 @@ impl Projector {
             sys::mtmd_input_chunks_free(chunks);
             result?;
         }
-        Ok(segments)
+        Ok((segments, count))
     }
 }
 
@@ -251,5 +358,27 @@ impl Drop for Projector {
     fn drop(&mut self) {
         // SAFETY: owned context, no other user (we are being dropped).
         unsafe { sys::mtmd_free(self.ctx.get_mut().0.as_ptr()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn markers_give_the_grid_and_the_overview() {
+        let m = |s: &str| s.to_string();
+        let t = tiles(&[
+            m("<fake_token_around_image><row_1_col_1>"),
+            m("<fake_token_around_image><row_1_col_2>"),
+            m("\n<fake_token_around_image><row_2_col_1>"),
+            m("<fake_token_around_image><row_2_col_2>"),
+            m("\n\n<fake_token_around_image><global-img>"),
+        ]);
+        let cell = |row, col| Some(Tile::Cell { row, col, rows: 2, cols: 2 });
+        assert_eq!(t, [cell(1, 1), cell(1, 2), cell(2, 1), cell(2, 2), Some(Tile::Whole)]);
+        assert_eq!(Tile::Cell { row: 2, col: 1, rows: 2, cols: 3 }.region(64, 48), (0, 24, 22, 48));
+        assert_eq!(tiles(&[m("<image>")]), [Some(Tile::Whole)]);
+        assert_eq!(tiles(&[m(""), m("")]), [None, None], "several images with no markers");
     }
 }
