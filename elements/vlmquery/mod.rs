@@ -122,6 +122,41 @@
 //! flush or a stop gets its `vlm-answer` (`cancelled`, `reason` says which) then; at the video's
 //! EOS nothing is left to cancel (see above), so `gst-launch-1.0 -m` shows every answer.
 //!
+//! ## Alerts
+//!
+//! `alerts` lists standing yes/no questions, `id:question;id:question` (settable in a pipeline
+//! description and while PLAYING; a list with an empty id, a duplicate id or a missing question
+//! is refused with a WARNING naming the fault, on stderr and on the bus, and the previous list
+//! kept). Each alert is evaluated on every new version (frame) of every stream reaching this
+//! element, on a private branch of that version: the question (followed by "Answer yes or no.")
+//! is prefilled there and its last logits give a forced choice between the model's "yes" and
+//! "no" tokens (found by tokenizing the words; a model without single-token answers disables the
+//! alerts with a WARNING): no sampling, `P(yes)` the softmax over the two logits, the state
+//! `yes > no`. Evaluations share the engine's steps with answers, and a question a user asked
+//! starts before every evaluation still waiting. `alert-interval` evaluates every Nth frame;
+//! `alert-hold` is the hysteresis (a state changes after N evaluations in a row of the other
+//! state). Each stream has one slot for its next frame: a frame that comes while the slot is
+//! full replaces it (newest frame first), counted in `alerts-thinned` and said by a
+//! `vlm-alert-overload` message (`stream`, `frame` not evaluated, `thinned` so far, `policy`
+//! `newest-first`; at most one a second per stream). At the video's EOS the frames already
+//! scheduled are evaluated before EOS goes on; a flush drops them, and PAUSED→READY ends the
+//! alert thread and forgets the states (the next run posts first states again).
+//!
+//! Element message `vlm-alert`, once with each stream's first state of an alert and once per
+//! change: `id`, `question`, `stream`, `state` (boolean), `probability` (of yes, double),
+//! `frame` (uint64: the frame that decided it), `pts` (that frame's), `latency-ms` (from that
+//! frame's arrival at this element, or from its running time on the pipeline clock when that is
+//! longer, as for a live source, which stamps capture time), `evaluations` (of this alert on this
+//! stream so far), `first` (boolean) and `engine`. With `output-format=json` the text pad also
+//! carries one line per `vlm-alert` (an object with its fields and `"type":"alert"`); `text`
+//! output carries answers only. The states do not ride the video buffers (yet).
+//!
+//! ```sh
+//! gst-launch-1.0 -m videotestsrc pattern=ball num-buffers=30 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf \
+//!     ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+//!     ! vlmquery alerts="ball:Is there a ball?;dark:Is the picture dark?" alert-hold=2 output-format=json ! fdsink
+//! ```
+//!
 //! ## Properties
 //!
 //! Every property below: Since: 0.1.
@@ -141,6 +176,9 @@
 //! - `temp` (0 = greedy), `seed` (0), `top-k` (40), `top-p` (0.95), `min-p` (0.05).
 //! - Read-only: `answers` (answer buffers pushed), notified when it changes and zero again at
 //!   PAUSED→READY (read it before stopping the pipeline).
+//! - `alerts` (empty = none), `alert-interval` (1 = every frame), `alert-hold` (1 = change at
+//!   once); read-only `alert-evaluations` (evaluations done) and `alerts-thinned` (frames not
+//!   evaluated), zero again at PAUSED→READY (see Alerts).
 //!
 //! Debug category: `vlmquery`.
 //!

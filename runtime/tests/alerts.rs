@@ -69,3 +69,53 @@ fn cancelled_evaluations_end_with_cancelled() {
         assert!(matches!(r, Err(vlm_runtime::Error::Cancelled)), "{r:?}");
     }
 }
+
+/// A question a user asks goes before the alert evaluations waiting on the same engine: with the
+/// engine held while eight evaluations and then a one-token question are queued, the question is
+/// answered before any evaluation ends (both ends measured on the engine thread).
+#[test]
+fn a_users_question_goes_before_waiting_evaluations() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    let never = Arc::new(AtomicBool::new(false));
+    stream.register(frame(&enc, 0), &never).unwrap();
+    let version = stream.wait_version(1, &never).unwrap();
+    let yes_no = YesNo::find(engine.model()).unwrap();
+    let list = (0..8).map(|i| format!("a{i}:Is there a thing number {i}?")).collect::<Vec<_>>().join(";");
+    let alerts = alert::parse_alerts(&list).unwrap();
+    // Hold the engine thread until everything is queued.
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let holder = {
+        let engine = Arc::clone(&engine);
+        std::thread::spawn(move || engine.call(move |_| held.recv().ok()).unwrap())
+    };
+    let backlog = |above: f64| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while engine.start_backlog_ms() <= above {
+            assert!(std::time::Instant::now() < deadline, "the work was not queued");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        engine.start_backlog_ms()
+    };
+    let queued = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        let evaluations = scope.spawn(|| alert::evaluate(&version, &alerts, yes_no, &never).unwrap());
+        let before = backlog(0.0);
+        let question = question("Say yes.", 1);
+        let arrival = question.arrival;
+        let (version, never) = (&version, &never);
+        let answer = scope.spawn(move || vlm_runtime::answer(version, &question, never, |_| {}).unwrap());
+        backlog(before);
+        release.send(()).unwrap();
+        let answer = answer.join().unwrap();
+        let answered = arrival + std::time::Duration::from_secs_f64(answer.total_ms / 1e3);
+        for e in evaluations.join().unwrap() {
+            let e = e.unwrap();
+            // (`queued` is before the evaluation's submission: its end is no earlier than this.)
+            let ended = queued + std::time::Duration::from_secs_f64(e.total_ms / 1e3);
+            assert!(answered < ended, "evaluation {} ended before the user's question was answered", e.id);
+        }
+    });
+    holder.join().unwrap();
+}

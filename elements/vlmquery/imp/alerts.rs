@@ -1,0 +1,527 @@
+//! Standing questions of `vlmquery` (`alerts`): every new frame of every stream that reaches the
+//! element is evaluated against each alert on a private branch of its version (the runtime's
+//! [`vlm_runtime::alert`]: a forced yes/no choice, one decode, no sampling), on one thread of the
+//! element's own; `vlm-alert` messages (and JSON lines on the text pad) say each stream's first
+//! state of an alert and every change that holds for `alert-hold` evaluations.
+//!
+//! Thinning: each stream has one slot for its next frame to evaluate. A frame that arrives while
+//! the slot is still full (the engine has not kept up) takes the slot, the older one is not
+//! evaluated (newest frame first), counted in `alerts-thinned` and said by a `vlm-alert-overload`
+//! message (at most one a second per stream). The history itself never waits for alerts.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use gst::glib;
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use parking_lot::{Condvar, Mutex};
+use vlm_runtime::Stream;
+use vlm_runtime::alert::{self, AlertSpec, Hysteresis, YesNo};
+
+use super::{CAT, OutputFormat, VlmQuery};
+
+/// Name of the element message of an alert's state.
+pub const ALERT_MESSAGE: &str = "vlm-alert";
+/// Name of the element message saying frames went unevaluated.
+pub const ALERT_OVERLOAD_MESSAGE: &str = "vlm-alert-overload";
+
+const OVERLOAD_EVERY: Duration = Duration::from_secs(1);
+
+/// A frame to evaluate.
+#[derive(Clone, Copy)]
+struct FrameAt {
+    number: u64,
+    pts: Option<gst::ClockTime>,
+    running_time: Option<gst::ClockTime>,
+    arrival: Instant,
+}
+
+/// The alerts of one stream.
+struct StreamAlerts {
+    stream: Arc<Stream>,
+    /// The next frame to evaluate (the newest one not yet taken).
+    next: Option<FrameAt>,
+    /// Frames since the last one scheduled (`alert-interval`).
+    since: u32,
+    /// Each alert's hysteresis, by id.
+    machines: HashMap<String, Hysteresis>,
+    thinned: u64,
+    last_overload: Option<Instant>,
+    /// A failure has been warned about (once per stream).
+    warned: bool,
+}
+
+#[derive(Default)]
+struct State {
+    /// The `alerts` property as set, and parsed.
+    text: String,
+    specs: Arc<Vec<AlertSpec>>,
+    interval: u32,
+    hold: u32,
+    streams: HashMap<u64, StreamAlerts>,
+    /// Streams in the order their frames are taken (round robin).
+    order: VecDeque<u64>,
+    worker: Option<std::thread::JoinHandle<()>>,
+    /// Set by a flush or a stop: the evaluation in flight ends, its results are dropped.
+    cancel: Arc<AtomicBool>,
+    /// The stream the evaluation in flight waits on (woken on cancel).
+    waiting_on: Option<Arc<Stream>>,
+    flushing: bool,
+    stopping: bool,
+    /// The worker is evaluating a frame.
+    busy: bool,
+    evaluations: u64,
+    thinned: u64,
+    /// `vlm-alert-overload` messages for the alert thread to post.
+    overloads: Vec<gst::Structure>,
+    /// The yes/no tokens of each language model (by path), or why it has none.
+    yes_no: HashMap<PathBuf, Result<YesNo, String>>,
+}
+
+/// The alert state of a `vlmquery`.
+pub(super) struct Alerts {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Default for Alerts {
+    fn default() -> Self {
+        Alerts { state: Mutex::new(State { interval: 1, hold: 1, ..State::default() }), changed: Condvar::new() }
+    }
+}
+
+/// The alert properties (added to the element's).
+pub(super) fn properties() -> Vec<glib::ParamSpec> {
+    vec![
+        glib::ParamSpecString::builder("alerts")
+            .nick("Alerts")
+            .blurb("Standing yes/no questions evaluated on every new frame of every stream, as id:question;id:question (empty = none); each stream's first state and every change of an alert is posted as a vlm-alert message (and a JSON line with output-format=json). A malformed list (empty id, duplicate id, missing question) is refused with a warning and the previous list kept")
+            .mutable_playing()
+            .build(),
+        glib::ParamSpecUInt::builder("alert-interval")
+            .nick("Alert interval")
+            .blurb("Evaluate the alerts on every Nth frame of a stream (1 = every frame)")
+            .minimum(1)
+            .default_value(1)
+            .mutable_playing()
+            .build(),
+        glib::ParamSpecUInt::builder("alert-hold")
+            .nick("Alert hold")
+            .blurb("Hysteresis: evaluations in a row of the other state before an alert's state changes (1 = at once)")
+            .minimum(1)
+            .maximum(10000)
+            .default_value(1)
+            .mutable_playing()
+            .build(),
+        glib::ParamSpecUInt64::builder("alert-evaluations")
+            .nick("Alert evaluations")
+            .blurb("Alert evaluations done so far (one per alert per evaluated frame)")
+            .read_only()
+            .build(),
+        glib::ParamSpecUInt64::builder("alerts-thinned")
+            .nick("Alerts thinned")
+            .blurb("Frames whose alerts were not evaluated because a newer frame of the stream came first (the engine did not keep up)")
+            .read_only()
+            .build(),
+    ]
+}
+
+impl VlmQuery {
+    /// Set an alert property; false when `name` is not one.
+    pub(super) fn set_alert_property(&self, name: &str, value: &glib::Value) -> bool {
+        let mut st = self.alerts.state.lock();
+        match name {
+            "alerts" => {
+                let text = value.get::<Option<String>>().unwrap().unwrap_or_default();
+                match alert::parse_alerts(&text) {
+                    Ok(specs) => {
+                        let hold = st.hold;
+                        // An alert whose question changed, or that is gone, starts again.
+                        for s in st.streams.values_mut() {
+                            s.machines.retain(|id, _| specs.iter().any(|a| &a.id == id));
+                        }
+                        for a in specs.iter() {
+                            let same = st.specs.iter().any(|o| o.id == a.id && o.question == a.question);
+                            if !same {
+                                for s in st.streams.values_mut() {
+                                    s.machines.insert(a.id.clone(), Hysteresis::new(hold));
+                                }
+                            }
+                        }
+                        gst::info!(CAT, imp = self, "alerts: {}", alert::format_alerts(&specs));
+                        st.text = text;
+                        st.specs = Arc::new(specs);
+                    }
+                    Err(e) => {
+                        let message = format!("invalid alerts {text:?}: {e}; keeping {:?}", st.text);
+                        drop(st);
+                        // As for `placement`: on stderr (gst-launch-1.0 has no bus yet), and on the bus.
+                        glib::g_warning!("vlmquery", "{}: {message}", self.obj().name());
+                        gst::element_imp_warning!(self, gst::LibraryError::Settings, ("{}", message));
+                        return true;
+                    }
+                }
+            }
+            "alert-interval" => st.interval = value.get().unwrap(),
+            "alert-hold" => {
+                st.hold = value.get().unwrap();
+                let hold = st.hold;
+                st.streams.values_mut().flat_map(|s| s.machines.values_mut()).for_each(|m| m.set_hold(hold));
+            }
+            _ => return false,
+        }
+        self.alerts.changed.notify_all();
+        true
+    }
+
+    /// The value of an alert property, if `name` is one.
+    pub(super) fn alert_property(&self, name: &str) -> Option<glib::Value> {
+        let st = self.alerts.state.lock();
+        Some(match name {
+            "alerts" => st.text.to_value(),
+            "alert-interval" => st.interval.to_value(),
+            "alert-hold" => st.hold.to_value(),
+            "alert-evaluations" => st.evaluations.to_value(),
+            "alerts-thinned" => st.thinned.to_value(),
+            _ => return None,
+        })
+    }
+
+    /// A frame of `stream` reached the video pad (called under the shared lock): schedule it for
+    /// evaluation when alerts are set and `alert-interval` says so, thinning the older frame.
+    pub(super) fn alert_frame(
+        &self,
+        stream: Option<&Arc<Stream>>,
+        number: u64,
+        pts: Option<gst::ClockTime>,
+        running_time: Option<gst::ClockTime>,
+    ) {
+        let Some(stream) = stream else { return };
+        let mut st = self.alerts.state.lock();
+        if st.specs.is_empty() || st.flushing || st.stopping {
+            return;
+        }
+        let (interval, id) = (st.interval, stream.id());
+        if !st.streams.contains_key(&id) {
+            st.order.push_back(id);
+        }
+        let s = st.streams.entry(id).or_insert_with(|| StreamAlerts {
+            stream: Arc::clone(stream),
+            next: None,
+            since: 0,
+            machines: HashMap::new(),
+            thinned: 0,
+            last_overload: None,
+            warned: false,
+        });
+        s.since += 1;
+        if s.since < interval {
+            return;
+        }
+        s.since = 0;
+        let frame = FrameAt { number, pts, running_time, arrival: Instant::now() };
+        let thinned = s.next.replace(frame);
+        let overload = thinned.is_some().then(|| {
+            s.thinned += 1;
+            let due = s.last_overload.is_none_or(|t| t.elapsed() >= OVERLOAD_EVERY);
+            if due {
+                s.last_overload = Some(Instant::now());
+            }
+            (due, s.thinned, s.stream.name().to_owned(), thinned.map_or(0, |f| f.number))
+        });
+        if overload.is_some() {
+            st.thinned += 1;
+        }
+        if st.worker.is_none() {
+            let this = self.ref_counted();
+            match std::thread::Builder::new().name("vlmquery-alerts".into()).spawn(move || this.alert_worker()) {
+                Ok(t) => st.worker = Some(t),
+                Err(e) => gst::error!(CAT, imp = self, "cannot start the alert thread: {e}"),
+            }
+        }
+        if let Some((due, thinned, stream, frame)) = overload {
+            gst::debug!(CAT, imp = self, "alerts of frame {frame} of {stream} not evaluated: a newer frame came first");
+            // (Posted by the alert thread: the caller holds the element's lock.)
+            if due {
+                st.overloads.push(
+                    gst::Structure::builder(ALERT_OVERLOAD_MESSAGE)
+                        .field("stream", stream)
+                        .field("frame", frame)
+                        .field("thinned", thinned)
+                        .field("policy", "newest-first")
+                        .build(),
+                );
+            }
+        }
+        self.alerts.changed.notify_all();
+    }
+
+    /// The alert thread: take the next frame (streams in turn), wait for its version, evaluate
+    /// every alert on it, post what changed.
+    fn alert_worker(&self) {
+        loop {
+            let (stream, frame, specs, cancel) = {
+                let mut st = self.alerts.state.lock();
+                let taken = loop {
+                    if st.stopping {
+                        return;
+                    }
+                    if !st.flushing
+                        && let Some(i) = (0..st.order.len()).find(|&i| {
+                            let id = st.order[i];
+                            st.streams.get(&id).is_some_and(|s| s.next.is_some())
+                        })
+                    {
+                        let id = st.order.remove(i).expect("in range");
+                        st.order.push_back(id);
+                        let s = st.streams.get_mut(&id).expect("present");
+                        break (Arc::clone(&s.stream), s.next.take().expect("checked"));
+                    }
+                    self.alerts.changed.wait(&mut st);
+                };
+                st.busy = true;
+                st.waiting_on = Some(Arc::clone(&taken.0));
+                let overloads = std::mem::take(&mut st.overloads);
+                let taken = (taken.0, taken.1, Arc::clone(&st.specs), Arc::clone(&st.cancel));
+                drop(st);
+                for s in overloads {
+                    let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
+                }
+                taken
+            };
+            let result = self.evaluate_frame(&stream, frame, &specs, &cancel);
+            let mut st = self.alerts.state.lock();
+            st.busy = false;
+            st.waiting_on = None;
+            let posts = match result {
+                _ if cancel.load(Ordering::Acquire) || st.flushing => vec![],
+                Ok(evaluations) => self.record(&mut st, &stream, frame, &specs, evaluations),
+                Err(e) => {
+                    let first =
+                        st.streams.get_mut(&stream.id()).is_some_and(|s| !std::mem::replace(&mut s.warned, true));
+                    if first {
+                        let message = format!("alerts of stream {} not evaluated: {e}", stream.name());
+                        gst::warning!(CAT, imp = self, "{message}");
+                        gst::element_imp_warning!(self, gst::StreamError::Failed, ("{}", message));
+                    } else {
+                        gst::debug!(CAT, imp = self, "alerts of frame {} not evaluated: {e}", frame.number);
+                    }
+                    vec![]
+                }
+            };
+            self.alerts.changed.notify_all();
+            drop(st);
+            self.post_alerts(posts);
+        }
+    }
+
+    /// Wait for the version of `frame` and evaluate every alert on it.
+    fn evaluate_frame(
+        &self,
+        stream: &Arc<Stream>,
+        frame: FrameAt,
+        specs: &[AlertSpec],
+        cancel: &Arc<AtomicBool>,
+    ) -> Result<Vec<vlm_runtime::Result<alert::Evaluation>>, vlm_runtime::Error> {
+        if specs.is_empty() {
+            return Ok(vec![]);
+        }
+        let engine = stream.engine();
+        let model = engine.model().path().to_path_buf();
+        let yes_no = {
+            let cached = self.alerts.state.lock().yes_no.get(&model).cloned();
+            match cached {
+                Some(y) => y,
+                None => {
+                    let found = YesNo::find(engine.model()).map_err(|e| e.to_string());
+                    if let Err(e) = &found {
+                        gst::element_imp_warning!(self, gst::LibraryError::Settings, ("alerts disabled: {}", e));
+                    }
+                    self.alerts.state.lock().yes_no.insert(model, found.clone());
+                    found
+                }
+            }
+        };
+        let yes_no = yes_no.map_err(vlm_runtime::Error::Config)?;
+        let version = stream.wait_version(frame.number, cancel)?;
+        alert::evaluate(&version, specs, yes_no, cancel)
+    }
+
+    /// Count the evaluations of `frame` and return the `vlm-alert`s they make.
+    fn record(
+        &self,
+        st: &mut State,
+        stream: &Arc<Stream>,
+        frame: FrameAt,
+        specs: &[AlertSpec],
+        evaluations: Vec<vlm_runtime::Result<alert::Evaluation>>,
+    ) -> Vec<gst::Structure> {
+        let latency_ms = self.latency_ms(frame);
+        let hold = st.hold;
+        let mut posts = vec![];
+        let mut done = 0;
+        let Some(s) = st.streams.get_mut(&stream.id()) else { return posts };
+        for (spec, result) in specs.iter().zip(evaluations) {
+            let e = match result {
+                Ok(e) => e,
+                Err(err) => {
+                    gst::debug!(CAT, imp = self, "alert {} on frame {}: {err}", spec.id, frame.number);
+                    continue;
+                }
+            };
+            done += 1;
+            let machine = s.machines.entry(spec.id.clone()).or_insert_with(|| Hysteresis::new(hold));
+            let p = e.choice.probability();
+            gst::log!(CAT, imp = self, "alert {} frame {}: P(yes) {p:.3}", spec.id, e.frame);
+            if let Some(t) = machine.observe(e.choice.state()) {
+                posts.push(
+                    gst::Structure::builder(ALERT_MESSAGE)
+                        .field("id", &spec.id)
+                        .field("question", &spec.question)
+                        .field("stream", stream.name())
+                        .field("state", t.state)
+                        .field("probability", p)
+                        .field("frame", e.frame)
+                        .field("pts", frame.pts)
+                        .field("latency-ms", latency_ms)
+                        .field("evaluations", machine.evaluations())
+                        .field("first", t.first)
+                        .field("engine", &e.engine)
+                        .build(),
+                );
+            }
+        }
+        st.evaluations += done;
+        posts
+    }
+
+    /// Milliseconds from the frame's capture as best known: since it reached this element, or
+    /// since its running time on the pipeline clock when that is longer (a live source stamps
+    /// its capture time).
+    fn latency_ms(&self, frame: FrameAt) -> f64 {
+        let arrival = frame.arrival.elapsed().as_secs_f64() * 1e3;
+        let obj = self.obj();
+        let clock = obj
+            .current_running_time()
+            .zip(frame.running_time)
+            .map(|(now, rt)| if now > rt { (now - rt).nseconds() as f64 / 1e6 } else { 0.0 });
+        clock.map_or(arrival, |c| c.max(arrival))
+    }
+
+    /// Post the `vlm-alert`s, and queue their JSON lines for the text pad (`output-format=json`).
+    fn post_alerts(&self, posts: Vec<gst::Structure>) {
+        if posts.is_empty() {
+            return;
+        }
+        let json = self.settings.lock().output_format == OutputFormat::Json;
+        for s in &posts {
+            gst::info!(CAT, imp = self, "{s}");
+            let _ = self.obj().post_message(gst::message::Element::builder(s.clone()).src(&*self.obj()).build());
+        }
+        if json {
+            let mut shared = self.shared.lock();
+            if !shared.flushing {
+                for s in &posts {
+                    shared.alert_lines.push_back((json_line(s), s.get::<Option<gst::ClockTime>>("pts").ok().flatten()));
+                }
+                self.changed.notify_all();
+            }
+        }
+    }
+
+    /// Wait until every frame scheduled for evaluation has been evaluated (the video's EOS),
+    /// unless a flush or a stop comes first.
+    pub(super) fn alerts_drain(&self) {
+        let mut st = self.alerts.state.lock();
+        while st.worker.is_some()
+            && !st.flushing
+            && !st.stopping
+            && (st.busy || st.streams.values().any(|s| s.next.is_some()))
+        {
+            self.alerts.changed.wait(&mut st);
+        }
+    }
+
+    /// A flush starts (`true`): frames waiting are dropped and the evaluation in flight ends; or
+    /// ends (`false`): evaluation goes on with the next frames.
+    pub(super) fn alerts_flush(&self, flushing: bool) {
+        let mut st = self.alerts.state.lock();
+        st.flushing = flushing;
+        if flushing {
+            st.cancel.store(true, Ordering::Release);
+            st.streams.values_mut().for_each(|s| s.next = None);
+            if let Some(stream) = &st.waiting_on {
+                stream.wake();
+            }
+        } else {
+            st.cancel = Arc::new(AtomicBool::new(false));
+        }
+        self.alerts.changed.notify_all();
+    }
+
+    /// PAUSED→READY: end the alert thread and forget the streams' states (a new run posts its
+    /// first states again) and the counts.
+    pub(super) fn alerts_stop(&self) {
+        let worker = {
+            let mut st = self.alerts.state.lock();
+            st.stopping = true;
+            st.cancel.store(true, Ordering::Release);
+            if let Some(stream) = &st.waiting_on {
+                stream.wake();
+            }
+            self.alerts.changed.notify_all();
+            st.worker.take()
+        };
+        if let Some(w) = worker {
+            let _ = w.join();
+        }
+        let mut st = self.alerts.state.lock();
+        st.stopping = false;
+        st.flushing = false;
+        st.cancel = Arc::new(AtomicBool::new(false));
+        st.streams.clear();
+        st.order.clear();
+        st.evaluations = 0;
+        st.thinned = 0;
+        self.alerts.changed.notify_all();
+    }
+
+    /// Push one alert's JSON line on the text pad.
+    pub(super) fn push_alert_line(&self, text: String, at: Option<gst::ClockTime>) {
+        let mut buffer = gst::Buffer::from_mut_slice(text.into_bytes());
+        buffer.get_mut().unwrap().set_pts(at);
+        match self.srcpad.push(buffer) {
+            Ok(_) | Err(gst::FlowError::NotLinked) => (),
+            Err(e) => gst::debug!(CAT, imp = self, "alert line push: {e:?}"),
+        }
+    }
+}
+
+/// One JSON line of a `vlm-alert`: its fields and `"type": "alert"`; the pts in nanoseconds or
+/// null.
+fn json_line(s: &gst::StructureRef) -> String {
+    let mut object = serde_json::Map::new();
+    object.insert("type".into(), "alert".into());
+    for (name, value) in s.iter() {
+        let v = if let Ok(v) = value.get::<String>() {
+            serde_json::Value::from(v)
+        } else if let Ok(v) = value.get::<bool>() {
+            serde_json::Value::from(v)
+        } else if let Ok(v) = value.get::<f64>() {
+            serde_json::Value::from(v)
+        } else if name == "pts" {
+            let pts = value.get::<Option<gst::ClockTime>>().ok().flatten();
+            pts.map_or(serde_json::Value::Null, |t| t.nseconds().into())
+        } else if let Ok(v) = value.get::<u64>() {
+            serde_json::Value::from(v)
+        } else {
+            serde_json::Value::Null
+        };
+        object.insert(name.to_string(), v);
+    }
+    serde_json::Value::Object(object).to_string() + "\n"
+}

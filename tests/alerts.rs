@@ -1,0 +1,240 @@
+//! Standing questions (`vlmquery alerts`) through real pipelines: each stream's first state of
+//! an alert and each change are posted once as `vlm-alert` (and as a JSON line), `alert-hold`
+//! holds states against flapping, a malformed list is refused with a message, and alerts stop
+//! cleanly at EOS and NULL. The assertions hold however many frames the engine thins out.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use common::*;
+use gst::prelude::*;
+use gst_vlm_elements::meta::VlmFrameMeta;
+
+const FIELDS: [&str; 9] =
+    ["id", "question", "stream", "state", "probability", "frame", "pts", "latency-ms", "evaluations"];
+
+const FRAMES: u64 = 12;
+
+/// What an alert run left: the bus, the text pad's buffers, the frames of the history that
+/// reached vlmquery, and its `alert-evaluations` and `alerts-thinned`.
+struct AlertRun {
+    run: Run,
+    lines: Vec<String>,
+    frames: u64,
+    evaluations: u64,
+    thinned: u64,
+}
+
+/// A non-live run of `FRAMES` frames with `props` on vlmquery and its text pad into an appsink
+/// whose buffers are collected.
+fn alert_run(props: &str) -> AlertRun {
+    let pipeline = launch(&format!(
+        "videotestsrc pattern=ball num-buffers={FRAMES} ! video/x-raw,width=96,height=96,framerate=5/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q {props} ! appsink name=text sync=false"
+    ));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let lines = Arc::new(Mutex::new(vec![]));
+    let l2 = Arc::clone(&lines);
+    let appsink = bin.by_name("text").unwrap();
+    appsink.set_property("emit-signals", true);
+    appsink.connect("new-sample", false, move |args| {
+        let sink = args[0].get::<gst::Element>().unwrap();
+        let sample = sink.emit_by_name::<gst::Sample>("pull-sample", &[]);
+        let map = sample.buffer().unwrap().map_readable().unwrap();
+        l2.lock().unwrap().push(String::from_utf8(map.to_vec()).unwrap());
+        Some(gst::FlowReturn::Ok.to_value())
+    });
+    // The frames that joined the history (vlmencode may let some pass unencoded).
+    let frames = Arc::new(Mutex::new(0u64));
+    let f2 = Arc::clone(&frames);
+    let q = bin.by_name("q").unwrap();
+    q.static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        if info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).is_some() {
+            *f2.lock().unwrap() += 1;
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let run = run_to_eos(&pipeline, 300);
+    let (evaluations, thinned) = (q.property::<u64>("alert-evaluations"), q.property::<u64>("alerts-thinned"));
+    pipeline.set_state(gst::State::Null).unwrap();
+    let lines = lines.lock().unwrap().clone();
+    let frames = *frames.lock().unwrap();
+    AlertRun { run, lines, frames, evaluations, thinned }
+}
+
+fn alerts_of(run: &Run) -> Vec<gst::Structure> {
+    run.messages.iter().filter(|m| m.name() == "vlm-alert").cloned().collect()
+}
+
+/// Per (id, stream): the first message is the first state, then every message changes the state;
+/// the evaluation counts grow; the fields are all there and consistent.
+fn check_sequence(alerts: &[gst::Structure]) -> HashMap<(String, String), Vec<bool>> {
+    let mut seen: HashMap<(String, String), Vec<(bool, u64, u64)>> = HashMap::new();
+    for a in alerts {
+        for f in FIELDS {
+            assert!(a.has_field(f), "vlm-alert lacks {f}: {a}");
+        }
+        let p = a.get::<f64>("probability").unwrap();
+        assert!((0.0..=1.0).contains(&p), "{a}");
+        assert!(a.get::<f64>("latency-ms").unwrap() >= 0.0, "{a}");
+        let (frame, evaluations) = (a.get::<u64>("frame").unwrap(), a.get::<u64>("evaluations").unwrap());
+        assert!((1..=FRAMES).contains(&frame), "{a}");
+        assert!(evaluations >= 1 && evaluations <= frame, "{a}");
+        assert!(a.get::<Option<gst::ClockTime>>("pts").unwrap().is_some(), "{a}");
+        let key = (a.get::<String>("id").unwrap(), a.get::<String>("stream").unwrap());
+        let first = a.get::<bool>("first").unwrap();
+        let state = a.get::<bool>("state").unwrap();
+        let history = seen.entry(key).or_default();
+        assert_eq!(
+            first,
+            history.is_empty(),
+            "exactly the first message of an alert and stream is its first state: {a}"
+        );
+        if let Some(&(last, last_frame, last_evaluations)) = history.last() {
+            assert_ne!(state, last, "a change posted twice, or a non-change posted: {a}");
+            assert!(frame > last_frame && evaluations > last_evaluations, "{a}");
+        }
+        history.push((state, frame, evaluations));
+    }
+    seen.into_iter().map(|(k, v)| (k, v.into_iter().map(|s| s.0).collect())).collect()
+}
+
+#[test]
+fn each_streams_first_state_and_every_change_are_posted_once_on_the_bus_and_as_json() {
+    let AlertRun { run, lines, frames, evaluations, thinned } =
+        alert_run("alerts=\"ball:Is there a ball in the picture?;dark:Is the picture dark?\" output-format=json");
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let alerts = alerts_of(&run);
+    let states = check_sequence(&alerts);
+    // One first state per alert (one stream).
+    let mut ids: Vec<_> = states.keys().map(|k| k.0.clone()).collect();
+    ids.sort();
+    assert_eq!(ids, ["ball", "dark"], "{alerts:?}");
+    // Every frame is evaluated against both alerts, or thinned (a newer frame came first).
+    assert!(thinned < frames, "at least the last frame is evaluated");
+    assert_eq!(evaluations, 2 * (frames - thinned), "{frames} frames: {evaluations} evaluations, {thinned} thinned");
+    // The last message of each alert counts no more evaluations than were done.
+    assert!(alerts.iter().all(|a| a.get::<u64>("evaluations").unwrap() <= frames - thinned));
+    // The same changes as JSON lines on the text pad, in order.
+    let json: Vec<serde_json::Value> = lines
+        .iter()
+        .flat_map(|b| b.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).collect::<Vec<_>>())
+        .filter(|v| v["type"] == "alert")
+        .collect();
+    assert_eq!(json.len(), alerts.len(), "{json:?}");
+    for (j, a) in json.iter().zip(&alerts) {
+        assert_eq!(j["id"], a.get::<String>("id").unwrap().as_str());
+        assert_eq!(j["state"], a.get::<bool>("state").unwrap());
+        assert_eq!(j["frame"], a.get::<u64>("frame").unwrap());
+        assert_eq!(j["evaluations"], a.get::<u64>("evaluations").unwrap());
+        assert_eq!(j["probability"], a.get::<f64>("probability").unwrap());
+        assert_eq!(j["question"], a.get::<String>("question").unwrap().as_str());
+        assert!(j["pts"].is_u64() && j["latency-ms"].is_f64(), "{j}");
+    }
+}
+
+#[test]
+fn alert_hold_keeps_the_first_state_against_changes_that_do_not_hold() {
+    // A change needs 1000 evaluations in a row: never in 12 frames.
+    let AlertRun { run, frames, evaluations, thinned, .. } = alert_run(
+        "alerts=\"ball:Is there a ball in the picture?;dark:Is the picture dark?;red:Is it red?\" alert-hold=1000",
+    );
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let alerts = alerts_of(&run);
+    check_sequence(&alerts);
+    assert_eq!(alerts.len(), 3, "only each alert's first state: {alerts:?}");
+    assert!(alerts.iter().all(|a| a.get::<bool>("first").unwrap()));
+    assert_eq!(evaluations, 3 * (frames - thinned));
+}
+
+#[test]
+fn alert_interval_evaluates_every_nth_frame() {
+    let AlertRun { run, frames, evaluations, thinned, .. } =
+        alert_run("alerts=\"ball:Is there a ball?\" alert-interval=2");
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    // Frames 2, 4, ... are scheduled.
+    assert!(frames >= 2);
+    assert_eq!(evaluations + thinned, frames / 2, "{frames} frames: {evaluations} evaluations, {thinned} thinned");
+    let alerts = alerts_of(&run);
+    assert!(alerts.iter().all(|a| a.get::<u64>("frame").unwrap() % 2 == 0), "{alerts:?}");
+}
+
+fn warnings(bus: &gst::Bus) -> Vec<String> {
+    std::iter::from_fn(|| bus.pop_filtered(&[gst::MessageType::Warning]))
+        .map(|m| match m.view() {
+            gst::MessageView::Warning(w) => w.error().to_string(),
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+#[test]
+fn a_malformed_alert_list_is_refused_with_a_message_and_the_previous_one_kept() {
+    init();
+    let pipeline = gst::Pipeline::new();
+    let q = gst::ElementFactory::make("vlmquery").build().unwrap();
+    pipeline.add(&q).unwrap();
+    let bus = pipeline.bus().unwrap();
+    q.set_property("alerts", "door:Is the door open?;person:Is someone there?");
+    assert!(warnings(&bus).is_empty());
+    for (bad, says) in [
+        ("a:x;a:y", "\"a\" is used twice"),
+        (":Is it?", "empty id"),
+        ("door", "has no question"),
+        ("door:Is it?;person:  ", "empty question"),
+    ] {
+        q.set_property("alerts", bad);
+        assert_eq!(q.property::<String>("alerts"), "door:Is the door open?;person:Is someone there?", "{bad}");
+        let w = warnings(&bus);
+        assert_eq!(w.len(), 1, "{bad}: {w:?}");
+        assert!(w[0].contains(says) && w[0].contains("invalid alerts"), "{bad}: {}", w[0]);
+    }
+    q.set_property("alerts", "");
+    assert_eq!(q.property::<String>("alerts"), "");
+    // In a pipeline description: refused (the default stays), no crash.
+    let launched = launch("fakesrc ! vlmquery name=q alerts=\"a:x;a:y\" ! fakesink");
+    let q = launched.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    assert_eq!(q.property::<String>("alerts"), "");
+}
+
+#[test]
+fn alerts_are_settable_while_playing_and_stop_cleanly_at_null() {
+    let pipeline = launch(
+        "videotestsrc is-live=true pattern=ball ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q ! fakesink sync=false",
+    );
+    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    let bus = pipeline.bus().unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    // Set while PLAYING (the model is loading or frames are flowing); the first states follow.
+    q.set_property("alerts", "ball:Is there a ball?;dark:Is it dark?");
+    assert_eq!(q.property::<String>("alerts"), "ball:Is there a ball?;dark:Is it dark?");
+    q.set_property("alert-hold", 2u32);
+    let mut firsts = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    while firsts < 2 {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let msg = bus.timed_pop(gst::ClockTime::from_nseconds(left.as_nanos() as u64)).expect("no vlm-alert in 240 s");
+        match msg.view() {
+            gst::MessageView::Error(e) => panic!("{} ({:?})", e.error(), e.debug()),
+            gst::MessageView::Element(e) if e.structure().is_some_and(|s| s.name() == "vlm-alert") => firsts += 1,
+            _ => (),
+        }
+    }
+    // Stopped while evaluations are going on: NULL comes back, with nothing left hanging.
+    let (tx, rx) = mpsc::channel();
+    let p = pipeline.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(p.set_state(gst::State::Null));
+    });
+    let stopped = rx.recv_timeout(Duration::from_secs(120)).expect("the pipeline did not reach NULL in 120 s");
+    assert!(stopped.is_ok());
+    assert_eq!(q.property::<u64>("alert-evaluations"), 0, "counts start again at zero");
+}
