@@ -377,9 +377,9 @@ fn two_pipelines_in_one_process_share_one_model_and_both_answer() {
 fn two_streams(extra: &str) -> (gst::Element, gst::Bin, [gst_app::AppSrc; 2], [gst::Element; 2], [Frames; 2]) {
     let pipeline = launch(&format!(
         "vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf max-streams=2 {extra} \
-         appsrc name=src0 format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 \
+         appsrc name=src0 format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 min-change=0 \
            ! ctx.sink_0 ctx.src_0 ! vlmquery name=q0 max-tokens=4 ! fakesink sync=false async=false \
-         appsrc name=src1 format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 \
+         appsrc name=src1 format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 min-change=0 \
            ! ctx.sink_1 ctx.src_1 ! vlmquery name=q1 max-tokens=4 ! fakesink sync=false async=false"
     ));
     let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();

@@ -140,3 +140,40 @@ fn held_duplicates_answer_as_the_changed_frames_alone_with_the_pictures_age() {
     }
     assert_eq!(gated.get::<&str>("text").unwrap(), plain.get::<&str>("text").unwrap());
 }
+
+/// A 64x48 gradient with a white square of `side` px at (x, y) (none for side 0).
+fn scene(x: usize, y: usize, side: usize) -> gst::Buffer {
+    let mut rgb = vec![0u8; 64 * 48 * 3];
+    for (i, px) in rgb.chunks_mut(3).enumerate() {
+        let (px_x, px_y) = (i % 64, i / 64);
+        let on = px_x >= x && px_x < x + side && px_y >= y && px_y < y + side;
+        px.copy_from_slice(&if on { [255; 3] } else { [(px_x * 4) as u8, (px_y * 5) as u8, 90] });
+    }
+    gst::Buffer::from_mut_slice(rgb)
+}
+
+/// (tiles-encoded, tiles-reused) after a still scene, then a square appearing in its top-left
+/// tile, through vlmencode with SmolVLM's projector type (the idefics3 test pair: 2x2 tiles
+/// and an overview).
+fn tiles(tile_reuse: &str) -> (u64, u64) {
+    init();
+    let e = gst::ElementFactory::make("vlmencode")
+        .property("mmproj", "models/test-idefics3-mmproj.gguf")
+        .property("model", "models/test-idefics3-lm.gguf")
+        .property("interval", 0u64)
+        .property_from_str("tile-reuse", tile_reuse)
+        .build()
+        .unwrap();
+    let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
+    h.set_src_caps(rgb_caps(64, 48));
+    assert_eq!(push(&mut h, scene(0, 0, 0), 0), "encoded");
+    assert_eq!(push(&mut h, scene(4, 4, 12), 1), "encoded");
+    (e.property::<u64>("tiles-encoded"), e.property::<u64>("tiles-reused"))
+}
+
+#[test]
+fn a_square_in_one_tile_encodes_that_tile_and_the_overview() {
+    assert_eq!(tiles("threshold"), (5 + 2, 3));
+    assert_eq!(tiles("exact"), (5 + 2, 3));
+    assert_eq!(tiles("off"), (5 + 5, 0));
+}

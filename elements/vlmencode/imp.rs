@@ -84,6 +84,21 @@ pub enum Backend {
     Rknn,
 }
 
+/// Which tiles of a due frame are taken from the frame encoded before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
+#[enum_type(name = "GstVlmEncodeTileReuse")]
+pub enum TileReuseKind {
+    #[enum_value(name = "Off: every tile of a due frame is encoded", nick = "off")]
+    Off,
+    #[enum_value(name = "Exact: a tile whose pixels are identical", nick = "exact")]
+    Exact,
+    #[enum_value(
+        name = "Threshold: a tile where the change gate sees no change beyond noise since the pixels its embeddings came from",
+        nick = "threshold"
+    )]
+    Threshold,
+}
+
 #[derive(Debug, Clone)]
 struct Settings {
     backend: Backend,
@@ -99,6 +114,7 @@ struct Settings {
     threads: u32,
     min_change: f64,
     max_unchanged: u64,
+    tile_reuse: TileReuseKind,
 }
 
 impl Default for Settings {
@@ -117,6 +133,7 @@ impl Default for Settings {
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
             min_change: DEFAULT_MIN_CHANGE,
             max_unchanged: DEFAULT_MAX_UNCHANGED,
+            tile_reuse: TileReuseKind::Threshold,
         }
     }
 }
@@ -134,6 +151,9 @@ struct Stats {
     peak_pending: usize,
     /// Due frames the change gate held (no change since the last encoded frame).
     unchanged: u64,
+    /// Images (tiles) of encoded frames encoded, and taken from the frame before.
+    tiles_encoded: u64,
+    tiles_reused: u64,
 }
 
 #[derive(Default)]
@@ -150,12 +170,21 @@ struct State {
     /// The change gate (`min-change`), and the running time of the frame it last let through.
     gate: ChangeGate,
     gate_passed: Option<gst::ClockTime>,
+    /// `tile-reuse` met a projector that encodes a frame as one image (said once).
+    untiled_said: bool,
+}
+
+/// A frame to encode: the caps to read it by, and its sampling by the change gate (for tile
+/// reuse).
+struct Due {
+    info: gst_video::VideoInfo,
+    luma: Option<Arc<Luma>>,
 }
 
 /// What waits, in stream order, for the encoding task.
 enum Item {
-    /// A frame, with the caps to read it by when it is to be encoded.
-    Frame(gst::Buffer, Option<gst_video::VideoInfo>),
+    /// A frame, and how to encode it when it is to be encoded.
+    Frame(gst::Buffer, Option<Due>),
     Event(gst::Event),
 }
 
@@ -226,7 +255,7 @@ impl VlmEncode {
 enum Gate {
     /// Encode it (changed, the gate off, or `max-unchanged` reached), with its sampling for
     /// later frames to compare with once it goes to the encoder.
-    Encode(Option<Luma>),
+    Encode(Option<Arc<Luma>>),
     /// It did not change (the share of the picture that did): the last encoded frame stands.
     Hold(f64),
 }
@@ -251,11 +280,12 @@ pub(crate) fn picture<'a>(
 impl VlmEncode {
     /// The change gate (`min-change`) for a due frame at running time `time`.
     fn gate(&self, buffer: &gst::Buffer, info: &gst_video::VideoInfo, time: Option<gst::ClockTime>) -> Gate {
-        let (min_change, max_unchanged) = {
+        let (min_change, max_unchanged, tiles) = {
             let s = self.settings.lock();
-            (s.min_change, gst::ClockTime::from_nseconds(s.max_unchanged))
+            (s.min_change, gst::ClockTime::from_nseconds(s.max_unchanged), s.tile_reuse)
         };
-        if min_change <= 0.0 {
+        // (With the gate off, the sampling still serves tile reuse.)
+        if min_change <= 0.0 && tiles != TileReuseKind::Threshold {
             return Gate::Encode(None);
         }
         let Some(format) = pixel_format(info) else { return Gate::Encode(None) };
@@ -268,8 +298,8 @@ impl VlmEncode {
             _ => false,
         };
         match state.gate.decide(&picture(&vframe, info, format), min_change) {
-            Some(Decision::Unchanged(change, _)) if !stale => Gate::Hold(change.share()),
-            Some(Decision::Unchanged(_, luma) | Decision::Changed(_, luma)) => Gate::Encode(Some(luma)),
+            Some(Decision::Unchanged(change, _)) if !stale && min_change > 0.0 => Gate::Hold(change.share()),
+            Some(Decision::Unchanged(_, luma) | Decision::Changed(_, luma)) => Gate::Encode(Some(Arc::new(luma))),
             None => Gate::Encode(None),
         }
     }
@@ -325,12 +355,12 @@ impl VlmEncode {
             return self.enqueue(Item::Frame(buffer, None), false);
         }
         self.encoding(running_time);
-        if let Some(luma) = luma {
+        if let Some(luma) = &luma {
             let mut state = self.state.lock();
-            state.gate.encoded(luma);
+            state.gate.encoded(Arc::clone(luma));
             state.gate_passed = running_time;
         }
-        self.enqueue(Item::Frame(buffer, Some(info)), true)
+        self.enqueue(Item::Frame(buffer, Some(Due { info, luma })), true)
     }
 
     fn sink_event(&self, event: gst::Event) -> bool {
@@ -347,6 +377,9 @@ impl VlmEncode {
                 self.set_flushing(false);
                 self.state.lock().last_encoded = None;
                 self.reset_gate();
+                if let Some(encoder) = self.state.lock().encoder.as_ref() {
+                    encoder.forget_last();
+                }
                 let forwarded = self.srcpad.push_event(event);
                 self.start_task();
                 return forwarded;
@@ -549,6 +582,21 @@ impl ObjectImpl for VlmEncode {
                     .default_value(DEFAULT_MAX_UNCHANGED)
                     .mutable_playing()
                     .build(),
+                glib::ParamSpecEnum::builder_with_default("tile-reuse", TileReuseKind::Threshold)
+                    .nick("Tile reuse")
+                    .blurb("Tiles of a due frame taken from the frame encoded before (tiled projectors such as SmolVLM's): off, exact (identical pixels) or threshold (no change beyond noise)")
+                    .mutable_playing()
+                    .build(),
+                glib::ParamSpecUInt64::builder("tiles-encoded")
+                    .nick("Tiles encoded")
+                    .blurb("Images (tiles) of encoded frames that were encoded")
+                    .read_only()
+                    .build(),
+                glib::ParamSpecUInt64::builder("tiles-reused")
+                    .nick("Tiles reused")
+                    .blurb("Images (tiles) of encoded frames taken from the frame encoded before (tile-reuse)")
+                    .read_only()
+                    .build(),
                 glib::ParamSpecUInt64::builder("frames-unchanged")
                     .nick("Frames unchanged")
                     .blurb("Due frames not encoded because they had not changed (min-change)")
@@ -610,6 +658,7 @@ impl ObjectImpl for VlmEncode {
             "threads" => s.threads = value.get().unwrap(),
             "min-change" => s.min_change = value.get().unwrap(),
             "max-unchanged" => s.max_unchanged = value.get().unwrap(),
+            "tile-reuse" => s.tile_reuse = value.get().unwrap(),
             _ => unreachable!(),
         }
     }
@@ -635,6 +684,9 @@ impl ObjectImpl for VlmEncode {
             "min-change" => self.settings.lock().min_change.to_value(),
             "max-unchanged" => self.settings.lock().max_unchanged.to_value(),
             "frames-unchanged" => self.stats.lock().unchanged.to_value(),
+            "tile-reuse" => self.settings.lock().tile_reuse.to_value(),
+            "tiles-encoded" => self.stats.lock().tiles_encoded.to_value(),
+            "tiles-reused" => self.stats.lock().tiles_reused.to_value(),
             "frames-seen" => self.stats.lock().seen.to_value(),
             "frames-encoded" => self.stats.lock().encoded.to_value(),
             "mean-encode-ms" => {

@@ -20,6 +20,17 @@
 //! colour alone is not seen; `max-unchanged` re-encodes an unchanged picture every so often
 //! (30 s of stream time by default) so that slow drifts are caught. A caps change, a flush or a
 //! new segment starts the gate afresh.
+//!
+//! A frame that did change is encoded tile by tile where the projector cuts it into tiles
+//! (SmolVLM's idefics3: a grid of 512 px tiles and an overview, each encoded on its own):
+//! `tile-reuse` takes a tile's embeddings from the frame encoded before when that tile did not
+//! change (`exact`: its pixels, and the few around it the resize blends in, are identical, so
+//! the embeddings are exactly what an encode would give; `threshold`, the default: the change
+//! gate sees no change beyond noise in it since the pixels its embeddings came from, so they
+//! differ from an encode by the noise only). The overview shows the whole picture and is
+//! encoded whenever anything changed. Projectors that encode a frame as one image (LLaVA-style,
+//! Qwen2-VL, Gemma 3) have no tiles to reuse (said once in the debug log). Tiles come only from
+//! the same projector, size and tile grid; caps, a flush or a new segment start afresh.
 //! Serialized queries (ALLOCATION, DRAIN) keep their place in the stream: one goes downstream
 //! once the frames before it have left (a flush or a stop releases it unanswered).
 //!
@@ -80,9 +91,10 @@
 //!   that must have changed since the last encoded frame for a due frame to be encoded.
 //! - `max-unchanged` (ns, 30000000000; 0 = never): stream time after which an unchanged
 //!   picture is encoded again.
+//! - `tile-reuse` (`off`/`exact`/`threshold`, `threshold`): see above.
 //! - Read-only: `active-backend`, `frames-seen`, `frames-encoded`, `frames-skipped`,
-//!   `frames-unchanged` (due frames the gate held), `peak-pending`, `cache-hits`,
-//!   `cache-misses`, `mean-encode-ms`.
+//!   `frames-unchanged` (due frames the gate held), `tiles-encoded` and `tiles-reused` (images of
+//!   encoded frames), `peak-pending`, `cache-hits`, `cache-misses`, `mean-encode-ms`.
 //!
 //! ## Messages
 //!
@@ -113,5 +125,6 @@ pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     std::sync::LazyLock::force(&imp::CAT);
     // The enum of a property is part of the plugin's documented API.
     imp::Backend::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
+    imp::TileReuseKind::static_type().mark_as_plugin_api(gst::PluginAPIFlags::empty());
     gst::Element::register(Some(plugin), "vlmencode", gst::Rank::NONE, VlmEncode::static_type())
 }

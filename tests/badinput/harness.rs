@@ -172,7 +172,7 @@ impl Fed {
     pub fn new(ctx: &str, q: &str, tail: &str) -> Fed {
         let pipeline = launch(&format!(
             "appsrc name=src format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf \
-               model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 cache-entries=0 \
+               model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 cache-entries=0 min-change=0 \
              ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf {ctx} \
              ! vlmquery name=q max-tokens=4 {q} ! fakesink sync=false async=false \
              q.video_src ! fakesink sync=false async=false {tail}"

@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use gst::prelude::*;
 use gst::subclass::prelude::*;
-use vlm_runtime::encoder::{EncoderBackend, FrameEncoder, open_encoder};
+use vlm_runtime::encoder::{EncoderBackend, FrameEncoder, TileReuse, open_encoder};
 use vlm_runtime::{Device, models};
 
-use super::{Backend, CAT, VlmEncode, pixel_format};
+use super::{Backend, CAT, Due, TileReuseKind, VlmEncode, pixel_format};
 use crate::events::ModelQuery;
 use crate::meta::VlmFrameMeta;
 
@@ -116,37 +116,57 @@ impl VlmEncode {
         false
     }
 
-    /// Encode one frame (or take it from the cache) and attach the embeddings.
-    pub(super) fn encode(&self, buffer: &mut gst::Buffer, info: &gst_video::VideoInfo) -> Result<(), gst::FlowError> {
+    /// Encode one frame (or take it from the cache, or some of its tiles from the frame before)
+    /// and attach the embeddings.
+    pub(super) fn encode(&self, buffer: &mut gst::Buffer, due: &Due) -> Result<(), gst::FlowError> {
+        let info = &due.info;
         let encoder = self.encoder().map_err(|e| {
             self.post_error_message(e);
             gst::FlowError::Error
         })?;
         let format = pixel_format(info).ok_or(gst::FlowError::NotNegotiated)?;
         let started = Instant::now();
-        let (frame, hit) = {
+        let reuse = match (self.settings.lock().tile_reuse, &due.luma) {
+            (TileReuseKind::Off, _) | (TileReuseKind::Threshold, None) => TileReuse::Off,
+            (TileReuseKind::Exact, _) => TileReuse::Exact,
+            (TileReuseKind::Threshold, Some(luma)) => TileReuse::Unchanged(luma),
+        };
+        let encoded = {
             let vframe = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer.as_ref(), info).map_err(|_| {
                 gst::element_imp_error!(self, gst::StreamError::Format, ("cannot map a video frame of {:?}", info));
                 gst::FlowError::Error
             })?;
-            encoder.encode(&super::picture(&vframe, info, format)).map_err(|e| {
+            encoder.encode_reusing(&super::picture(&vframe, info, format), reuse).map_err(|e| {
                 gst::element_imp_error!(self, gst::StreamError::Decode, ("vision encoding failed: {}", e));
                 gst::FlowError::Error
             })?
         };
+        let (frame, hit, tiles) = (encoded.frame, encoded.hit, encoded.tiles);
         let ms = started.elapsed().as_secs_f64() * 1e3;
         gst::debug!(
             CAT,
             imp = self,
-            "frame {:?}: {} in {:.1} ms",
+            "frame {:?}: {} in {:.1} ms ({} images encoded, {} reused)",
             buffer.pts(),
             if hit { "cache hit" } else { "encoded" },
-            ms
+            ms,
+            tiles.encoded,
+            tiles.reused
         );
+        if !hit && tiles.tiles.len() <= 1 && !matches!(reuse, TileReuse::Off) && !self.state.lock().untiled_said {
+            self.state.lock().untiled_said = true;
+            gst::info!(
+                CAT,
+                imp = self,
+                "the projector encodes a frame as one image: tile-reuse has no tiles to reuse, the change gate works on whole frames"
+            );
+        }
         VlmFrameMeta::add(buffer.make_mut(), frame);
         if !hit {
             let mut st = self.stats.lock();
             st.encoded += 1;
+            st.tiles_encoded += tiles.encoded as u64;
+            st.tiles_reused += tiles.reused as u64;
             st.encode_ms_total += ms;
             // Frames leave an encoding later: a live pipeline must know, or its sinks drop them.
             // Grown by a quarter or more, the latency is reported again.

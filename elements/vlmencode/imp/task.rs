@@ -124,12 +124,19 @@ impl VlmEncode {
         // (After EOS the task waits for the next item: a new stream may follow.)
         let result = match item {
             Item::Event(event) => {
+                // New caps or a new segment: no tile of the frames before is reused (in stream
+                // order: the frames queued before it may still use theirs).
+                if matches!(event.type_(), gst::EventType::Caps | gst::EventType::Segment)
+                    && let Some(encoder) = self.state.lock().encoder.as_ref()
+                {
+                    encoder.forget_last();
+                }
                 self.srcpad.push_event(event);
                 Ok(gst::FlowSuccess::Ok)
             }
             Item::Frame(buffer, None) => self.srcpad.push(buffer),
-            Item::Frame(mut buffer, Some(info)) => {
-                let encoded = self.encode(&mut buffer, &info);
+            Item::Frame(mut buffer, Some(due)) => {
+                let encoded = self.encode(&mut buffer, &due);
                 let mut q = self.queue.lock();
                 q.pending = q.pending.saturating_sub(1);
                 self.changed.notify_all();

@@ -16,6 +16,8 @@
 //! brighter as darker (it is seen once it enters another block). A slow drift of light adds up against the last *encoded* frame until it shows,
 //! and the caller caps how long a picture may stand unchanged.
 
+use std::sync::Arc;
+
 use super::{Picture, PixelFormat};
 
 /// Smallest side of a block, in pixels.
@@ -80,17 +82,32 @@ impl Luma {
 }
 
 /// How a frame compares with the reference.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Change {
     /// Blocks that changed, and blocks in all.
     pub blocks: usize,
     pub of: usize,
+    /// Which blocks changed: `across` × (of / across), row-major, each `block` pixels square.
+    map: Vec<bool>,
+    across: usize,
+    block: u32,
 }
 
 impl Change {
     /// The share of the picture (of its blocks) that changed, 0..1.
     pub fn share(&self) -> f64 {
         if self.of == 0 { 1.0 } else { self.blocks as f64 / self.of as f64 }
+    }
+
+    /// Whether a block inside pixels (x0, y0)..(x1, y1), or within `margin` pixels of them,
+    /// changed.
+    pub fn changed_in(&self, (x0, y0, x1, y1): (u32, u32, u32, u32), margin: u32) -> bool {
+        let b = self.block;
+        let rows = self.map.len() / self.across.max(1);
+        let (bx0, by0) = ((x0.saturating_sub(margin) / b) as usize, (y0.saturating_sub(margin) / b) as usize);
+        let (bx1, by1) =
+            (((x1 + margin).div_ceil(b) as usize).min(self.across), ((y1 + margin).div_ceil(b) as usize).min(rows));
+        (by0..by1).any(|y| (bx0..bx1).any(|x| self.map[y * self.across + x]))
     }
 }
 
@@ -118,8 +135,8 @@ pub fn compare(reference: &Luma, now: &Luma) -> Option<Change> {
             }
         }
     }
-    let blocks = moved.iter().filter(|&&(up, down)| block_changed(up, down)).count();
-    Some(Change { blocks, of: moved.len() })
+    let map: Vec<bool> = moved.iter().map(|&(up, down)| block_changed(up, down)).collect();
+    Some(Change { blocks: map.iter().filter(|&&c| c).count(), of: map.len(), map, across: bx, block: block as u32 })
 }
 
 /// Whether a block whose samples moved `up` and `down` has changed: they lean one way beyond
@@ -135,7 +152,7 @@ fn block_changed(up: u32, down: u32) -> bool {
 /// each new frame.
 #[derive(Debug, Default)]
 pub struct ChangeGate {
-    reference: Option<Luma>,
+    reference: Option<Arc<Luma>>,
 }
 
 /// What the gate decided for a frame.
@@ -162,7 +179,7 @@ impl ChangeGate {
     }
 
     /// The frame sampled as `luma` is encoded: later frames compare with it.
-    pub fn encoded(&mut self, luma: Luma) {
+    pub fn encoded(&mut self, luma: Arc<Luma>) {
         self.reference = Some(luma);
     }
 
@@ -231,7 +248,7 @@ mod tests {
 
     fn encode(gate: &mut ChangeGate, rgb: &[u8]) {
         match decide(gate, rgb) {
-            Decision::Changed(_, luma) => gate.encoded(luma),
+            Decision::Changed(_, luma) => gate.encoded(Arc::new(luma)),
             other => panic!("expected a change, got {other:?}"),
         }
     }
@@ -277,8 +294,13 @@ mod tests {
         // A 64x64 white square: 16 of the 300 blocks (16 px) change.
         let b = scene(1, 0, (0, 0, 0), Some((64, 64, 64)));
         let pic = Picture::packed(&b, W, H, W as usize * 3, PixelLayout::Rgb);
-        assert!(matches!(gate.decide(&pic, 0.05), Some(Decision::Changed(Some(Change { blocks: 16, of: 300 }), _))));
-        assert!(matches!(gate.decide(&pic, 0.06), Some(Decision::Unchanged(Change { blocks: 16, of: 300 }, _))));
+        let Some(Decision::Changed(Some(c), _)) = gate.decide(&pic, 0.05) else { panic!("16 of 300 is over 5%") };
+        assert_eq!((c.blocks, c.of), (16, 300));
+        // The square covers pixels 64..128 each way: blocks 4..8.
+        assert!(c.changed_in((64, 64, 128, 128), 0) && c.changed_in((0, 0, 65, 65), 0));
+        assert!(!c.changed_in((0, 0, 64, 64), 0) && !c.changed_in((128, 0, 320, 240), 0));
+        assert!(c.changed_in((128, 0, 320, 240), 1), "within the margin");
+        assert!(matches!(gate.decide(&pic, 0.06), Some(Decision::Unchanged(Change { blocks: 16, of: 300, .. }, _))));
         let small = Picture::packed(&a[..(W * 3 * 120) as usize], W, 120, W as usize * 3, PixelLayout::Rgb);
         assert!(matches!(gate.decide(&small, 0.001), Some(Decision::Changed(None, _))));
         gate.reset();
@@ -304,6 +326,7 @@ mod tests {
             row[..16].fill(250);
         }
         let c = compare(&pic(&y), &pic(&moved)).unwrap();
+        assert!(c.changed_in((0, 0, 16, 16), 0) && !c.changed_in((16, 0, 64, 32), 0));
         assert_eq!((c.blocks, c.of), (1, 8));
         assert!(
             Luma::of(&Picture { planes: [&y[..10], &uv, &[]], ..Picture::packed(&y, 64, 32, 64, PixelLayout::Rgb) })

@@ -12,8 +12,9 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::cache::{BoundedCache, CacheStats, Weighted};
 use crate::error::{Error, Result};
-use crate::llama::{Projector, Segment};
+use crate::llama::{Projector, Segment, Tile, TileCount};
 use crate::stream::Frame;
+use parking_lot::Mutex;
 
 /// The change gate: whether a frame changed enough since the last encoded one to encode it.
 pub mod gate;
@@ -245,6 +246,18 @@ pub trait VisionEncoder: Send + Sync {
     /// Encode a preprocessed picture into the segments it becomes in the language sequence.
     fn encode_rgb(&self, rgb: &Rgb) -> Result<Vec<Segment>>;
 
+    /// [`VisionEncoder::encode_rgb`], asking `reuse` for each image (its tile and rows) before
+    /// encoding it. An encoder without separate tiles encodes the picture whole.
+    fn encode_rgb_tiles(
+        &self,
+        rgb: &Rgb,
+        _reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
+    ) -> Result<(Vec<Segment>, TileCount)> {
+        let segments = self.encode_rgb(rgb)?;
+        let images = segments.iter().filter(|s| matches!(s, Segment::Image(_))).count();
+        Ok((segments, TileCount { encoded: images, reused: 0, tiles: vec![None; images] }))
+    }
+
     /// Preprocess and encode one picture.
     fn encode(&self, picture: &Picture<'_>) -> Result<Frame> {
         let segments = self.encode_rgb(&picture.to_rgb()?)?;
@@ -272,6 +285,14 @@ impl VisionEncoder for MtmdEncoder {
 
     fn encode_rgb(&self, rgb: &Rgb) -> Result<Vec<Segment>> {
         self.projector.encode(&rgb.data, rgb.width, rgb.height)
+    }
+
+    fn encode_rgb_tiles(
+        &self,
+        rgb: &Rgb,
+        reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
+    ) -> Result<(Vec<Segment>, TileCount)> {
+        self.projector.encode_tiles(&rgb.data, rgb.width, rgb.height, reuse)
     }
 }
 
@@ -357,15 +378,82 @@ pub fn open_encoder(
     })
 }
 
-/// An encoder with an embedding cache in front of it.
+/// Which tiles of a frame may be taken from the frame encoded before it (tiled projectors,
+/// such as SmolVLM's idefics3, encode every tile on its own).
+#[derive(Debug, Clone, Copy)]
+pub enum TileReuse<'a> {
+    /// Encode every tile.
+    Off,
+    /// A tile whose pixels (and the pixels around it that the resize blends in) are identical:
+    /// its rows are exactly what an encode would give.
+    Exact,
+    /// A tile where the change gate sees no change beyond noise between these pixels (their
+    /// sampling) and those its rows were encoded from: the rows differ from an encode of these
+    /// pixels by what the noise makes.
+    Unchanged(&'a Arc<gate::Luma>),
+}
+
+/// Pixels around a tile that libmtmd's resize may blend into it.
+fn tile_margin(width: u32) -> u32 {
+    (width / 128).max(2)
+}
+
+/// The frame encoded last, for tile reuse.
+struct LastFrame {
+    rgb: Rgb,
+    frame: Arc<Frame>,
+    /// Per image segment: its tile, and (`TileReuse::Unchanged`) the sampling of the pixels its
+    /// rows were encoded from (an earlier frame's, where they were reused).
+    tiles: Vec<(Option<Tile>, Option<Arc<gate::Luma>>)>,
+}
+
+impl LastFrame {
+    /// The rows of `tile` in this frame, if it has them, and where they were encoded from.
+    fn rows_of(&self, tile: Tile, rows: usize) -> Option<(Box<[f32]>, Option<&Arc<gate::Luma>>)> {
+        let images = self.frame.segments.iter().filter_map(|s| match s {
+            Segment::Image(i) => Some(i),
+            Segment::Text(_) => None,
+        });
+        images
+            .zip(&self.tiles)
+            .find(|(i, (t, _))| *t == Some(tile) && i.rows == rows)
+            .map(|(i, (_, origin))| (i.data.clone(), origin.as_ref()))
+    }
+}
+
+impl Rgb {
+    /// Whether pixels (x0, y0)..(x1, y1), widened by `margin`, are identical in `other` (of the
+    /// same size).
+    fn same_region(&self, other: &Rgb, (x0, y0, x1, y1): (u32, u32, u32, u32), margin: u32) -> bool {
+        let (w, h) = (self.width as usize, self.height as usize);
+        let (x0, y0) = (x0.saturating_sub(margin) as usize, y0.saturating_sub(margin) as usize);
+        let (x1, y1) = (((x1 + margin) as usize).min(w), ((y1 + margin) as usize).min(h));
+        (y0..y1).all(|y| {
+            let row = y * w * 3;
+            self.data[row + x0 * 3..row + x1 * 3] == other.data[row + x0 * 3..row + x1 * 3]
+        })
+    }
+}
+
+/// A frame from [`FrameEncoder::encode_reusing`].
+pub struct Encoded {
+    pub frame: Arc<Frame>,
+    /// From the embedding cache (nothing encoded).
+    pub hit: bool,
+    pub tiles: TileCount,
+}
+
+/// An encoder with an embedding cache in front of it, and the frame it encoded last for tile
+/// reuse.
 pub struct FrameEncoder {
     encoder: Arc<dyn VisionEncoder>,
     cache: BoundedCache<u64, Frame>,
+    last: Mutex<Option<LastFrame>>,
 }
 
 impl FrameEncoder {
     pub fn new(encoder: Arc<dyn VisionEncoder>, max_entries: usize, max_bytes: usize) -> Self {
-        FrameEncoder { encoder, cache: BoundedCache::new(max_entries, max_bytes) }
+        FrameEncoder { encoder, cache: BoundedCache::new(max_entries, max_bytes), last: Mutex::new(None) }
     }
 
     pub fn encoder(&self) -> &Arc<dyn VisionEncoder> {
@@ -375,13 +463,75 @@ impl FrameEncoder {
     /// The frame's embeddings, from the cache when the same picture was encoded before (then
     /// the same shared handle is returned). The flag says whether it was a cache hit.
     pub fn encode(&self, picture: &Picture<'_>) -> Result<(Arc<Frame>, bool)> {
+        let e = self.encode_reusing(picture, TileReuse::Off)?;
+        Ok((e.frame, e.hit))
+    }
+
+    /// [`FrameEncoder::encode`], taking the tiles `reuse` allows from the frame this encoder
+    /// encoded last (same size; the caller says when the stream starts afresh:
+    /// [`FrameEncoder::forget_last`]).
+    pub fn encode_reusing(&self, picture: &Picture<'_>, reuse: TileReuse<'_>) -> Result<Encoded> {
         let content_hash = picture.identity(self.encoder.id());
+        let mut last = self.last.lock();
         if let Some(frame) = self.cache.get(&content_hash) {
-            return Ok((frame, true));
+            // (Its pixels are not at hand to compare tiles with: the next frame starts afresh.)
+            *last = None;
+            return Ok(Encoded { frame, hit: true, tiles: TileCount::default() });
         }
-        let frame = Arc::new(Frame { content_hash, segments: self.encoder.encode_rgb(&picture.to_rgb()?)? });
+        let rgb = picture.to_rgb()?;
+        let previous = last.take().filter(|l| (l.rgb.width, l.rgb.height) == (rgb.width, rgb.height));
+        let margin = tile_margin(rgb.width);
+        // The change since each earlier sampling a tile's rows came from (few: computed once).
+        let mut changes: Vec<(Arc<gate::Luma>, Option<gate::Change>)> = vec![];
+        // Where the reused tiles' rows were encoded from.
+        let mut reused_from: Vec<(Tile, Option<Arc<gate::Luma>>)> = vec![];
+        let mut lookup = |tile: Tile, rows: usize| -> Option<Box<[f32]>> {
+            let previous = previous.as_ref()?;
+            let (data, origin) = previous.rows_of(tile, rows)?;
+            let region = tile.region(rgb.width, rgb.height);
+            let unchanged = match reuse {
+                TileReuse::Off => false,
+                TileReuse::Exact => previous.rgb.same_region(&rgb, region, margin),
+                TileReuse::Unchanged(now) => {
+                    let origin = origin?;
+                    let at = match changes.iter().position(|(l, _)| Arc::ptr_eq(l, origin)) {
+                        Some(at) => at,
+                        None => {
+                            changes.push((Arc::clone(origin), gate::compare(origin, now)));
+                            changes.len() - 1
+                        }
+                    };
+                    changes[at].1.as_ref().is_some_and(|c| !c.changed_in(region, margin))
+                }
+            };
+            unchanged.then(|| {
+                reused_from.push((tile, origin.cloned()));
+                data
+            })
+        };
+        let (segments, tiles) = self.encoder.encode_rgb_tiles(&rgb, &mut lookup)?;
+        let now = match reuse {
+            TileReuse::Unchanged(now) => Some(now),
+            _ => None,
+        };
+        let origins = tiles
+            .tiles
+            .iter()
+            .map(|t| {
+                let reused = t.and_then(|t| reused_from.iter().find(|(r, _)| *r == t));
+                (*t, reused.map_or_else(|| now.cloned(), |(_, origin)| origin.clone()))
+            })
+            .collect();
+        let frame = Arc::new(Frame { content_hash, segments });
         self.cache.insert(content_hash, Arc::clone(&frame));
-        Ok((frame, false))
+        *last = Some(LastFrame { rgb, frame: Arc::clone(&frame), tiles: origins });
+        Ok(Encoded { frame, hit: false, tiles })
+    }
+
+    /// The stream starts afresh (new caps, a flush, a seek): no tile of the frame before is
+    /// reused.
+    pub fn forget_last(&self) {
+        *self.last.lock() = None;
     }
 
     pub fn cache_stats(&self) -> CacheStats {

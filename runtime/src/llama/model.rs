@@ -50,6 +50,8 @@ pub struct Model {
     /// Whether this model on this device computes a token's row as it computes the token, as
     /// the first calibration run that asked measured ([`Model::rows_agree`]).
     rows_agree: OnceLock<bool>,
+    /// Its RPC servers' use (none on other devices): dropped after `Drop` has freed the model.
+    _rpc_lease: Option<super::rpc::Lease>,
 }
 
 // SAFETY: a llama_model is not mutated after llama_model_load_from_file returns; llama.cpp's
@@ -66,6 +68,8 @@ impl Model {
         // token rows, the identity's size and the weights then all come from one file.
         let file = std::fs::File::open(path)
             .map_err(|e| Error::File { path: path.to_path_buf(), reason: format!("cannot read model file: {e}") })?;
+        // The RPC servers' use by this model (see `rpc::devices`), released after the model.
+        let mut rpc_lease = None;
         // SAFETY: default params are plain data; `devices` points at a null-terminated list
         // that outlives the call.
         let ptr = unsafe {
@@ -74,7 +78,9 @@ impl Model {
             match device {
                 Device::Cpu => params.n_gpu_layers = 0,
                 Device::Rpc(endpoints) => {
-                    devices = super::rpc::devices(endpoints)?;
+                    let (rpc_devices, lease) = super::rpc::devices(endpoints)?;
+                    devices = rpc_devices;
+                    rpc_lease = Some(lease);
                     devices.push(null_mut());
                     params.n_gpu_layers = 999;
                 }
@@ -99,6 +105,7 @@ impl Model {
             identity: String::new(),
             token_rows: Err(String::new()),
             rows_agree: OnceLock::new(),
+            _rpc_lease: rpc_lease,
         };
         let opened = file.metadata().map_err(|e| Error::File { path: path.to_path_buf(), reason: e.to_string() })?;
         let same = std::fs::metadata(path).is_ok_and(|now| (now.dev(), now.ino()) == (opened.dev(), opened.ino()));

@@ -1,0 +1,111 @@
+//! Tile reuse (`FrameEncoder::encode_reusing`) on a tiled projector: the idefics3 test pair
+//! (64 px tiles, longest edge 128: a 64x48 frame is 2x2 tiles and an overview). A change in one
+//! corner encodes that tile and the overview; the other tiles come from the frame before, and
+//! equal what a full encode of the new pixels gives.
+
+mod common;
+
+use std::sync::Arc;
+
+use vlm_runtime::encoder::gate::{ChangeGate, Decision};
+use vlm_runtime::encoder::{FrameEncoder, MtmdEncoder, Picture, PixelLayout, TileReuse};
+use vlm_runtime::llama::{Segment, Tile};
+use vlm_runtime::{Device, Frame, models};
+
+const W: u32 = 64;
+const H: u32 = 48;
+
+fn encoder(family: &str) -> FrameEncoder {
+    let dir = common::models_dir();
+    let (lm, mmproj) = (dir.join(format!("test-{family}-lm.gguf")), dir.join(format!("test-{family}-mmproj.gguf")));
+    let model = models::model(&lm, &Device::Cpu).expect("model");
+    let projector = models::projector(&mmproj, &model, false, 2).expect("projector");
+    // No embedding cache: every frame goes to the encoder.
+    FrameEncoder::new(Arc::new(MtmdEncoder::new(projector)), 0, 0)
+}
+
+fn picture(rgb: &[u8]) -> Picture<'_> {
+    Picture::packed(rgb, W, H, W as usize * 3, PixelLayout::Rgb)
+}
+
+/// common::picture(0) with a white square of `side` px at (x, y).
+fn with_square(x: u32, y: u32, side: u32) -> Vec<u8> {
+    let mut rgb = common::picture(0);
+    for yy in y..y + side {
+        for xx in x..x + side {
+            let at = ((yy * W + xx) * 3) as usize;
+            rgb[at..at + 3].fill(255);
+        }
+    }
+    rgb
+}
+
+fn images(frame: &Frame) -> Vec<&[f32]> {
+    frame
+        .segments
+        .iter()
+        .filter_map(|s| match s {
+            Segment::Image(i) => Some(&*i.data),
+            Segment::Text(_) => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_changed_corner_encodes_its_tile_and_the_overview_and_reuses_the_rest_exactly() {
+    let enc = encoder("idefics3");
+    let a = common::picture(0);
+    let first = enc.encode_reusing(&picture(&a), TileReuse::Exact).unwrap();
+    let cell = |row, col| Some(Tile::Cell { row, col, rows: 2, cols: 2 });
+    assert_eq!(first.tiles.tiles, [cell(1, 1), cell(1, 2), cell(2, 1), cell(2, 2), Some(Tile::Whole)]);
+    assert_eq!((first.tiles.encoded, first.tiles.reused), (5, 0));
+    // A square well inside the top-left tile (0..32 x 0..24).
+    let b = with_square(4, 4, 12);
+    let second = enc.encode_reusing(&picture(&b), TileReuse::Exact).unwrap();
+    assert_eq!((second.tiles.encoded, second.tiles.reused), (2, 3));
+    // What a full encode of the new pixels gives, tile for tile, bit for bit.
+    let fresh = encoder("idefics3").encode_reusing(&picture(&b), TileReuse::Off).unwrap();
+    assert_eq!((fresh.tiles.encoded, fresh.tiles.reused), (5, 0));
+    assert_eq!(images(&second.frame), images(&fresh.frame));
+    assert_ne!(images(&second.frame)[0], images(&first.frame)[0], "the changed tile is new");
+    // After forget_last (a flush, new caps), nothing is reused.
+    enc.forget_last();
+    let third = enc.encode_reusing(&picture(&b), TileReuse::Exact).unwrap();
+    assert_eq!((third.tiles.encoded, third.tiles.reused), (5, 0));
+}
+
+#[test]
+fn threshold_reuse_follows_the_gate_from_the_pixels_a_tile_was_encoded_from() {
+    let enc = encoder("idefics3");
+    let mut gate = ChangeGate::default();
+    // Encode `rgb` as vlmencode does with tile-reuse=threshold: sampled, then reusing what the
+    // gate saw unchanged. Returns (encoded, reused).
+    let mut encode = |rgb: &[u8]| {
+        let luma = match gate.decide(&picture(rgb), 0.0001).unwrap() {
+            Decision::Changed(_, l) | Decision::Unchanged(_, l) => Arc::new(l),
+        };
+        gate.encoded(Arc::clone(&luma));
+        let e = enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma)).unwrap();
+        (e.tiles.encoded, e.tiles.reused)
+    };
+    assert_eq!(encode(&common::picture(0)), (5, 0));
+    // The square appears in the top-left tile, then moves to the bottom-right one.
+    assert_eq!(encode(&with_square(4, 4, 12)), (2, 3));
+    assert_eq!(encode(&with_square(48, 32, 14)), (3, 2), "its old place and its new one, and the overview");
+    // The same picture again: every tile from before (the overview too).
+    assert_eq!(encode(&with_square(48, 32, 14)), (0, 5));
+}
+
+#[test]
+fn a_projector_without_tiles_encodes_the_picture_whole() {
+    let enc = encoder("qwen2vl");
+    let a = common::picture(0);
+    let first = enc.encode_reusing(&picture(&a), TileReuse::Exact).unwrap();
+    let second = enc.encode_reusing(&picture(&a), TileReuse::Exact).unwrap();
+    assert_eq!(first.tiles.tiles, [Some(Tile::Whole)]);
+    // The same pixels: the one image is reused whole.
+    assert_eq!((second.tiles.encoded, second.tiles.reused), (0, 1));
+    let b = with_square(4, 4, 12);
+    let third = enc.encode_reusing(&picture(&b), TileReuse::Exact).unwrap();
+    assert_eq!((third.tiles.encoded, third.tiles.reused), (1, 0));
+}
