@@ -489,6 +489,10 @@ fn run(mut a: RunArgs) -> Result<(), BoxError> {
         .collect();
     let ratios = report::ratios(&summaries);
     println!("{}\n{}", report::CLOCKS, report::table(&summaries));
+    let stages = report::stages_markdown(&summaries);
+    if stages.lines().count() > 2 {
+        println!("Frames from capture to published version, per stream (means):\n{stages}");
+    }
     println!("ratios: {ratios}");
     let json = serde_json::json!({
         "benchmark": "vlm-bench",
@@ -502,6 +506,7 @@ fn run(mut a: RunArgs) -> Result<(), BoxError> {
         "summaries": summaries,
         "ratios": ratios,
         "markdown_table": report::markdown(&summaries),
+        "markdown_frame_stages": report::stages_markdown(&summaries),
         "runs": runs,
     });
     let title = format!("{} streams x {} frames, {} tokens", w.streams, w.frames, w.tokens);

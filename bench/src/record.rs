@@ -259,6 +259,26 @@ impl FeedStats {
     }
 }
 
+/// Where one frame's time went from its capture to its published version (runtime
+/// configurations; ms from the window's start).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct FrameTiming {
+    pub stream: usize,
+    /// The frame's number in its stream (1-based).
+    pub frame: usize,
+    /// Its capture: the due time on the live source.
+    pub due_ms: f64,
+    /// The encode call began (the feeder's thread got to it) and returned; the call includes
+    /// any wait for an encoder busy with another stream's frame.
+    pub encode_start_ms: f64,
+    pub encode_end_ms: f64,
+    /// Registration returned (it blocks past max-pending when the overload policy blocks).
+    pub registered_ms: f64,
+    /// Its version published (polled every 5 ms); None when skipped or not seen in the window.
+    pub published_ms: Option<f64>,
+    pub skipped: bool,
+}
+
 /// The KV memory of a runtime worker's engines.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct KvStats {
@@ -299,6 +319,9 @@ pub struct RunRecord {
     /// Feed lateness and encoder time (runtime configurations and the warm peer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub feed: Option<FeedStats>,
+    /// Every frame's way from capture to published version (runtime configurations).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frame_timings: Vec<FrameTiming>,
     /// The engines' KV memory (runtime configurations; B3: summed over its processes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv: Option<KvStats>,
@@ -330,6 +353,7 @@ impl RunRecord {
             decode_split: None,
             lag: None,
             feed: None,
+            frame_timings: vec![],
             kv: None,
             frame_cells: None,
             foreign_cpu_pct: None,
@@ -351,6 +375,8 @@ pub enum WorkerMsg {
         frame_cells: Option<u32>,
     },
     Answer(AnswerRecord),
+    /// A frame's way from capture to its version, once published (or skipped).
+    Frame(FrameTiming),
     Done {
         window_ms: f64,
         peak_rss_kib: u64,

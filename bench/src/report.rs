@@ -53,6 +53,10 @@ pub struct Summary {
     /// Frames the runtime's vision encoder encoded per second of its busy time.
     #[serde(default)]
     pub encoder_fps: Option<f64>,
+    /// Where the frames' time went from capture to published version, per stream (runtime
+    /// configurations).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frame_stages: Vec<StreamStages>,
     /// Arrival until the bound version was published and the answer started (runtime only).
     pub wait_mean_ms: Option<f64>,
     /// Per-answer decode rate after the first token: sum of (tokens - 1) / sum of decode time.
@@ -96,6 +100,81 @@ pub struct Summary {
 
 fn nan() -> f64 {
     f64::NAN
+}
+
+/// One stream's frames from capture to published version, means over its frames (ms).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StreamStages {
+    pub stream: usize,
+    pub frames: usize,
+    pub skipped: usize,
+    /// Frames whose version was published in the window.
+    pub published: usize,
+    /// Due time to the encode call's start (the feeder behind its source).
+    pub start_late_ms: f64,
+    /// The encode call, any wait for an encoder busy with another stream's frame included.
+    pub encode_ms: f64,
+    /// Encoded to registered (backpressure when the overload policy blocks).
+    pub register_ms: f64,
+    /// Registered to published: the wait for the engine and the frame's prefill (published
+    /// frames only).
+    #[serde(deserialize_with = "nan_if_null")]
+    pub ingest_ms: f64,
+    /// Due time to published (published frames only).
+    #[serde(deserialize_with = "nan_if_null")]
+    pub capture_to_published_ms: f64,
+}
+
+/// Per-stream stage means over `timings`.
+pub fn frame_stages(timings: &[crate::record::FrameTiming]) -> Vec<StreamStages> {
+    let mut streams: Vec<usize> = timings.iter().map(|t| t.stream).collect();
+    streams.sort_unstable();
+    streams.dedup();
+    streams
+        .into_iter()
+        .map(|stream| {
+            let mine: Vec<_> = timings.iter().filter(|t| t.stream == stream).collect();
+            let of = |f: &dyn Fn(&crate::record::FrameTiming) -> Option<f64>| {
+                mean(&mine.iter().filter_map(|t| f(t)).collect::<Vec<_>>())
+            };
+            StreamStages {
+                stream,
+                frames: mine.len(),
+                skipped: mine.iter().filter(|t| t.skipped).count(),
+                published: mine.iter().filter(|t| t.published_ms.is_some()).count(),
+                start_late_ms: of(&|t| Some(t.encode_start_ms - t.due_ms)),
+                encode_ms: of(&|t| Some(t.encode_end_ms - t.encode_start_ms)),
+                register_ms: of(&|t| Some(t.registered_ms - t.encode_end_ms)),
+                ingest_ms: of(&|t| t.published_ms.map(|p| p - t.registered_ms)),
+                capture_to_published_ms: of(&|t| t.published_ms.map(|p| p - t.due_ms)),
+            }
+        })
+        .collect()
+}
+
+/// The frame stages as Markdown, one stream a row (item 4 of issue 28: where a frame's time goes).
+pub fn stages_markdown(summaries: &[Summary]) -> String {
+    let mut out = String::from(
+        "| config | stream | frames (skipped) | due to encode start | encode call | encoded to registered | registered to published | capture to published |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for s in summaries {
+        for st in &s.frame_stages {
+            out.push_str(&format!(
+                "| {} | {} | {} ({}) | {:.0} ms | {:.0} ms | {:.0} ms | {} | {} |\n",
+                s.config.name(),
+                st.stream,
+                st.frames,
+                st.skipped,
+                st.start_late_ms,
+                st.encode_ms,
+                st.register_ms,
+                ms_cell(st.ingest_ms),
+                ms_cell(st.capture_to_published_ms),
+            ));
+        }
+    }
+    out
 }
 
 /// JSON has no NaN: serde_json writes it as null; read null back as NaN.
@@ -208,6 +287,7 @@ pub fn summarize(config: Config, runs: &[&RunRecord], expected_per_round: usize)
         feed_late_mean_ms: feed.late_mean_ms(),
         feed_late_max_ms: (feed.frames > 0).then_some(feed.late_max_ms),
         encoder_fps: feed.encoder_fps(),
+        frame_stages: frame_stages(&runs.iter().flat_map(|r| r.frame_timings.iter().copied()).collect::<Vec<_>>()),
         wait_mean_ms: (!waits.is_empty()).then(|| mean(&waits)),
         decode_tok_s: if decode_s > 0.0 { decode_tokens / decode_s } else { f64::NAN },
         decode_ingesting_tok_s: rate(split.busy_steps, split.busy_ms),
@@ -535,6 +615,34 @@ mod tests {
         let s = summarize(Config::B1, &[&r], 1);
         assert_eq!((s.feed_late_mean_ms, s.feed_late_max_ms), (Some(250.0), Some(400.0)));
         assert_eq!(s.encoder_fps, Some(2.0));
+    }
+
+    #[test]
+    fn frame_stages_split_capture_to_published_per_stream() {
+        use crate::record::FrameTiming;
+        let t = |stream, frame, due: f64, published: Option<f64>| FrameTiming {
+            stream,
+            frame,
+            due_ms: due,
+            encode_start_ms: due + 10.0,
+            encode_end_ms: due + 110.0,
+            registered_ms: due + 120.0,
+            published_ms: published,
+            skipped: published.is_none(),
+        };
+        let timings = [t(0, 1, 0.0, Some(320.0)), t(0, 2, 1000.0, Some(1420.0)), t(1, 1, 0.0, None)];
+        let stages = frame_stages(&timings);
+        assert_eq!(stages.len(), 2);
+        let s0 = &stages[0];
+        assert_eq!((s0.frames, s0.skipped, s0.published), (2, 0, 2));
+        assert_eq!((s0.start_late_ms, s0.encode_ms, s0.register_ms), (10.0, 100.0, 10.0));
+        assert_eq!((s0.ingest_ms, s0.capture_to_published_ms), (250.0, 370.0)); // (200 + 300) / 2
+        assert!(stages[1].ingest_ms.is_nan() && stages[1].skipped == 1);
+        let mut r = run(Config::B1, vec![answer(100.0, 8, Some("resident"))], 1000.0, 1024);
+        r.frame_timings = timings.to_vec();
+        let s = summarize(Config::B1, &[&r], 1);
+        assert_eq!((s.frame_stages.len(), &s.frame_stages[0]), (2, &stages[0]));
+        assert_eq!(stages_markdown(&[s]).lines().count(), 4);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::error::Error;
 use std::io::BufRead;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use vlm_runtime::{
     Engine, EngineConfig, KvLayout, KvType, Overload, Question, Sampling, Stream, StreamConfig, answer_frame, models,
 };
 
-use crate::record::{AnswerRecord, Config, DecodeSplit, FeedStats, KvStats, LagStats, WorkerMsg};
+use crate::record::{AnswerRecord, Config, DecodeSplit, FeedStats, FrameTiming, KvStats, LagStats, WorkerMsg};
 use crate::workload::{
     HistorySpec, Workload, instant_of_unix_ms, ms, peak_rss_kib, picture, question_text, sleep_until,
 };
@@ -254,16 +254,20 @@ struct Window<'a> {
 }
 
 impl Window<'_> {
-    /// Encode and register frame `number` of stream `o`.
-    fn feed(&self, o: &Opened, number: usize) -> Result<vlm_runtime::Registration, String> {
+    /// Encode and register frame `number` of stream `o`: the registration, and when the encode
+    /// call began and returned.
+    fn feed(&self, o: &Opened, number: usize) -> Result<(vlm_runtime::Registration, Instant, Instant), String> {
         let w = self.w;
         let rgb = picture(o.gs, number, w.width, w.height);
-        self.encoder.lock().expect("no panics hold it").start(Instant::now());
+        let start = Instant::now();
+        self.encoder.lock().expect("no panics hold it").start(start);
         let frame = (self.encode)(&rgb);
-        self.encoder.lock().expect("no panics hold it").end(Instant::now(), frame.is_ok());
+        let end = Instant::now();
+        self.encoder.lock().expect("no panics hold it").end(end, frame.is_ok());
         frame
             .map_err(|e| e.to_string())
             .and_then(|f| o.stream.register(Arc::new(f), self.never).map_err(|e| e.to_string()))
+            .map(|r| (r, start, end))
             .map_err(|e| format!("stream {}, frame {number}: {e}", o.gs))
     }
 
@@ -314,12 +318,16 @@ impl Window<'_> {
 
     /// The live workload: every stream fed in real time, each question asked from its own
     /// thread right after its frame is registered.
+    /// Each frame's way to its version is reported once published (see [`Window::watch`]).
     fn live(&self, opened: &[Opened]) -> (LagStats, FeedStats) {
         let w = self.w;
         let lag = Mutex::new((LagStats::default(), FeedStats::default()));
+        let pending: Mutex<Vec<(Arc<Stream>, u64, FrameTiming)>> = Mutex::new(vec![]);
+        let feeding = AtomicUsize::new(opened.len());
         std::thread::scope(|scope| {
+            scope.spawn(|| self.watch(&pending, &feeding));
             for o in opened {
-                let lag = &lag;
+                let (lag, pending, feeding) = (&lag, &pending, &feeding);
                 scope.spawn(move || {
                     let mut local = LagStats::default();
                     let mut feed = FeedStats::default();
@@ -328,7 +336,7 @@ impl Window<'_> {
                     for number in 1..=w.frames {
                         let due = w.frame_due(self.t0, o.gs, number);
                         sleep_until(due);
-                        let registration = match self.feed(o, number) {
+                        let (registration, encode_start, encode_end) = match self.feed(o, number) {
                             Ok(r) => r,
                             Err(error) => {
                                 emit(&WorkerMsg::Failed { error });
@@ -336,6 +344,23 @@ impl Window<'_> {
                             }
                         };
                         let now = Instant::now();
+                        let at = |t: Instant| ms(t.saturating_duration_since(self.t0));
+                        let timing = FrameTiming {
+                            stream: o.gs,
+                            frame: number,
+                            due_ms: at(due),
+                            encode_start_ms: at(encode_start),
+                            encode_end_ms: at(encode_end),
+                            registered_ms: at(now),
+                            published_ms: None,
+                            skipped: registration.skipped,
+                        };
+                        if registration.skipped {
+                            emit(&WorkerMsg::Frame(timing));
+                        } else {
+                            let entry = (Arc::clone(&o.stream), registration.number, timing);
+                            pending.lock().expect("no panics hold it").push(entry);
+                        }
                         let l = o.stream.lag();
                         local.samples += 1;
                         local.max_frames = local.max_frames.max(l.frames);
@@ -355,10 +380,40 @@ impl Window<'_> {
                     let mut all = lag.lock().expect("no panics hold it");
                     all.0.add(&local);
                     all.1.add(&feed);
+                    feeding.fetch_sub(1, Ordering::AcqRel);
                 });
             }
         });
         lag.into_inner().expect("no panics hold it")
+    }
+
+    /// Report each registered frame once its version is published: `pending` polled every 5 ms
+    /// (waiting for a version would count as a question in the stream's demand) until the
+    /// feeders are done (`feeding` at 0) and every frame is reported, or 60 s after that (the
+    /// rest reported unpublished).
+    fn watch(&self, pending: &Mutex<Vec<(Arc<Stream>, u64, FrameTiming)>>, feeding: &AtomicUsize) {
+        let mut fed_at = None;
+        loop {
+            let now = Instant::now();
+            let done = feeding.load(Ordering::Acquire) == 0;
+            let give_up = done && *fed_at.get_or_insert(now) + Duration::from_secs(60) < now;
+            let mut list = pending.lock().expect("no panics hold it");
+            list.retain_mut(|(stream, number, timing)| {
+                let published = stream.published() >= *number;
+                if published {
+                    timing.published_ms = Some(ms(now.saturating_duration_since(self.t0)));
+                }
+                if published || give_up {
+                    emit(&WorkerMsg::Frame(*timing));
+                }
+                !(published || give_up)
+            });
+            if done && list.is_empty() {
+                return;
+            }
+            drop(list);
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// The history curve: frames given as fast as they are taken (blocking past max-pending);

@@ -103,6 +103,7 @@ fn run_workers(
                     started = true;
                 }
             }
+            Some((_, WorkerMsg::Frame(f))) => record.frame_timings.push(f),
             Some((_, WorkerMsg::Answer(a))) => {
                 bar.inc(1);
                 record.answers.push(a);

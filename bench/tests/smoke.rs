@@ -98,6 +98,17 @@ fn smoke_run_answers_every_question_with_the_exact_length() {
     let feed = &report["runs"][0]["feed"];
     assert_eq!((feed["frames"].as_u64(), feed["encoded"].as_u64()), (Some(4), Some(4)), "2 streams x 2 frames");
     assert!(report["markdown_table"].as_str().unwrap().contains("TTFT from capture mean"));
+    // Each frame's way from capture to its published version (issue 28, item 4), per stream.
+    let timings = report["runs"][0]["frame_timings"].as_array().unwrap();
+    assert_eq!(timings.len(), 4, "{timings:?}");
+    for t in timings {
+        let (due, registered) = (f64_of(t, "due_ms"), f64_of(t, "registered_ms"));
+        assert!(f64_of(t, "encode_start_ms") >= due && f64_of(t, "encode_end_ms") <= registered, "{t}");
+        assert!(f64_of(t, "published_ms") >= registered, "every frame published: {t}");
+    }
+    let stages = s["frame_stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 2, "one row per stream");
+    assert!(stages.iter().all(|st| f64_of(st, "capture_to_published_ms") > f64_of(st, "encode_ms")));
     // Plots need a TrueType font; the message says so when there is none.
     if plots.join("ttft.png").exists() {
         for name in ["ttft.png", "throughput.png", "decode.png"] {
