@@ -11,7 +11,7 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
@@ -161,4 +161,93 @@ fn an_rpc_server_that_dies_mid_answer_fails_that_answer_and_the_placer_moves_on(
         let _ = stopped_tx.send(());
     });
     stopped_rx.recv_timeout(Duration::from_secs(30)).expect("stopping a failed engine hung");
+}
+
+/// A listener that accepts connections and closes them at once (a wrong port, a server dying
+/// during its handshake) fails its engine within seconds, naming it; a healthy `rpc-server`
+/// started after it in the same process then starts and answers. (ggml-rpc connects and shakes
+/// hands under process-wide locks and aborts when that fails: the endpoint is checked with
+/// ggml-rpc's handshake before ggml-rpc is called, so a failed setup never parks a thread holding
+/// them.)
+#[test]
+fn an_endpoint_that_accepts_and_closes_fails_clearly_and_a_healthy_one_still_starts() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let bad = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for connection in listener.incoming() {
+            drop(connection);
+        }
+    });
+    let started = Instant::now();
+    let err = Engine::start(&model_path(), config("bad", Device::Rpc(vec![bad.clone()]))).unwrap_err().to_string();
+    assert!(err.contains(&bad) && err.contains("closed the connection"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(15), "the bad endpoint took {:?} to fail", started.elapsed());
+
+    let server = RpcServer::start();
+    let endpoint = server.endpoint.clone();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(Engine::start(&model_path(), config("good", Device::Rpc(vec![endpoint]))));
+    });
+    let far = rx
+        .recv_timeout(Duration::from_secs(180))
+        .expect("a healthy RPC engine did not start after a bad endpoint failed (ggml-rpc's locks held?)")
+        .expect("the healthy RPC engine");
+    let s = stream_on(&far, &[&far], "s", 1);
+    let version = s.wait_version(1, &never()).unwrap();
+    let q = vlm_runtime::Question { ignore_eos: true, ..question("What is in the picture?", 4) };
+    let report = answer_on(&version, &q, &far, PreparePath::Resident, &never(), |_| {}).unwrap();
+    assert_eq!((report.engine.as_str(), report.tokens), ("good", 4));
+    drop(s);
+    far.stop();
+    drop(server);
+}
+
+/// A server that stops answering without closing its connection (SIGSTOP: TCP would not give
+/// up for about 15 minutes) is noticed by the watchdog: the answer running there fails naming
+/// the endpoint within the stall limit plus a second or two, the engine is declared failed, and
+/// stopping it does not wait for the server.
+#[test]
+fn a_stopped_rpc_server_fails_the_answer_naming_it_within_the_stall_limit() {
+    const LIMIT: Duration = Duration::from_secs(5);
+    vlm_runtime::engine::set_rpc_stall_limit(LIMIT);
+    let server = RpcServer::start();
+    let endpoint = server.endpoint.clone();
+    let local = Engine::start(&model_path(), config("local", Device::Cpu)).unwrap();
+    let far = Engine::start(&model_path(), config("far", Device::Rpc(vec![endpoint.clone()]))).unwrap();
+    let s = stream_on(&local, &[&local, &far], "s", 1);
+    let version = s.wait_version(1, &never()).unwrap();
+    let (text_tx, text_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel();
+    {
+        let (version, far) = (version.clone(), Arc::clone(&far));
+        std::thread::spawn(move || {
+            let long = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture at length.", 2000) };
+            let result = answer_on(&version, &long, &far, PreparePath::Replay, &never(), |_| {
+                let _ = text_tx.send(());
+            });
+            let _ = done_tx.send(result);
+        });
+    }
+    text_rx.recv_timeout(Duration::from_secs(120)).expect("the RPC engine produced no text");
+    server.signal("STOP");
+    let stopped = Instant::now();
+    let result = done_rx.recv_timeout(Duration::from_secs(60)).expect("the answer on the stopped server never ended");
+    let took = stopped.elapsed();
+    let err = result.expect_err("an answer whose server stopped cannot succeed").to_string();
+    assert!(err.contains(&endpoint) && err.contains("has not answered"), "{err}");
+    assert!(took < LIMIT + Duration::from_secs(3), "noticed after {took:?} (limit {LIMIT:?})");
+    eprintln!("the stopped server was noticed after {took:?} (stall limit {LIMIT:?})");
+    assert!(far.failure().is_some_and(|f| f.contains(&endpoint)));
+    // The placer passes it over; stopping it does not wait for the server.
+    let report = answer_placed(&version, &question("What is in the picture?", 4), "auto", &never(), |_| {}).unwrap();
+    assert_eq!(report.engine, "local");
+    let (stopped_tx, stopped_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        far.stop();
+        drop(far);
+        let _ = stopped_tx.send(());
+    });
+    stopped_rx.recv_timeout(Duration::from_secs(30)).expect("stopping an engine whose server stopped hung");
+    server.signal("CONT");
 }

@@ -27,6 +27,7 @@ mod calibrate;
 mod config;
 mod jobs;
 mod rpc_watch;
+pub use rpc_watch::{set_stall_limit as set_rpc_stall_limit, stall_limit as rpc_stall_limit};
 mod scheduler;
 mod worker;
 

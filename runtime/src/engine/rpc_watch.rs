@@ -4,7 +4,16 @@
 //! connections, or for [`STUCK_LIMIT`] whatever its servers say, is stuck on the failure and is
 //! declared failed. A busy engine turns at least every step (a step is budgeted to well under a
 //! second) and an idle one every 200 ms, so a healthy engine is never taken for a stuck one.
+//!
+//! A server that stops answering without closing its connection (SIGSTOP, a network partition)
+//! raises no failure: TCP only gives up after about 15 minutes, or never while nothing is sent.
+//! So the watchdog also looks at every RPC engine once a second: one whose loop has not turned
+//! for the stall limit ([`stall_limit`]: `VLM_RPC_STALL_S` seconds, default 30; four times that
+//! before its first turn, which follows the calibration run) is stuck on its server and is
+//! declared failed, naming it. An answer running there then fails within the limit plus about a
+//! second.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -16,6 +25,29 @@ use crate::llama::rpc;
 /// How long an engine's loop may stand still after an RPC failure while its servers still accept
 /// connections (a server that answered something malformed) before it is declared failed.
 const STUCK_LIMIT: Duration = Duration::from_secs(30);
+/// The default stall limit (see [`stall_limit`]).
+const STALL_LIMIT: Duration = Duration::from_secs(30);
+/// A stall limit set by [`set_stall_limit`], in ms (0: none set).
+static STALL_LIMIT_SET_MS: AtomicU64 = AtomicU64::new(0);
+
+/// How long an RPC engine's loop may stand still, with no RPC failure, before it is taken to be
+/// stuck on a server that stopped answering: [`set_stall_limit`]'s, else `VLM_RPC_STALL_S`
+/// (seconds), else 30 s.
+pub fn stall_limit() -> Duration {
+    match STALL_LIMIT_SET_MS.load(Ordering::Relaxed) {
+        0 => std::env::var("VLM_RPC_STALL_S")
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map_or(STALL_LIMIT, Duration::from_secs_f64),
+        ms => Duration::from_millis(ms),
+    }
+}
+
+/// Set the stall limit of the process (tests; an application may set it too).
+pub fn set_stall_limit(limit: Duration) {
+    STALL_LIMIT_SET_MS.store(limit.as_millis().clamp(1, u64::MAX as u128) as u64, Ordering::Relaxed);
+}
 
 static WATCHED: LazyLock<Mutex<Vec<Weak<Engine>>>> = LazyLock::new(|| {
     std::thread::Builder::new()
@@ -34,9 +66,8 @@ pub(super) fn watch(engine: &Arc<Engine>) {
 
 /// Declare `engine` failed, and every other engine on one of its servers: they share ggml-rpc's
 /// one connection to it, now dead, and would wait on it for ever without a failure of their own.
-fn fail_sharing(engine: &Arc<Engine>) {
+fn fail_sharing(engine: &Arc<Engine>, reason: String) {
     let endpoints = engine.config.device.endpoints();
-    let reason = rpc::failure_reason(endpoints);
     let sharing: Vec<Arc<Engine>> = WATCHED
         .lock()
         .iter()
@@ -48,10 +79,54 @@ fn fail_sharing(engine: &Arc<Engine>) {
     }
 }
 
+/// Whether `engine`'s thread is running its loop (not stopping, not ended, not failed).
+fn running(engine: &Engine) -> bool {
+    engine.failure().is_none()
+        && !engine.shared.stopping.load(Ordering::Acquire)
+        && engine.thread.lock().as_ref().is_some_and(|t| !t.is_finished())
+}
+
+/// Declare failed the RPC engines whose loops have stood still for the stall limit; `last` keeps
+/// each engine's turn count and since when it has had it.
+fn check_stalls(last: &mut Vec<(Weak<Engine>, u64, Instant)>) {
+    let engines: Vec<Arc<Engine>> = WATCHED.lock().iter().filter_map(Weak::upgrade).collect();
+    last.retain(|(e, _, _)| e.strong_count() > 0);
+    let limit = stall_limit();
+    for engine in engines {
+        let turns = engine.shared.turns.load(Ordering::Relaxed);
+        let Some(i) = last.iter().position(|(e, _, _)| std::ptr::eq(e.as_ptr(), Arc::as_ptr(&engine))) else {
+            last.push((Arc::downgrade(&engine), turns, Instant::now()));
+            continue;
+        };
+        if last[i].1 != turns || !running(&engine) {
+            last[i] = (Arc::downgrade(&engine), turns, Instant::now());
+            continue;
+        }
+        // Before its first turn the engine runs its calibration: several computations.
+        let limit = if turns == 0 { limit * 4 } else { limit };
+        let still = last[i].2.elapsed();
+        if still >= limit {
+            let endpoints = engine.config.device.endpoints().join(" + ");
+            fail_sharing(
+                &engine,
+                format!(
+                    "the RPC server at {endpoints} has not answered for {:.0} s (stopped, or the network is partitioned \
+                     without closing the connection; VLM_RPC_STALL_S sets the limit)",
+                    still.as_secs_f64()
+                ),
+            );
+        }
+    }
+}
+
 fn watch_failures() {
     let mut seen = rpc::failures();
+    let mut stalls = Vec::new();
     loop {
-        let Some((count, _)) = rpc::wait_failure(seen, Duration::from_secs(3600)) else { continue };
+        let Some((count, _)) = rpc::wait_failure(seen, Duration::from_secs(1)) else {
+            check_stalls(&mut stalls);
+            continue;
+        };
         seen = count;
         let started = Instant::now();
         let mut suspects: Vec<(Arc<Engine>, u64)> = WATCHED
@@ -76,7 +151,7 @@ fn watch_failures() {
                 let endpoints = engine.config.device.endpoints();
                 let refused = endpoints.iter().any(|e| rpc::reachable(e).is_err());
                 if refused || started.elapsed() >= STUCK_LIMIT {
-                    fail_sharing(engine);
+                    fail_sharing(engine, rpc::failure_reason(endpoints));
                     return false;
                 }
                 true

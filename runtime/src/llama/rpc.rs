@@ -32,6 +32,22 @@ use crate::error::{Error, Result};
 
 /// How long the check that an endpoint accepts connections waits.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long the handshake check ([`handshake`]) waits for the server's answer.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the setup of an RPC engine (the handshakes, the weights sent to the servers, the
+/// context) may take before it is given up (the server stopped without closing its connection):
+/// `VLM_RPC_SETUP_TIMEOUT_S` seconds, default 300.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a setup may still go on after an RPC failure that names no endpoint while its own
+/// servers accept connections (the failure was probably another endpoint's).
+const UNATTRIBUTED_LIMIT: Duration = Duration::from_secs(30);
+/// ggml-rpc's protocol (ggml-rpc.h and ggml-rpc.cpp of the pinned llama.cpp): the HELLO command,
+/// the size of its connection capabilities, and the version a client of this build accepts
+/// (the same major version, a minor version no newer).
+const RPC_CMD_HELLO: u8 = 14;
+const RPC_CONN_CAPS_SIZE: usize = 24;
+const RPC_PROTO_MAJOR_VERSION: u8 = 7;
+const RPC_PROTO_MINOR_VERSION: u8 = 0;
 /// How long work that talks to RPC servers may still go on after an RPC failure before it is
 /// taken to be stuck on it.
 pub(crate) const FAILURE_GRACE: Duration = Duration::from_secs(1);
@@ -40,6 +56,102 @@ pub(crate) const FAILURE_GRACE: Duration = Duration::from_secs(1);
 static FAILURES: (Mutex<(u64, String)>, Condvar) = (Mutex::new((0, String::new())), Condvar::new());
 /// Endpoints an engine failed on (not used again in this process).
 static FAILED_ENDPOINTS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// Endpoints in use by a loaded model of this process, and how many models use each: ggml-rpc
+/// holds a connection to them, and an rpc-server serves one client at a time, so no handshake
+/// check is made there (it would wait for that connection to close).
+static IN_USE: Mutex<Vec<(String, usize)>> = Mutex::new(Vec::new());
+
+/// A loaded model's use of its endpoints (released when dropped, after the model is freed).
+pub(super) struct Lease(Vec<String>);
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut in_use = IN_USE.lock();
+        for endpoint in &self.0 {
+            if let Some(i) = in_use.iter().position(|(e, _)| e == endpoint) {
+                in_use[i].1 -= 1;
+                if in_use[i].1 == 0 {
+                    in_use.swap_remove(i);
+                }
+            }
+        }
+    }
+}
+
+fn lease(endpoints: &[String]) -> Lease {
+    let mut in_use = IN_USE.lock();
+    for endpoint in endpoints {
+        match in_use.iter_mut().find(|(e, _)| e == endpoint) {
+            Some((_, n)) => *n += 1,
+            None => in_use.push((endpoint.clone(), 1)),
+        }
+    }
+    Lease(endpoints.to_vec())
+}
+
+fn in_use(endpoint: &str) -> bool {
+    IN_USE.lock().iter().any(|(e, _)| e == endpoint)
+}
+
+/// ggml-rpc's own handshake (HELLO, then the server's version), made on a connection of our own
+/// with timeouts before ggml-rpc is called: ggml-rpc connects and shakes hands while it holds
+/// process-wide locks (`get_dispatcher`, `ggml_backend_rpc_add_server`) and aborts when that
+/// fails; its thread, parked by the abort hook, would keep those locks and block every later RPC
+/// engine of the process. A server that accepts and closes (a wrong port, a server dying during
+/// its handshake), answers another protocol version, or does not answer (stopped, or serving
+/// another client: an rpc-server serves one at a time) is refused here, naming it.
+pub(crate) fn handshake(endpoint: &str) -> std::result::Result<(), String> {
+    use std::io::{ErrorKind, Read, Write};
+    let addrs: Vec<_> = endpoint.to_socket_addrs().map_err(|e| e.to_string())?.collect();
+    let mut last = "the name resolves to no address".to_owned();
+    let mut stream = None;
+    for addr in addrs {
+        match TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = e.to_string(),
+        }
+    }
+    let mut stream = stream.ok_or(last)?;
+    let io = |e: std::io::Error| match e.kind() {
+        ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe => {
+            "it closed the connection during ggml-rpc's handshake (not an rpc-server, or one that failed)".to_owned()
+        }
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => format!(
+            "it did not answer ggml-rpc's handshake within {} s (stopped, or serving another client: an rpc-server \
+             serves one at a time)",
+            HANDSHAKE_TIMEOUT.as_secs()
+        ),
+        _ => format!("ggml-rpc's handshake failed: {e}"),
+    };
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
+    // | cmd (1 byte) | request size (8 bytes, little endian as ggml-rpc writes it on the hosts it
+    // runs on) | request: the connection capabilities (none asked for) |
+    let mut request = vec![RPC_CMD_HELLO];
+    request.extend_from_slice(&(RPC_CONN_CAPS_SIZE as u64).to_le_bytes());
+    request.extend_from_slice(&[0; RPC_CONN_CAPS_SIZE]);
+    stream.write_all(&request).map_err(io)?;
+    // | response size (8 bytes) | major, minor, patch, padding, capabilities |
+    let mut size = [0u8; 8];
+    stream.read_exact(&mut size).map_err(io)?;
+    let size = u64::from_le_bytes(size);
+    if size != 4 + RPC_CONN_CAPS_SIZE as u64 {
+        return Err(format!("it answered ggml-rpc's handshake with {size} bytes: not an rpc-server of this version"));
+    }
+    let mut response = [0u8; 4 + RPC_CONN_CAPS_SIZE];
+    stream.read_exact(&mut response).map_err(io)?;
+    let (major, minor, patch) = (response[0], response[1], response[2]);
+    if major != RPC_PROTO_MAJOR_VERSION || minor > RPC_PROTO_MINOR_VERSION {
+        return Err(format!(
+            "it speaks RPC protocol {major}.{minor}.{patch}, this build {RPC_PROTO_MAJOR_VERSION}.{RPC_PROTO_MINOR_VERSION}.x \
+             (build the server from the same llama.cpp: scripts/build-llama-server.sh rpc)"
+        ));
+    }
+    Ok(())
+}
 
 /// ggml-rpc's source files, as `__FILE__` ends in ggml's abort messages.
 const RPC_SOURCES: [&str; 2] = ["ggml-rpc/ggml-rpc.cpp", "ggml-rpc/transport.cpp"];
@@ -205,7 +317,7 @@ pub(super) fn free(endpoints: &[String], free: impl FnOnce() + Send + 'static) {
 
 /// llama.cpp's devices on the `rpc-server`s at `endpoints` (every device each one serves).
 /// Call through [`guarded`]: a server that fails during the handshake parks the calling thread.
-pub(super) fn devices(endpoints: &[String]) -> Result<Vec<sys::ggml_backend_dev_t>> {
+pub(super) fn devices(endpoints: &[String]) -> Result<(Vec<sys::ggml_backend_dev_t>, Lease)> {
     install_abort_hook();
     for endpoint in endpoints {
         if failed(std::slice::from_ref(endpoint)) {
@@ -216,7 +328,13 @@ pub(super) fn devices(endpoints: &[String]) -> Result<Vec<sys::ggml_backend_dev_
         }
         reachable(endpoint)
             .map_err(|e| Error::Engine(format!("the RPC server at {endpoint} is not reachable: {e}")))?;
+        if !in_use(endpoint) {
+            handshake(endpoint).map_err(|e| Error::Engine(format!("the RPC server at {endpoint} is refused: {e}")))?;
+        }
     }
+    // Taken before ggml-rpc connects: a second engine's setup meanwhile makes no handshake check
+    // that the server (busy with this one's connection) could not answer.
+    let lease = lease(endpoints);
     // SAFETY: the registry is initialised; the name is a NUL-terminated literal.
     let reg = unsafe { sys::ggml_backend_reg_by_name(c"RPC".as_ptr()) };
     if reg.is_null() {
@@ -242,18 +360,41 @@ pub(super) fn devices(endpoints: &[String]) -> Result<Vec<sys::ggml_backend_dev_
         // SAFETY: indices below the count.
         devices.extend((0..count).map(|i| unsafe { sys::ggml_backend_reg_dev_get(server, i) }));
     }
-    Ok(devices)
+    Ok((devices, lease))
+}
+
+/// The setup deadline: `VLM_RPC_SETUP_TIMEOUT_S` (seconds), else [`SETUP_TIMEOUT`].
+fn setup_timeout() -> Duration {
+    std::env::var("VLM_RPC_SETUP_TIMEOUT_S")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map_or(SETUP_TIMEOUT, Duration::from_secs_f64)
+}
+
+/// Whether an RPC failure's message names an endpoint, and not one of `endpoints` (ggml-rpc names
+/// the endpoint when it cannot connect or shake hands, not when a connection fails later).
+fn names_another_endpoint(reason: &str, endpoints: &[String]) -> bool {
+    ["Failed to connect to ", "RPC handshake failed for "]
+        .iter()
+        .find_map(|start| reason.strip_prefix(start))
+        .is_some_and(|named| !endpoints.iter().any(|e| e == named.trim()))
 }
 
 /// Run `work`, which talks to the RPC servers at `endpoints`, on a thread of its own and wait for
-/// it: when an RPC failure happens meanwhile and `work` has not returned [`FAILURE_GRACE`]
-/// later, give up with an error naming the endpoints (the thread, parked on the failure, is
-/// abandoned with what it holds).
+/// it, at most the setup deadline (`VLM_RPC_SETUP_TIMEOUT_S`, 300 s). When an RPC failure
+/// happens meanwhile and `work` has not returned [`FAILURE_GRACE`] later, give up with an error
+/// naming the endpoints if the failure is theirs: one of them refuses connections, or the failure
+/// names no other endpoint (another endpoint's failure during this setup does not fail a healthy
+/// one). The thread, parked on the failure or stuck on a silent server, is abandoned with what it
+/// holds.
 pub(crate) fn guarded<T: Send + 'static>(
     endpoints: &[String],
     work: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
-    let seen = failures();
+    let mut seen = failures();
+    let started = Instant::now();
+    let deadline = setup_timeout();
     let (tx, rx) = mpsc::sync_channel(1);
     std::thread::Builder::new()
         .name("vlm-rpc-setup".into())
@@ -271,11 +412,35 @@ pub(crate) fn guarded<T: Send + 'static>(
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
         }
+        if started.elapsed() >= deadline {
+            mark_failed(endpoints);
+            return Err(Error::Engine(format!(
+                "the RPC server at {} did not complete the setup within {} s (stopped, or the network is down; \
+                 VLM_RPC_SETUP_TIMEOUT_S sets the limit)",
+                endpoints.join(" + "),
+                deadline.as_secs_f64()
+            )));
+        }
         match failed_at {
             None if failures() > seen => failed_at = Some(Instant::now()),
             Some(at) if Instant::elapsed(&at) >= FAILURE_GRACE => {
-                mark_failed(endpoints);
-                return Err(Error::Engine(failure_reason(endpoints)));
+                let reason = FAILURES.0.lock().1.clone();
+                if names_another_endpoint(&reason, endpoints) {
+                    // Another endpoint's failure: this setup goes on (until its deadline).
+                    seen = failures();
+                    failed_at = None;
+                    continue;
+                }
+                // A failure naming no endpoint (a connection lost after its handshake) is this
+                // setup's when one of its servers refuses connections now, or when the setup
+                // still has not returned [`UNATTRIBUTED_LIMIT`] later.
+                let ours = endpoints.iter().any(|e| reason.contains(e.as_str()))
+                    || endpoints.iter().any(|e| reachable(e).is_err())
+                    || Instant::elapsed(&at) >= UNATTRIBUTED_LIMIT;
+                if ours {
+                    mark_failed(endpoints);
+                    return Err(Error::Engine(failure_reason(endpoints)));
+                }
             }
             _ => {}
         }

@@ -55,6 +55,12 @@ impl RpcServer {
         panic!("rpc-server did not start (3 attempts)");
     }
 
+    /// Send the server a signal (`kill -SIG`: STOP, CONT, ...).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill").arg(format!("-{signal}")).arg(self.child.id().to_string()).status().unwrap();
+        assert!(status.success(), "kill -{signal} {} failed", self.child.id());
+    }
+
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
