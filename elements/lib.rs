@@ -47,6 +47,7 @@ pub(crate) fn post_flow_error(element: &gst::Element, e: gst::FlowError) {
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     route_llama_log();
     meta::register_answer_meta();
+    meta::register_alert_meta();
     vlmencode::register(plugin)?;
     vlmcontext::register(plugin)?;
     vlmquery::register(plugin)?;

@@ -209,3 +209,23 @@ pub fn add_video_answer_meta(buffer: &mut gst::BufferRef, answer: &gst::Structur
 pub fn answer_of(buffer: &gst::BufferRef) -> Option<gst::Structure> {
     gst::meta::CustomMeta::from_buffer(buffer, ANSWER_META).ok().map(|m| m.structure().to_owned())
 }
+
+/// Name of the custom meta (`GstCustomMeta`) with a stream's alert states (`vlmquery alerts`) on
+/// the video buffers leaving `video_src`: the states reported (`vlm-alert`) for the buffer's
+/// stream when it leaves, once the stream has one: `stream` (its name) and, one entry per alert
+/// in the same order, `ids` (strings), `states` (booleans), `probabilities` (doubles: P(yes) of
+/// the evaluation that decided the state) and `frames` (uint64: the frame that decided it).
+/// Python: `buffer.get_custom_meta("VlmAlertMeta").get_structure()`; Rust: [`alerts_of`].
+pub const ALERT_META: &str = "VlmAlertMeta";
+
+/// Register [`ALERT_META`] (once, at plugin load).
+pub fn register_alert_meta() {
+    if !gst::meta::CustomMeta::is_registered(ALERT_META) {
+        gst::meta::CustomMeta::register(ALERT_META, &[]);
+    }
+}
+
+/// The alert states a video buffer carries (a copy of [`ALERT_META`]'s structure), if any.
+pub fn alerts_of(buffer: &gst::BufferRef) -> Option<gst::Structure> {
+    gst::meta::CustomMeta::from_buffer(buffer, ALERT_META).ok().map(|m| m.structure().to_owned())
+}

@@ -208,25 +208,47 @@ fn alerts_are_settable_while_playing_and_stop_cleanly_at_null() {
         "videotestsrc is-live=true pattern=ball ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
          ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
          ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
-         ! vlmquery name=q ! fakesink sync=false",
+         ! vlmquery name=q ! fakesink sync=false  q.video_src ! fakesink sync=false",
     );
     let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    // The alert states riding the video (`VlmAlertMeta`).
+    let (metas, ridden) = mpsc::channel();
+    let metas = Mutex::new(metas);
+    q.static_pad("video_src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        if let Some(m) = info.buffer().and_then(|b| gst_vlm_elements::meta::alerts_of(b)) {
+            let _ = metas.lock().unwrap().send(m);
+        }
+        gst::PadProbeReturn::Ok
+    });
     let bus = pipeline.bus().unwrap();
     pipeline.set_state(gst::State::Playing).unwrap();
     // Set while PLAYING (the model is loading or frames are flowing); the first states follow.
     q.set_property("alerts", "ball:Is there a ball?;dark:Is it dark?");
     assert_eq!(q.property::<String>("alerts"), "ball:Is there a ball?;dark:Is it dark?");
     q.set_property("alert-hold", 2u32);
-    let mut firsts = 0;
+    let mut firsts = vec![];
     let deadline = std::time::Instant::now() + Duration::from_secs(240);
-    while firsts < 2 {
+    while firsts.len() < 2 {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         let msg = bus.timed_pop(gst::ClockTime::from_nseconds(left.as_nanos() as u64)).expect("no vlm-alert in 240 s");
         match msg.view() {
             gst::MessageView::Error(e) => panic!("{} ({:?})", e.error(), e.debug()),
-            gst::MessageView::Element(e) if e.structure().is_some_and(|s| s.name() == "vlm-alert") => firsts += 1,
+            gst::MessageView::Element(e) if e.structure().is_some_and(|s| s.name() == "vlm-alert") => {
+                firsts.push(e.structure().unwrap().to_owned())
+            }
             _ => (),
         }
+    }
+    // Both states are reported (and posted): the next video buffers carry them. With alert-hold=2
+    // no change comes before two more evaluations; a later frame's meta may show one.
+    let meta = std::iter::from_fn(|| Some(ridden.recv_timeout(Duration::from_secs(60)).expect("no VlmAlertMeta")))
+        .find(|m| m.get::<gst::Array>("ids").unwrap().len() == 2)
+        .unwrap();
+    assert_eq!(meta.get::<String>("stream").unwrap(), "sink_0", "{meta}");
+    let ids: Vec<String> = meta.get::<gst::Array>("ids").unwrap().iter().map(|v| v.get().unwrap()).collect();
+    assert_eq!(ids, ["ball", "dark"], "{meta}");
+    for f in ["states", "probabilities", "frames"] {
+        assert_eq!(meta.get::<gst::Array>(f).unwrap().len(), 2, "{meta}");
     }
     // Stopped while evaluations are going on: NULL comes back, with nothing left hanging.
     let (tx, rx) = mpsc::channel();

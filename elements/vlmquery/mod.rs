@@ -149,7 +149,11 @@
 //! longer, as for a live source, which stamps capture time), `evaluations` (of this alert on this
 //! stream so far), `first` (boolean) and `engine`. With `output-format=json` the text pad also
 //! carries one line per `vlm-alert` (an object with its fields and `"type":"alert"`); `text`
-//! output carries answers only. The states do not ride the video buffers (yet).
+//! output carries answers only. The states ride the video: each buffer leaving `video_src` of a
+//! stream with reported states carries a custom meta `VlmAlertMeta` (`stream`; arrays `ids`,
+//! `states`, `probabilities`, `frames`: each alert's reported state, the P(yes) and the frame
+//! that decided it), the states as reported when the buffer leaves (Python:
+//! `buffer.get_custom_meta("VlmAlertMeta").get_structure()`).
 //!
 //! ```sh
 //! gst-launch-1.0 -m videotestsrc pattern=ball num-buffers=30 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf \

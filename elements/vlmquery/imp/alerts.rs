@@ -49,6 +49,8 @@ struct StreamAlerts {
     since: u32,
     /// Each alert's hysteresis, by id.
     machines: HashMap<String, Hysteresis>,
+    /// Each alert's reported state, by id: (state, probability, frame that decided it).
+    reported: HashMap<String, (bool, f64, u64)>,
     thinned: u64,
     last_overload: Option<Instant>,
     /// A failure has been warned about (once per stream).
@@ -143,12 +145,14 @@ impl VlmQuery {
                         // An alert whose question changed, or that is gone, starts again.
                         for s in st.streams.values_mut() {
                             s.machines.retain(|id, _| specs.iter().any(|a| &a.id == id));
+                            s.reported.retain(|id, _| specs.iter().any(|a| &a.id == id));
                         }
                         for a in specs.iter() {
                             let same = st.specs.iter().any(|o| o.id == a.id && o.question == a.question);
                             if !same {
                                 for s in st.streams.values_mut() {
                                     s.machines.insert(a.id.clone(), Hysteresis::new(hold));
+                                    s.reported.remove(&a.id);
                                 }
                             }
                         }
@@ -214,6 +218,7 @@ impl VlmQuery {
             next: None,
             since: 0,
             machines: HashMap::new(),
+            reported: HashMap::new(),
             thinned: 0,
             last_overload: None,
             warned: false,
@@ -378,6 +383,7 @@ impl VlmQuery {
             let p = e.choice.probability();
             gst::log!(CAT, imp = self, "alert {} frame {}: P(yes) {p:.3}", spec.id, e.frame);
             if let Some(t) = machine.observe(e.choice.state()) {
+                s.reported.insert(spec.id.clone(), (t.state, p, e.frame));
                 posts.push(
                     gst::Structure::builder(ALERT_MESSAGE)
                         .field("id", &spec.id)
@@ -488,6 +494,33 @@ impl VlmQuery {
         st.evaluations = 0;
         st.thinned = 0;
         self.alerts.changed.notify_all();
+    }
+
+    /// Attach the alert states reported for `stream` (`VlmAlertMeta`) to a video buffer leaving
+    /// `video_src`, once the stream has one.
+    pub(super) fn add_alert_meta(&self, buffer: &mut gst::Buffer, stream: Option<u64>) {
+        let meta = {
+            let st = self.alerts.state.lock();
+            let Some(s) = stream.and_then(|id| st.streams.get(&id)) else { return };
+            let states: Vec<_> =
+                st.specs.iter().filter_map(|a| s.reported.get(&a.id).map(|r| (a.id.as_str(), *r))).collect();
+            if states.is_empty() {
+                return;
+            }
+            gst::Structure::builder(crate::meta::ALERT_META)
+                .field("stream", s.stream.name())
+                .field("ids", gst::Array::new(states.iter().map(|(id, _)| id.to_string())))
+                .field("states", gst::Array::new(states.iter().map(|(_, r)| r.0)))
+                .field("probabilities", gst::Array::new(states.iter().map(|(_, r)| r.1)))
+                .field("frames", gst::Array::new(states.iter().map(|(_, r)| r.2)))
+                .build()
+        };
+        if let Ok(mut m) = gst::meta::CustomMeta::add(buffer.make_mut(), crate::meta::ALERT_META) {
+            let s = m.mut_structure();
+            for (name, value) in meta.iter() {
+                s.set_value(name, value.clone());
+            }
+        }
     }
 
     /// Push one alert's JSON line on the text pad.

@@ -271,6 +271,7 @@ impl VlmQuery {
         }
         // The oldest answer not yet on a video buffer rides on this one.
         let answer = shared.video_answers.pop_front();
+        let alert_stream = shared.video.stream.as_ref().map(|s| s.id());
         // The text pad's task sends a GAP up to this frame before it goes on, so an overlay
         // that waits for text at this frame's time is never stuck.
         self.changed.notify_all();
@@ -280,6 +281,7 @@ impl VlmQuery {
             if let Some(answer) = answer {
                 crate::meta::add_video_answer_meta(buffer.make_mut(), &answer);
             }
+            self.add_alert_meta(&mut buffer, alert_stream);
             self.video_srcpad.push(buffer)
         } else {
             Ok(gst::FlowSuccess::Ok)
