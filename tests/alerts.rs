@@ -260,3 +260,35 @@ fn alerts_are_settable_while_playing_and_stop_cleanly_at_null() {
     assert!(stopped.is_ok());
     assert_eq!(q.property::<u64>("alert-evaluations"), 0, "counts start again at zero");
 }
+
+/// A flushing seek drops the frames waiting for evaluation and ends the one in flight; the
+/// alerts go on with the frames after it, and the pipeline ends at EOS.
+#[test]
+fn alerts_go_on_after_a_flushing_seek_and_end_at_eos() {
+    let pipeline = launch(
+        "videotestsrc pattern=ball num-buffers=40 ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q alerts=\"ball:Is there a ball?\" ! fakesink sync=false  q.video_src ! fakesink sync=true",
+    );
+    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    let bus = pipeline.bus().unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let evaluations = || q.property::<u64>("alert-evaluations");
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(240);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "{what} did not happen in 240 s");
+            if let Some(m) = bus.pop_filtered(&[gst::MessageType::Error]) {
+                panic!("{m:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait_for("a first evaluation", &|| evaluations() >= 1);
+    assert!(pipeline.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok());
+    let after = evaluations();
+    wait_for("an evaluation after the flush", &|| evaluations() > after);
+    let run = run_for(&pipeline, 240);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+}
