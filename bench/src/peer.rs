@@ -88,9 +88,9 @@ pub fn png_data_url(rgb: &[u8], width: u32, height: u32) -> Result<String, BoxEr
     Ok(format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(bytes)))
 }
 
-fn start(settings: &PeerSettings, w: &Workload, label: &str) -> Result<Server, BoxError> {
+fn start(settings: &PeerSettings, mode: Mode, w: &Workload, label: &str) -> Result<Server, BoxError> {
     let port = free_port()?;
-    let log_path = settings.logs.join(format!("{label}-PEER.log"));
+    let log_path = settings.logs.join(format!("{label}-{}.log", mode.config().name()));
     let per_slot = w.sequence_cells();
     let log = File::create(&log_path)?;
     let child = Command::new(&settings.server)
@@ -134,6 +134,13 @@ pub enum Mode {
 }
 
 impl Mode {
+    pub fn config(self) -> Config {
+        match self {
+            Mode::Naive => Config::Peer,
+            Mode::Warm => Config::PeerWarm,
+        }
+    }
+
     pub fn of(config: Config) -> Option<Mode> {
         match config {
             Config::Peer => Some(Mode::Naive),
@@ -450,7 +457,7 @@ fn run(
     record: &mut RunRecord,
 ) -> Result<(), BoxError> {
     let loading = Instant::now();
-    let server = start(settings, w, label)?;
+    let server = start(settings, mode, w, label)?;
     let mut window = Window {
         w,
         agent: agent(settings.timeout),
