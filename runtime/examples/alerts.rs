@@ -1,0 +1,214 @@
+//! Benchmark of standing questions (issue 30, item 4): latency from a frame's capture to the end
+//! of its alert evaluations (p50/p95) and evaluations per second, for streams x alerts at a
+//! frame rate, through the runtime alone (no GStreamer): what `vlmquery alerts` runs.
+//!
+//!   cargo run --release -p vlm-runtime --example alerts -- [--streams 1,2] [--alerts 1,4] [--fps 1] [--frames 10] [--json FILE]
+//!
+//! Each stream has a capture thread: at each due time (its clock: the capture) it encodes a new
+//! picture (libmtmd, CPU) and registers it (overload `skip`: the history never falls behind,
+//! skipped frames are counted), then puts the frame in the stream's one evaluation slot; an
+//! evaluator thread per stream takes the newest frame (an older one still in the slot is thinned,
+//! counted), waits for its version and evaluates every alert on it (`alert::evaluate`: one forced
+//! choice each, all queued at once). An alert's latency is capture to its choice, encode,
+//! ingestion and queueing included. Prints a table and one JSON object.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use parking_lot::{Condvar, Mutex};
+
+#[path = "common/mod.rs"]
+mod common;
+use vlm_runtime::alert::{self, AlertSpec, YesNo};
+use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
+use vlm_runtime::{Device, Engine, EngineConfig, Overload, Stream, StreamConfig, models};
+
+#[derive(Parser)]
+struct Args {
+    /// Stream counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    streams: Vec<usize>,
+    /// Alert counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    alerts: Vec<usize>,
+    /// Frames per second of each stream.
+    #[arg(long, default_value_t = 1.0)]
+    fps: f64,
+    /// Frames per stream.
+    #[arg(long, default_value_t = 10)]
+    frames: usize,
+    /// Also write the JSON here.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    files: common::ModelArgs,
+}
+
+const QUESTIONS: [&str; 8] = [
+    "Is there a person in the picture?",
+    "Is the door open?",
+    "Is there a vehicle in the picture?",
+    "Is the picture dark?",
+    "Is there smoke or fire?",
+    "Is anyone lying on the floor?",
+    "Is there an animal in the picture?",
+    "Is the scene crowded?",
+];
+
+fn picture(variant: usize) -> Vec<u8> {
+    (0..64 * 48).flat_map(|i| [(i % 64 * 4) as u8, (i / 64 * 5) as u8, ((i / 8 + variant * 3) % 256) as u8]).collect()
+}
+
+/// One stream's evaluation slot: the newest frame (number, capture) not yet taken, or the end.
+#[derive(Default)]
+struct Slot {
+    next: Option<(u64, Instant)>,
+    ended: bool,
+    thinned: u64,
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
+    let model = models::model(&args.files.model, &Device::Cpu)?;
+    let encoder = Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads)?));
+    let mut rows = vec![];
+    println!(
+        "{:>7} {:>6} {:>5} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
+        "streams", "alerts", "fps", "evals", "evals/s", "p50 ms", "p95 ms", "thinned", "skipped"
+    );
+    for &n_streams in &args.streams {
+        let cells = (64 + 40 * args.frames as u32 + 256).next_power_of_two();
+        let engine = Engine::start(
+            &args.files.model,
+            EngineConfig {
+                context_per_sequence: cells,
+                // (A run's streams are opened anew for each alert count.)
+                max_streams: (n_streams * args.alerts.len()) as u32,
+                max_branches: 8,
+                threads,
+                ..EngineConfig::default()
+            },
+        )?;
+        let yes_no = YesNo::find(engine.model())?;
+        let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT)?);
+        for &n_alerts in &args.alerts {
+            let specs: Arc<Vec<AlertSpec>> = Arc::new(
+                (0..n_alerts)
+                    .map(|i| AlertSpec { id: format!("a{i}"), question: QUESTIONS[i % QUESTIONS.len()].into() })
+                    .collect(),
+            );
+            let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
+            let mut skipped = 0;
+            let mut thinned = 0;
+            let started = Instant::now();
+            std::thread::scope(|scope| -> Result<(), Box<dyn std::error::Error>> {
+                let mut handles = vec![];
+                for s in 0..n_streams {
+                    let config = StreamConfig {
+                        max_pending: 2,
+                        overload: Overload::Skip,
+                        answer_reserve: 96,
+                        ..StreamConfig::new(&format!("s{s}"))
+                    };
+                    let stream: Arc<Stream> = Stream::open(&engine, Arc::clone(&prompt), config)?;
+                    let slot = Arc::new((Mutex::new(Slot::default()), Condvar::new()));
+                    let (encoder, frames, fps) = (Arc::clone(&encoder), args.frames, args.fps);
+                    let (st, sl) = (Arc::clone(&stream), Arc::clone(&slot));
+                    // Capture: due times at the frame rate (streams offset within a period).
+                    let capture = scope.spawn(move || -> vlm_runtime::Result<()> {
+                        let never = AtomicBool::new(false);
+                        let period = Duration::from_secs_f64(1.0 / fps);
+                        let first = Instant::now() + period.mul_f64(s as f64 / n_streams as f64);
+                        for f in 0..frames {
+                            let due = first + period * f as u32;
+                            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                            let rgb = picture(f + 100 * s);
+                            let frame =
+                                Arc::new(encoder.encode(&Picture::packed(&rgb, 64, 48, 192, PixelLayout::Rgb))?);
+                            let r = st.register(frame, &never)?;
+                            if !r.skipped {
+                                let mut slot = sl.0.lock();
+                                if slot.next.replace((r.number, due)).is_some() {
+                                    slot.thinned += 1;
+                                }
+                                sl.1.notify_all();
+                            }
+                        }
+                        sl.0.lock().ended = true;
+                        sl.1.notify_all();
+                        Ok(())
+                    });
+                    let (specs, latencies, st, sl) =
+                        (Arc::clone(&specs), Arc::clone(&latencies), Arc::clone(&stream), Arc::clone(&slot));
+                    let evaluator = scope.spawn(move || -> vlm_runtime::Result<()> {
+                        let never = Arc::new(AtomicBool::new(false));
+                        loop {
+                            let (number, due) = {
+                                let mut slot = sl.0.lock();
+                                loop {
+                                    if let Some(next) = slot.next.take() {
+                                        break next;
+                                    }
+                                    if slot.ended {
+                                        return Ok(());
+                                    }
+                                    sl.1.wait(&mut slot);
+                                }
+                            };
+                            let version = st.wait_version(number, &never)?;
+                            let submitted = due.elapsed().as_secs_f64() * 1e3;
+                            for e in alert::evaluate(&version, &specs, yes_no, &never)? {
+                                latencies.lock().push(submitted + e?.total_ms);
+                            }
+                        }
+                    });
+                    handles.push((stream, slot, capture, evaluator));
+                }
+                for (stream, slot, capture, evaluator) in handles {
+                    capture.join().expect("capture thread")?;
+                    evaluator.join().expect("evaluator thread")?;
+                    skipped += stream.skipped();
+                    thinned += slot.0.lock().thinned;
+                    stream.close();
+                }
+                Ok(())
+            })?;
+            let wall = started.elapsed().as_secs_f64();
+            let mut l = latencies.lock().clone();
+            let evaluations = l.len();
+            let (p50, p95) = (percentile(&mut l, 0.5), percentile(&mut l, 0.95));
+            let rate = evaluations as f64 / wall;
+            println!(
+                "{n_streams:>7} {n_alerts:>6} {:>5} {evaluations:>8} {rate:>9.1} {p50:>8.1} {p95:>8.1} {thinned:>8} {skipped:>8}",
+                args.fps
+            );
+            rows.push(serde_json::json!({
+                "streams": n_streams, "alerts": n_alerts, "fps": args.fps, "frames_per_stream": args.frames,
+                "evaluations": evaluations, "evaluations_per_s": rate, "p50_ms": p50, "p95_ms": p95,
+                "thinned": thinned, "skipped": skipped, "all_evaluated": thinned == 0 && skipped == 0,
+                "latency_ms": l,
+            }));
+        }
+    }
+    let json = serde_json::json!({
+        "benchmark": "alerts-capture-to-choice", "clock": "capture (the frame's due time), encode included",
+        "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "rows": rows,
+    });
+    println!("{json}");
+    if let Some(path) = args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
+    }
+    Ok(())
+}
