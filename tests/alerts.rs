@@ -292,3 +292,23 @@ fn alerts_go_on_after_a_flushing_seek_and_end_at_eos() {
     let run = run_for(&pipeline, 240);
     assert!(run.errors.is_empty(), "{:?}", run.errors);
 }
+
+/// A model whose vocabulary has no single-token "yes" and "no" (the generated Qwen2-VL test pair)
+/// cannot evaluate alerts: a warning says so, no `vlm-alert` is posted, the answers go on.
+#[test]
+fn a_model_without_yes_and_no_tokens_disables_the_alerts_with_a_warning() {
+    let pipeline = launch(
+        "videotestsrc num-buffers=3 ! video/x-raw,width=64,height=48,framerate=5/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-qwen2vl-mmproj.gguf interval=0 min-change=0 \
+         ! vlmcontext model=models/test-qwen2vl-lm.gguf \
+         ! vlmquery alerts=\"a:Is it there?\" ! fakesink sync=false",
+    );
+    let run = run(&pipeline);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(alerts_of(&run).is_empty());
+    assert!(
+        run.warnings.iter().any(|w| w.contains("alerts disabled") && w.contains("test-qwen2vl-lm.gguf")),
+        "{:?}",
+        run.warnings
+    );
+}

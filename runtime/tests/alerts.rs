@@ -119,3 +119,31 @@ fn a_users_question_goes_before_waiting_evaluations() {
     });
     holder.join().unwrap();
 }
+
+/// The yes and no tokens come from each model's own vocabulary; a model without single-token
+/// answers is a clear error naming it.
+#[test]
+fn yes_and_no_are_found_in_each_vocabulary_or_refused_by_name() {
+    let (mut found, mut refused) = (0, 0);
+    for name in ["test-idefics3-lm.gguf", "test-qwen2vl-lm.gguf", "test-gemma3-lm.gguf", "test-notemplate-lm.gguf"] {
+        let path = models_dir().join(name);
+        let model = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
+        match YesNo::find(&model) {
+            Ok(y) => {
+                eprintln!("{name}: yes {} no {}", y.yes, y.no);
+                assert_ne!(y.yes, y.no);
+                let (yes, no) = (model.token_bytes(y.yes), model.token_bytes(y.no));
+                assert!(String::from_utf8_lossy(&yes).trim().eq_ignore_ascii_case("yes"), "{name}: {yes:?}");
+                assert!(String::from_utf8_lossy(&no).trim().eq_ignore_ascii_case("no"), "{name}: {no:?}");
+                found += 1;
+            }
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                assert!(e.to_string().contains(name) && e.to_string().contains("\"yes\""), "{e}");
+                refused += 1;
+            }
+        }
+    }
+    // (The generated pairs' small vocabularies: both cases occur.)
+    assert!(found > 0 && refused > 0, "{found} found, {refused} refused");
+}
