@@ -471,7 +471,52 @@ pub(crate) fn failure_reason(endpoints: &[String]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{OnAbort, on_abort_message};
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    use super::{OnAbort, handshake, names_another_endpoint, on_abort_message};
+
+    /// A one-connection server that reads the HELLO request and answers `version`.
+    fn answering(version: [u8; 3]) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let mut request = [0u8; 1 + 8 + 24];
+            c.read_exact(&mut request).unwrap();
+            assert_eq!((request[0], u64::from_le_bytes(request[1..9].try_into().unwrap())), (14, 24));
+            let mut response = 28u64.to_le_bytes().to_vec();
+            response.extend_from_slice(&[version[0], version[1], version[2], 0]);
+            response.extend_from_slice(&[0; 24]);
+            c.write_all(&response).unwrap();
+        });
+        endpoint
+    }
+
+    #[test]
+    fn the_handshake_check_speaks_ggml_rpcs_hello() {
+        assert_eq!(handshake(&answering([7, 0, 3])), Ok(()));
+        let err = handshake(&answering([6, 1, 0])).unwrap_err();
+        assert!(err.contains("protocol 6.1.0"), "{err}");
+        assert!(handshake(&answering([7, 1, 0])).is_err(), "a newer minor version is refused, as ggml-rpc does");
+        let closing = TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = closing.local_addr().unwrap().to_string();
+        std::thread::spawn(move || drop(closing.accept()));
+        let err = handshake(&endpoint).unwrap_err();
+        assert!(err.contains("closed the connection"), "{err}");
+    }
+
+    /// A setup is failed by a failure that names its own endpoint or none, not by another
+    /// endpoint's (a healthy server's setup overlapping another server's death).
+    #[test]
+    fn a_failure_naming_another_endpoint_is_not_this_setups() {
+        let ours = ["127.0.0.1:5000".to_owned(), "10.0.0.2:50052".to_owned()];
+        assert!(names_another_endpoint("Failed to connect to 127.0.0.1:6000", &ours));
+        assert!(names_another_endpoint("RPC handshake failed for h:1", &ours));
+        assert!(!names_another_endpoint("Failed to connect to 127.0.0.1:5000", &ours));
+        assert!(!names_another_endpoint("RPC handshake failed for 10.0.0.2:50052", &ours));
+        assert!(!names_another_endpoint("Remote RPC server crashed or returned malformed response", &ours));
+    }
 
     #[test]
     fn only_ggml_rpcs_transport_failures_are_parked() {
