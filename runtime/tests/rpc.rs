@@ -98,6 +98,11 @@ fn an_rpc_server_that_is_not_there_is_an_error_naming_it() {
     assert!(err.contains(&endpoint) && err.contains("not reachable"), "{err}");
     let err = EngineConfig::parse_list("far:rpc:127.0.0.1", &EngineConfig::default()).unwrap_err().to_string();
     assert!(err.contains("bad RPC endpoint list"), "{err}");
+    // What ggml-rpc could not parse (it would abort the process) is refused before it is called.
+    for bad in ["[::1]:50052", "127.0.0.1", ":50052", "h:0", "h:99999"] {
+        let err = Engine::start(&model_path(), config("far", Device::Rpc(vec![bad.into()]))).unwrap_err().to_string();
+        assert!(err.contains("bad RPC endpoint"), "{bad}: {err}");
+    }
 }
 
 #[test]

@@ -320,6 +320,14 @@ pub(super) fn free(endpoints: &[String], free: impl FnOnce() + Send + 'static) {
 pub(super) fn devices(endpoints: &[String]) -> Result<(Vec<sys::ggml_backend_dev_t>, Lease)> {
     install_abort_hook();
     for endpoint in endpoints {
+        // ggml-rpc splits at the first ':' and aborts the process on a port it cannot parse (an
+        // IPv6 address in brackets, for one).
+        let port = endpoint.split_once(':').map(|(host, port)| (host.is_empty(), port));
+        if !port.is_some_and(|(no_host, port)| !no_host && port.parse::<u16>().is_ok_and(|p| p > 0)) {
+            return Err(Error::Config(format!(
+                "bad RPC endpoint {endpoint:?}: ggml-rpc takes HOST:PORT with a host name or IPv4 address"
+            )));
+        }
         if failed(std::slice::from_ref(endpoint)) {
             return Err(Error::Engine(format!(
                 "the RPC server at {endpoint} failed earlier in this process (ggml-rpc keeps one connection per \
