@@ -270,7 +270,7 @@ fn encode_run(extra: &str) -> gst::Element {
     let pipeline = launch(&format!(
         "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=64,height=48 ! videoconvert \
          ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
-           interval=0 cache-entries=0 {extra} ! fakesink"
+           interval=0 cache-entries=0 min-change=0 {extra} ! fakesink"
     ));
     let run = run(&pipeline);
     assert!(run.errors.is_empty(), "{:?}", run.errors);
@@ -410,7 +410,7 @@ fn the_npu_backend_falls_back_or_fails_clearly_in_a_build_without_it() {
     // auto with an RKNN model: this build has no NPU backend, so it says why and uses the CPU.
     let pipeline = launch(
         "videotestsrc num-buffers=3 ! videoconvert ! vlmencode name=enc backend=auto rknn-model=/nonexistent/vision.rknn \
-         mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 ! fakesink",
+         mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 min-change=0 ! fakesink",
     );
     let run = run(&pipeline);
     assert!(run.errors.is_empty(), "{:?}", run.errors);
@@ -466,7 +466,7 @@ fn a_downstream_error_stops_vlmencode_with_one_error_and_upstream_never_blocks()
 fn vlmencode_reports_its_slowest_encoding_as_latency() {
     let pipeline = launch(
         "videotestsrc is-live=true num-buffers=10 ! video/x-raw,width=160,height=120,framerate=10/1 ! videoconvert \
-         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 \
+         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 min-change=0 \
          ! fakesink",
     );
     let bus = pipeline.bus().unwrap();

@@ -344,7 +344,7 @@ fn textoverlay_draws_the_answer_on_the_frames_of_its_display_duration() {
     std::fs::create_dir_all(&dir).unwrap();
     let pipeline = launch(&format!(
         "videotestsrc pattern=black num-buffers=40 ! video/x-raw,width=320,height=240,framerate=10/1 ! videoconvert \
-         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=500000000 \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=500000000 min-change=0 \
          ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
          ! vlmquery name=q max-tokens=8 answer-duration=1000000000 \
          q.video_src ! textoverlay name=o font-desc=\"Sans 12\" ! videoconvert ! video/x-raw,format=RGB ! tee name=t \

@@ -387,9 +387,10 @@ pub enum TileReuse<'a> {
     /// A tile whose pixels (and the pixels around it that the resize blends in) are identical:
     /// its rows are exactly what an encode would give.
     Exact,
-    /// A tile where the change gate sees no change beyond noise between these pixels (their
-    /// sampling) and those its rows were encoded from: the rows differ from an encode of these
-    /// pixels by what the noise makes.
+    /// A tile (a cell of the grid, not the whole picture or its overview) where the change gate
+    /// sees no change beyond noise between these pixels (their sampling) and those its rows
+    /// were encoded from: the rows differ from an encode of these pixels by what the noise
+    /// makes.
     Unchanged(&'a Arc<gate::Luma>),
 }
 
@@ -492,6 +493,8 @@ impl FrameEncoder {
             let unchanged = match reuse {
                 TileReuse::Off => false,
                 TileReuse::Exact => previous.rgb.same_region(&rgb, region, margin),
+                // (A whole picture is the change gate's to hold, not reused on a threshold.)
+                TileReuse::Unchanged(_) if tile == Tile::Whole => false,
                 TileReuse::Unchanged(now) => {
                     let origin = origin?;
                     let at = match changes.iter().position(|(l, _)| Arc::ptr_eq(l, origin)) {
