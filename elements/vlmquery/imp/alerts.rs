@@ -487,7 +487,9 @@ impl VlmQuery {
         }
         let mut st = self.alerts.state.lock();
         st.stopping = false;
-        st.flushing = false;
+        // Until the text pad's next activation (`flush_stop`): a frame still in the video's chain
+        // function starts no alert thread now.
+        st.flushing = true;
         st.cancel = Arc::new(AtomicBool::new(false));
         st.streams.clear();
         st.order.clear();
