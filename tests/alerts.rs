@@ -33,7 +33,7 @@ struct AlertRun {
 fn alert_run(props: &str) -> AlertRun {
     let pipeline = launch(&format!(
         "videotestsrc pattern=ball num-buffers={FRAMES} ! video/x-raw,width=96,height=96,framerate=5/1 ! videoconvert \
-         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
          ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
          ! vlmquery name=q {props} ! appsink name=text sync=false"
     ));
