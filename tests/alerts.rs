@@ -312,3 +312,27 @@ fn a_model_without_yes_and_no_tokens_disables_the_alerts_with_a_warning() {
         run.warnings
     );
 }
+
+/// Two streams of one `vlmcontext` reach one `vlmquery` (through a funnel): each stream gets its
+/// own first state of each alert, and its own changes.
+#[test]
+fn each_stream_reaching_vlmquery_gets_its_own_first_states() {
+    let pipeline = launch(
+        "vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf max-streams=2 \
+         videotestsrc pattern=ball num-buffers=6 ! video/x-raw,width=96,height=96,framerate=5/1 ! videoconvert \
+           ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 ! ctx.sink_0 \
+         videotestsrc pattern=smpte num-buffers=6 ! video/x-raw,width=96,height=96,framerate=5/1 ! videoconvert \
+           ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 ! ctx.sink_1 \
+         ctx.src_0 ! funnel name=f ctx.src_1 ! f. \
+         f. ! vlmquery name=q alerts=\"ball:Is there a ball?;dark:Is the picture dark?\" ! fakesink sync=false",
+    );
+    let run = run(&pipeline);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let alerts = alerts_of(&run);
+    let states = check_sequence(&alerts);
+    let mut keys: Vec<_> = states.keys().cloned().collect();
+    keys.sort();
+    let expected: Vec<(String, String)> =
+        ["ball", "dark"].iter().flat_map(|id| ["sink_0", "sink_1"].map(|s| (id.to_string(), s.to_string()))).collect();
+    assert_eq!(keys, expected, "{alerts:?}");
+}

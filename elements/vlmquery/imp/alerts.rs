@@ -7,7 +7,9 @@
 //! Thinning: each stream has one slot for its next frame to evaluate. A frame that arrives while
 //! the slot is still full (the engine has not kept up) takes the slot, the older one is not
 //! evaluated (newest frame first), counted in `alerts-thinned` and said by a `vlm-alert-overload`
-//! message (at most one a second per stream). The history itself never waits for alerts.
+//! message (at most one a second per stream). The history itself never waits for alerts. The
+//! streams' frames taken together are evaluated at once (a thread each), so their evaluations
+//! queue on their engines together.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -65,13 +67,13 @@ struct State {
     interval: u32,
     hold: u32,
     streams: HashMap<u64, StreamAlerts>,
-    /// Streams in the order their frames are taken (round robin).
+    /// Streams in the order they first came (their evaluations are posted in this order).
     order: VecDeque<u64>,
     worker: Option<std::thread::JoinHandle<()>>,
     /// Set by a flush or a stop: the evaluation in flight ends, its results are dropped.
     cancel: Arc<AtomicBool>,
-    /// The stream the evaluation in flight waits on (woken on cancel).
-    waiting_on: Option<Arc<Stream>>,
+    /// The streams the evaluations in flight wait on (woken on cancel).
+    waiting_on: Vec<Arc<Stream>>,
     flushing: bool,
     stopping: bool,
     /// The worker is evaluating a frame.
@@ -265,59 +267,81 @@ impl VlmQuery {
         self.alerts.changed.notify_all();
     }
 
-    /// The alert thread: take the next frame (streams in turn), wait for its version, evaluate
-    /// every alert on it, post what changed.
+    /// The alert thread: take the next frame of every stream that has one, wait for their
+    /// versions and evaluate every alert on them (the streams at once, so one stream's ingestion
+    /// holds no other's evaluations and all of them queue on their engines together), post what
+    /// changed.
     fn alert_worker(&self) {
         loop {
-            let (stream, frame, specs, cancel) = {
+            let (taken, specs, cancel) = {
                 let mut st = self.alerts.state.lock();
                 let taken = loop {
                     if st.stopping {
                         return;
                     }
-                    if !st.flushing
-                        && let Some(i) = (0..st.order.len()).find(|&i| {
-                            let id = st.order[i];
-                            st.streams.get(&id).is_some_and(|s| s.next.is_some())
-                        })
-                    {
-                        let id = st.order.remove(i).expect("in range");
-                        st.order.push_back(id);
-                        let s = st.streams.get_mut(&id).expect("present");
-                        break (Arc::clone(&s.stream), s.next.take().expect("checked"));
+                    let mut taken: Vec<(Arc<Stream>, FrameAt)> = vec![];
+                    if !st.flushing {
+                        let State { order, streams, .. } = &mut *st;
+                        for id in order.iter() {
+                            if let Some(s) = streams.get_mut(id)
+                                && let Some(f) = s.next.take()
+                            {
+                                taken.push((Arc::clone(&s.stream), f));
+                            }
+                        }
+                    }
+                    if !taken.is_empty() {
+                        break taken;
                     }
                     self.alerts.changed.wait(&mut st);
                 };
                 st.busy = true;
-                st.waiting_on = Some(Arc::clone(&taken.0));
+                st.waiting_on = taken.iter().map(|(s, _)| Arc::clone(s)).collect();
                 let overloads = std::mem::take(&mut st.overloads);
-                let taken = (taken.0, taken.1, Arc::clone(&st.specs), Arc::clone(&st.cancel));
+                let taken = (taken, Arc::clone(&st.specs), Arc::clone(&st.cancel));
                 drop(st);
                 for s in overloads {
                     let _ = self.obj().post_message(gst::message::Element::builder(s).src(&*self.obj()).build());
                 }
                 taken
             };
-            let result = self.evaluate_frame(&stream, frame, &specs, &cancel);
+            let results: Vec<_> = match &taken[..] {
+                [(stream, frame)] => vec![self.evaluate_frame(stream, *frame, &specs, &cancel)],
+                _ => std::thread::scope(|scope| {
+                    let handles: Vec<_> = taken
+                        .iter()
+                        .map(|(stream, frame)| scope.spawn(|| self.evaluate_frame(stream, *frame, &specs, &cancel)))
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| {
+                            h.join()
+                                .unwrap_or_else(|_| Err(vlm_runtime::Error::Engine("panic in an evaluation".into())))
+                        })
+                        .collect()
+                }),
+            };
             let mut st = self.alerts.state.lock();
             st.busy = false;
-            st.waiting_on = None;
-            let posts = match result {
-                _ if cancel.load(Ordering::Acquire) || st.flushing => vec![],
-                Ok(evaluations) => self.record(&mut st, &stream, frame, &specs, evaluations),
-                Err(e) => {
-                    let first =
-                        st.streams.get_mut(&stream.id()).is_some_and(|s| !std::mem::replace(&mut s.warned, true));
-                    if first {
-                        let message = format!("alerts of stream {} not evaluated: {e}", stream.name());
-                        gst::warning!(CAT, imp = self, "{message}");
-                        gst::element_imp_warning!(self, gst::StreamError::Failed, ("{}", message));
-                    } else {
-                        gst::debug!(CAT, imp = self, "alerts of frame {} not evaluated: {e}", frame.number);
+            st.waiting_on.clear();
+            let mut posts = vec![];
+            for ((stream, frame), result) in taken.into_iter().zip(results) {
+                match result {
+                    _ if cancel.load(Ordering::Acquire) || st.flushing => (),
+                    Ok(evaluations) => posts.extend(self.record(&mut st, &stream, frame, &specs, evaluations)),
+                    Err(e) => {
+                        let first =
+                            st.streams.get_mut(&stream.id()).is_some_and(|s| !std::mem::replace(&mut s.warned, true));
+                        if first {
+                            let message = format!("alerts of stream {} not evaluated: {e}", stream.name());
+                            gst::warning!(CAT, imp = self, "{message}");
+                            gst::element_imp_warning!(self, gst::StreamError::Failed, ("{}", message));
+                        } else {
+                            gst::debug!(CAT, imp = self, "alerts of frame {} not evaluated: {e}", frame.number);
+                        }
                     }
-                    vec![]
                 }
-            };
+            }
             self.alerts.changed.notify_all();
             drop(st);
             self.post_alerts(posts);
@@ -460,9 +484,7 @@ impl VlmQuery {
         if flushing {
             st.cancel.store(true, Ordering::Release);
             st.streams.values_mut().for_each(|s| s.next = None);
-            if let Some(stream) = &st.waiting_on {
-                stream.wake();
-            }
+            st.waiting_on.iter().for_each(|s| s.wake());
         } else {
             st.cancel = Arc::new(AtomicBool::new(false));
         }
@@ -476,9 +498,7 @@ impl VlmQuery {
             let mut st = self.alerts.state.lock();
             st.stopping = true;
             st.cancel.store(true, Ordering::Release);
-            if let Some(stream) = &st.waiting_on {
-                stream.wake();
-            }
+            st.waiting_on.iter().for_each(|s| s.wake());
             self.alerts.changed.notify_all();
             st.worker.take()
         };
