@@ -127,9 +127,10 @@
 //! `alerts` lists standing yes/no questions, `id:question;id:question` (settable in a pipeline
 //! description and while PLAYING; a list with an empty id, a duplicate id or a missing question
 //! is refused with a WARNING naming the fault, on stderr and on the bus, and the previous list
-//! kept). Each alert is evaluated on every new version (frame) of every stream reaching this
-//! element, on a private branch of that version: the question (followed by "Answer yes or no.")
-//! is prefilled there and its last logits give a forced choice between the model's "yes" and
+//! kept; a new list keeps the states of the alerts it leaves unchanged, and a new or changed
+//! alert posts its first state again). Each alert is evaluated on every new version (frame) of
+//! every stream reaching this element, on a private branch of that version: the question
+//! (followed by "Answer yes or no.") is prefilled there and its last logits give a forced choice between the model's "yes" and
 //! "no" tokens (found by tokenizing the words; a model without single-token answers disables the
 //! alerts with a WARNING): no sampling, `P(yes)` the softmax over the two logits, the state
 //! `yes > no`. Evaluations share the engine's steps with answers, and a question a user asked
