@@ -71,10 +71,13 @@ fn alerts_of(run: &Run) -> Vec<gst::Structure> {
     run.messages.iter().filter(|m| m.name() == "vlm-alert").cloned().collect()
 }
 
+/// (state, frame, evaluations) of each `vlm-alert` of one (id, stream).
+type Posted = Vec<(bool, u64, u64)>;
+
 /// Per (id, stream): the first message is the first state, then every message changes the state;
 /// the evaluation counts grow; the fields are all there and consistent.
 fn check_sequence(alerts: &[gst::Structure]) -> HashMap<(String, String), Vec<bool>> {
-    let mut seen: HashMap<(String, String), Vec<(bool, u64, u64)>> = HashMap::new();
+    let mut seen: HashMap<(String, String), Posted> = HashMap::new();
     for a in alerts {
         for f in FIELDS {
             assert!(a.has_field(f), "vlm-alert lacks {f}: {a}");

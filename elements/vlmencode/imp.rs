@@ -179,6 +179,8 @@ struct State {
 struct Due {
     info: gst_video::VideoInfo,
     luma: Option<Arc<Luma>>,
+    /// `max-unchanged` forced it: no tile is reused on a threshold (drifts under it add up).
+    refresh: bool,
 }
 
 /// What waits, in stream order, for the encoding task.
@@ -253,9 +255,9 @@ impl VlmEncode {
 
 /// What the change gate decided for a due frame.
 enum Gate {
-    /// Encode it (changed, the gate off, or `max-unchanged` reached), with its sampling for
-    /// later frames to compare with once it goes to the encoder.
-    Encode(Option<Arc<Luma>>),
+    /// Encode it (changed, the gate off, or `max-unchanged` reached: then true), with its
+    /// sampling for later frames to compare with once it goes to the encoder.
+    Encode(Option<Arc<Luma>>, bool),
     /// It did not change (the share of the picture that did): the last encoded frame stands.
     Hold(f64),
 }
@@ -286,11 +288,11 @@ impl VlmEncode {
         };
         // (With the gate off, the sampling still serves tile reuse.)
         if min_change <= 0.0 && tiles != TileReuseKind::Threshold {
-            return Gate::Encode(None);
+            return Gate::Encode(None, false);
         }
-        let Some(format) = pixel_format(info) else { return Gate::Encode(None) };
+        let Some(format) = pixel_format(info) else { return Gate::Encode(None, false) };
         let Ok(vframe) = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer.as_ref(), info) else {
-            return Gate::Encode(None);
+            return Gate::Encode(None, false);
         };
         let state = self.state.lock();
         let stale = match (time, state.gate_passed) {
@@ -299,8 +301,9 @@ impl VlmEncode {
         };
         match state.gate.decide(&picture(&vframe, info, format), min_change) {
             Some(Decision::Unchanged(change, _)) if !stale && min_change > 0.0 => Gate::Hold(change.share()),
-            Some(Decision::Unchanged(_, luma) | Decision::Changed(_, luma)) => Gate::Encode(Some(Arc::new(luma))),
-            None => Gate::Encode(None),
+            Some(Decision::Unchanged(_, luma)) => Gate::Encode(Some(Arc::new(luma)), stale),
+            Some(Decision::Changed(_, luma)) => Gate::Encode(Some(Arc::new(luma)), false),
+            None => Gate::Encode(None, false),
         }
     }
 
@@ -323,8 +326,8 @@ impl VlmEncode {
             gst::trace!(CAT, imp = self, "frame {:?} not due", buffer.pts());
             return self.enqueue(Item::Frame(buffer, None), false);
         }
-        let luma = match self.gate(&buffer, &info, running_time) {
-            Gate::Encode(luma) => luma,
+        let (luma, refresh) = match self.gate(&buffer, &info, running_time) {
+            Gate::Encode(luma, refresh) => (luma, refresh),
             Gate::Hold(share) => {
                 // The last encoded frame stands for this one: it passes, marked, and the interval
                 // starts again from it.
@@ -360,7 +363,7 @@ impl VlmEncode {
             state.gate.encoded(Arc::clone(luma));
             state.gate_passed = running_time;
         }
-        self.enqueue(Item::Frame(buffer, Some(Due { info, luma })), true)
+        self.enqueue(Item::Frame(buffer, Some(Due { info, luma, refresh })), true)
     }
 
     fn sink_event(&self, event: gst::Event) -> bool {

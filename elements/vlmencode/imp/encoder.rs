@@ -128,6 +128,8 @@ impl VlmEncode {
         let started = Instant::now();
         let reuse = match (self.settings.lock().tile_reuse, &due.luma) {
             (TileReuseKind::Off, _) | (TileReuseKind::Threshold, None) => TileReuse::Off,
+            // A refresh (`max-unchanged`) takes only identical tiles.
+            (TileReuseKind::Exact, _) | (TileReuseKind::Threshold, Some(_)) if due.refresh => TileReuse::Exact,
             (TileReuseKind::Exact, _) => TileReuse::Exact,
             (TileReuseKind::Threshold, Some(luma)) => TileReuse::Unchanged(luma),
         };

@@ -399,18 +399,21 @@ fn tile_margin(width: u32) -> u32 {
     (width / 128).max(2)
 }
 
+/// A sampling of the pixels a tile's rows were encoded from (`TileReuse::Unchanged`).
+type Origin = Option<Arc<gate::Luma>>;
+
 /// The frame encoded last, for tile reuse.
 struct LastFrame {
     rgb: Rgb,
     frame: Arc<Frame>,
     /// Per image segment: its tile, and (`TileReuse::Unchanged`) the sampling of the pixels its
     /// rows were encoded from (an earlier frame's, where they were reused).
-    tiles: Vec<(Option<Tile>, Option<Arc<gate::Luma>>)>,
+    tiles: Vec<(Option<Tile>, Origin)>,
 }
 
 impl LastFrame {
     /// The rows of `tile` in this frame, if it has them, and where they were encoded from.
-    fn rows_of(&self, tile: Tile, rows: usize) -> Option<(Box<[f32]>, Option<&Arc<gate::Luma>>)> {
+    fn rows_of(&self, tile: Tile, rows: usize) -> Option<(Box<[f32]>, &Origin)> {
         let images = self.frame.segments.iter().filter_map(|s| match s {
             Segment::Image(i) => Some(i),
             Segment::Text(_) => None,
@@ -418,7 +421,7 @@ impl LastFrame {
         images
             .zip(&self.tiles)
             .find(|(i, (t, _))| *t == Some(tile) && i.rows == rows)
-            .map(|(i, (_, origin))| (i.data.clone(), origin.as_ref()))
+            .map(|(i, (_, origin))| (i.data.clone(), origin))
     }
 }
 
@@ -485,7 +488,7 @@ impl FrameEncoder {
         // The change since each earlier sampling a tile's rows came from (few: computed once).
         let mut changes: Vec<(Arc<gate::Luma>, Option<gate::Change>)> = vec![];
         // Where the reused tiles' rows were encoded from.
-        let mut reused_from: Vec<(Tile, Option<Arc<gate::Luma>>)> = vec![];
+        let mut reused_from: Vec<(Tile, Origin)> = vec![];
         let mut lookup = |tile: Tile, rows: usize| -> Option<Box<[f32]>> {
             let previous = previous.as_ref()?;
             let (data, origin) = previous.rows_of(tile, rows)?;
@@ -496,7 +499,7 @@ impl FrameEncoder {
                 // (A whole picture is the change gate's to hold, not reused on a threshold.)
                 TileReuse::Unchanged(_) if tile == Tile::Whole => false,
                 TileReuse::Unchanged(now) => {
-                    let origin = origin?;
+                    let origin = origin.as_ref()?;
                     let at = match changes.iter().position(|(l, _)| Arc::ptr_eq(l, origin)) {
                         Some(at) => at,
                         None => {
@@ -508,7 +511,7 @@ impl FrameEncoder {
                 }
             };
             unchanged.then(|| {
-                reused_from.push((tile, origin.cloned()));
+                reused_from.push((tile, origin.clone()));
                 data
             })
         };
