@@ -42,7 +42,7 @@ const DEFAULT_CAPTION_INTERVAL: u64 = 10_000_000_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
 #[enum_type(name = "GstVlmOutputFormat")]
 pub enum OutputFormat {
-    #[enum_value(name = "Text: each answer's text, ending with a newline", nick = "text")]
+    #[enum_value(name = "Text: each answer's text as one line (line breaks folded into spaces)", nick = "text")]
     Text,
     #[enum_value(name = "JSON: one object a line with the vlm-answer message's fields", nick = "json")]
     Json,
@@ -469,7 +469,7 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("output-format", OutputFormat::Text)
                     .nick("Output format")
-                    .blurb("What the src pad carries: text (each answer's text and a newline) or json (one object a line with the vlm-answer fields, every outcome included)")
+                    .blurb("What the src pad carries: text (each answer's text as one line, line breaks folded into spaces) or json (one object a line with the vlm-answer fields, every outcome included)")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecUInt64::builder("answer-duration")

@@ -23,13 +23,16 @@
 //! order), and its text is pushed in question order, timestamped at the end of the newest video
 //! frame (the first frame that can show it), lasting `answer-duration`; while there is nothing to
 //! say the text pad sends GAP events up to the newest frame, so overlays and sinks never wait and
-//! a non-live pipeline prerolls at once. `output-format=text` pushes each answered text and a
-//! newline (fit for `filesink`); `json` pushes one object a line with the `vlm-answer` fields,
-//! every outcome included.
+//! a non-live pipeline prerolls at once. `output-format=text` pushes each answered text as exactly
+//! one line (fit for `filesink`): line breaks inside an answer are folded, each run of them (with
+//! the spaces and tabs around it) becoming one space, the line trimmed, so N answers are N lines
+//! (the `vlm-answer` message and JSON keep the text as generated); `json` pushes one object a
+//! line with the `vlm-answer` fields, every outcome included.
 //!
 //! With `stream-tokens=true` the oldest pending answer goes out as it is generated (live
 //! captions), later ones follow in question order: every buffer holds the answer so far (text: a
-//! line; json: an object with `id`, `stream`, `status` `partial` and `text`, the answer so far),
+//! line, folded the same way; json: an object with `id`, `stream`, `status` `partial` and
+//! `text`, the answer so far),
 //! the last one the whole answer (its `vlm-answer` line in json), so a lost piece loses nothing
 //! and an overlay shows the growing answer.
 //!

@@ -15,7 +15,7 @@ use gst::prelude::*;
 use gst::subclass::prelude::*;
 
 use super::{CAT, Display, Outcome, OutputFormat, Pending, Shared, VlmQuery};
-use crate::text::without_nul;
+use crate::text::{one_line, without_nul};
 /// Fields of `vlm-answer` that hold a clock time. A `GstClockTime` field is a plain `guint64`
 /// in a structure (no type of its own to tell it by), so they are known by name: untimed
 /// (`GST_CLOCK_TIME_NONE`) is `null` in JSON, not 18446744073709551615.
@@ -59,11 +59,12 @@ pub(in crate::vlmquery) struct Shown {
     pushed: bool,
 }
 
-/// A buffer's text: the answer (so far) and a newline, or in JSON its question's `id`, `stream`,
+/// A buffer's text: the answer (so far) as one line (line breaks inside it folded into spaces,
+/// `one_line`) and a newline, or in JSON its question's `id`, `stream`,
 /// `status` and the text (the whole answer's buffer is its `vlm-answer` instead).
 fn line(format: OutputFormat, p: &Pending, text: &str, status: &str) -> String {
     match format {
-        OutputFormat::Text => format!("{text}\n"),
+        OutputFormat::Text => text_line(text),
         OutputFormat::Json => json_line(
             &gst::Structure::builder("vlm-answer")
                 .field("id", &p.job.question.id)
@@ -73,6 +74,11 @@ fn line(format: OutputFormat, p: &Pending, text: &str, status: &str) -> String {
                 .build(),
         ),
     }
+}
+
+/// A line of `output-format=text`: the answer (so far) with its line breaks folded, and a newline.
+fn text_line(text: &str) -> String {
+    format!("{}\n", one_line(text))
 }
 
 /// What the source pad's task does next.
@@ -507,6 +513,16 @@ fn video_answer(message: &gst::StructureRef) -> gst::Structure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_text_answer_is_one_line() {
+        let text = text_line("The ball is red.\n\nIt rolls\r\nto the left.\n");
+        assert_eq!(text, "The ball is red. It rolls to the left.\n");
+        assert_eq!(text.lines().count(), 1);
+        // A streamed piece (the answer so far) ending at a line break.
+        assert_eq!(text_line("The ball\n"), "The ball\n");
+        assert_eq!(text_line(""), "\n");
+    }
 
     #[test]
     fn json_pts_of_an_untimed_question_is_null_and_counts_stay_numbers() {
