@@ -11,6 +11,7 @@
 //! - [`answer`](mod@answer): answering a question from a pinned version (branch, import or replay);
 //!   [`commits`]: answers committed to the history in question order;
 //! - [`placer`]: choosing the engine and path of each answer from measured stage costs;
+//!   [`residence`]: the engine each stream lives on;
 //! - [`prefix`]: prefix keys and compatibility tags; [`snapshot`]: KV snapshots;
 //! - [`cache`]: the bounded cache every cache uses;
 //! - [`encoder`]: vision encoding of frames into embeddings (libmtmd; `rknn`: the NPU);
@@ -32,6 +33,7 @@ pub mod placer;
 mod prefill;
 pub mod prefix;
 pub mod prompt;
+pub mod residence;
 #[cfg(feature = "rknn")]
 pub use encoder::rknn;
 pub mod snapshot;

@@ -18,6 +18,8 @@ use std::sync::Arc;
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
+// The engine a new stream lives on: chosen below the streams, which choose again when theirs fails.
+pub use crate::residence::resident_engine;
 use crate::stream::Version;
 
 /// How a question's history was made ready on the engine that answered it.
@@ -118,37 +120,6 @@ pub fn estimate(
     paths
 }
 
-/// The engine a new stream should live on (have its frames ingested on): the one where its
-/// ingestion would cost least with the streams already resident there, by measured prefill rate
-/// x (resident streams + 1), among engines with a free stream sequence (with none free, the
-/// first engine, whose refusal then names the limit; `None` only for no engines). Dealing streams out in
-/// turn would leave half of them on an engine several times slower than another (the RK3588's
-/// CPU beside its GPU, a GPU host's cores beside the GPU); engines of equal speed still share the
-/// streams evenly.
-pub fn resident_engine(engines: &[Arc<Engine>]) -> Option<&Arc<Engine>> {
-    let loads: Vec<(f64, usize, usize)> = engines
-        .iter()
-        .map(|e| {
-            let (open, free) = e.stream_slots();
-            // A failed engine has no room.
-            (e.rates().prefill_ms_per_token, open, if e.failure().is_some() { 0 } else { free })
-        })
-        .collect();
-    least_loaded(&loads).map(|i| &engines[i]).or(engines.first())
-}
-
-/// Index of the cheapest `(prefill ms per token, streams open, free slots)` with a free slot;
-/// the first of equals.
-fn least_loaded(loads: &[(f64, usize, usize)]) -> Option<usize> {
-    let cost = |&(rate, open, _): &(f64, usize, usize)| rate * (open + 1) as f64;
-    loads
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.2 > 0)
-        .min_by(|(_, a), (_, b)| cost(a).total_cmp(&cost(b)))
-        .map(|(i, _)| i)
-}
-
 /// Leave the resident engine only for a path this much cheaper: estimates are noisy, and a
 /// resident answer moves nothing.
 const MOVE_FACTOR: f64 = 0.8;
@@ -197,25 +168,5 @@ pub fn choose(
                 names.join(", ")
             )))
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::least_loaded;
-
-    #[test]
-    fn streams_live_where_their_ingestion_costs_least() {
-        // Equal engines share the streams in turn.
-        assert_eq!(least_loaded(&[(5.0, 0, 2), (5.0, 0, 2)]), Some(0));
-        assert_eq!(least_loaded(&[(5.0, 1, 1), (5.0, 0, 2)]), Some(1));
-        // An engine 10x faster takes the first 9 streams; the 10th would cost as much there as
-        // alone on the slow one (equals: the first).
-        assert_eq!(least_loaded(&[(5.0, 0, 4), (0.5, 1, 3)]), Some(1));
-        assert_eq!(least_loaded(&[(5.0, 0, 4), (0.5, 8, 3)]), Some(1));
-        assert_eq!(least_loaded(&[(5.0, 0, 4), (0.5, 9, 3)]), Some(0));
-        // A full engine takes none; no free engine, no choice.
-        assert_eq!(least_loaded(&[(5.0, 0, 2), (0.5, 2, 0)]), Some(0));
-        assert_eq!(least_loaded(&[(5.0, 2, 0)]), None);
     }
 }

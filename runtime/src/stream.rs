@@ -31,8 +31,7 @@ use crate::snapshot::PrefixCache;
 // stream off a failed engine, in an `impl Stream` of their own.
 mod ingest;
 
-use ingest::Rebuild;
-pub(crate) use ingest::move_resident;
+use ingest::{Rebuild, move_resident};
 
 /// What happens when the next frame would overflow the stream's sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,7 +231,13 @@ pub struct Stream {
     changed: Condvar,
 }
 
-static STREAMS: LazyLock<Mutex<HashMap<u64, Weak<Stream>>>> = LazyLock::new(Default::default);
+/// The stream registry: every stream by id. It moves the streams resident on an engine that fails
+/// for good when the engine reports the failure ([`crate::engine::on_failure`], registered with
+/// the first stream).
+static STREAMS: LazyLock<Mutex<HashMap<u64, Weak<Stream>>>> = LazyLock::new(|| {
+    crate::engine::on_failure(move_resident);
+    Mutex::default()
+});
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Find a live stream by its id (as carried by the `vlm-stream` event).

@@ -21,7 +21,8 @@
 //!
 //! An engine on RPC servers (`Device::Rpc`) can fail for good when a server goes away; the
 //! watchdog (`rpc_watch`) then declares it failed: the placer passes it over, what waits on it
-//! gets the reason, and the streams resident on it move to other engines.
+//! gets the reason, and the engine reports the failure to the handlers registered with
+//! [`on_failure`] (the stream registry moves the streams resident on it to other engines).
 
 mod calibrate;
 mod config;
@@ -95,6 +96,19 @@ struct Shared {
     failure: Mutex<Option<String>>,
     /// Frames go as one batch of rows (`Worker::merge_frames`, known after calibration).
     merge_frames: AtomicBool,
+}
+
+/// Told when an engine fails for good (after it stopped taking jobs), with the engine and why.
+pub(crate) type FailureHandler = fn(&Arc<Engine>, &Error);
+
+static FAILURE_HANDLERS: Mutex<Vec<FailureHandler>> = Mutex::new(Vec::new());
+
+/// Have `handler` called whenever an engine fails for good, on the thread that declares it failed
+/// (the RPC watchdog), in the order handlers were registered. What lives above the engines and
+/// must leave a failed one registers here (the stream registry, which moves the streams resident
+/// on it), so that the engine names none of it. Register each handler once.
+pub(crate) fn on_failure(handler: FailureHandler) {
+    FAILURE_HANDLERS.lock().push(handler);
 }
 
 /// Decode rates an engine observed (see [`Engine::decode_rates`]).
@@ -389,7 +403,8 @@ impl Engine {
     }
 
     /// Declare the engine failed for good: no more jobs, its thread (stuck on a failed server)
-    /// and what it holds abandoned, its resident streams moved to other engines.
+    /// and what it holds abandoned; then report it to the [`on_failure`] handlers (the stream
+    /// registry moves its resident streams to other engines).
     fn fail(self: &Arc<Self>, why: String) {
         crate::llama::log(crate::llama::LogLevel::Error, &why);
         *self.shared.failure.lock() = Some(why.clone());
@@ -397,7 +412,11 @@ impl Engine {
         self.jobs.lock().take();
         self.thread.lock().take();
         (self.release_thread)();
-        crate::stream::move_resident(self, &Error::Engine(why));
+        let error = Error::Engine(why);
+        let handlers = FAILURE_HANDLERS.lock().clone();
+        for handler in handlers {
+            handler(self, &error);
+        }
     }
 
     /// Most answers decoded together in one step so far.

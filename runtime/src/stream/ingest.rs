@@ -28,7 +28,7 @@ pub(super) enum Rebuild {
 /// of its peers with a free stream sequence: its registered versions are ingested there again
 /// from their retained entries (a new epoch; what waits on them gets them from there). A stream
 /// with nowhere to go fails with `error` (the other streams go on).
-pub(crate) fn move_resident(engine: &Arc<Engine>, error: &Error) {
+pub(super) fn move_resident(engine: &Arc<Engine>, error: &Error) {
     let streams: Vec<Arc<Stream>> = STREAMS.lock().values().filter_map(Weak::upgrade).collect();
     for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine(), engine)) {
         if let Err(e) = stream.move_home(engine) {
@@ -120,7 +120,7 @@ impl Stream {
     fn move_home(self: &Arc<Self>, failed: &Arc<Engine>) -> Result<()> {
         let others: Vec<Arc<Engine>> =
             self.config.peers.iter().filter(|e| !Arc::ptr_eq(e, failed) && e.failure().is_none()).cloned().collect();
-        let engine = crate::placer::resident_engine(&others)
+        let engine = crate::residence::resident_engine(&others)
             .ok_or_else(|| Error::Config("no other engine is configured for it".into()))?;
         // A stream that has already failed stays where it is: checked before a sequence is taken
         // on the new engine, which would otherwise be lost to it (nothing gives it back).
