@@ -15,6 +15,10 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::llama::{Model, Token};
 
+// The family checks' reference (`llama::reference`) with the runtime's system prompt.
+#[cfg(feature = "reference")]
+mod reference;
+
 const FRAMES: &str = "\u{1}FRAMES\u{1}";
 const QUESTION: &str = "\u{1}QUESTION\u{1}";
 const ANSWER: &str = "\u{1}ANSWER\u{1}";

@@ -15,9 +15,6 @@ use llama_cpp_sys_2 as sys;
 use super::model::c_path;
 use super::{Model, Token, argmax, init_backend};
 use crate::error::{Error, Result};
-// The one reference from `llama` back up to a module built on it: the reference must render the
-// runtime's own system prompt, so it reads the constant rather than a copy that could drift.
-use crate::prompt::DEFAULT_SYSTEM_PROMPT;
 
 /// Width of a [`picture`], the only size [`Reference::chunks`] takes.
 pub const PICTURE_WIDTH: u32 = 64;
@@ -49,13 +46,14 @@ pub fn marker() -> String {
 }
 
 /// The runtime's prompt with `frames` pictures as one text for libmtmd: the model's chat template
-/// around the system prompt ([`DEFAULT_SYSTEM_PROMPT`]), the frames' markers and `question`, with
-/// the assistant's turn opened; and the length of its history, the text up to the end of the last
-/// marker.
-pub fn prompt(model: &Model, frames: usize, question: &str) -> Result<(String, usize)> {
+/// around `system`, the frames' markers and `question`, with the assistant's turn opened; and the
+/// length of its history, the text up to the end of the last marker. [`Reference::history`] and
+/// [`Reference::whole`] give it the runtime's system prompt (`prompt::DEFAULT_SYSTEM_PROMPT`): they
+/// are implemented beside it, in `prompt/reference.rs`, so that `llama` reads nothing built on it.
+pub fn prompt(model: &Model, system: &str, frames: usize, question: &str) -> Result<(String, usize)> {
     let marker = marker();
     let user = format!("{}\n{question}", marker.repeat(frames));
-    let full = model.apply_chat_template(&[("system", DEFAULT_SYSTEM_PROMPT), ("user", &user)], true)?;
+    let full = model.apply_chat_template(&[("system", system), ("user", &user)], true)?;
     let history_end = full
         .rfind(&marker)
         .map(|i| i + marker.len())
@@ -240,20 +238,6 @@ impl Reference {
                 None => Err(Error::Engine("mtmd_bitmap_init failed".into())),
             }
         }
-    }
-
-    /// libmtmd's tokenization of the history of [`prompt`] (its text up to the last frame's
-    /// marker) with pictures `0..frames`.
-    pub fn history(&self, model: &Model, frames: usize, question: &str) -> Result<Chunks> {
-        let (text, end) = prompt(model, frames, question)?;
-        self.chunks(&text[..end], &pictures(frames))
-    }
-
-    /// libmtmd's tokenization of the whole [`prompt`] (the question and the assistant's opened
-    /// turn included) with pictures `0..frames`.
-    pub fn whole(&self, model: &Model, frames: usize, question: &str) -> Result<Chunks> {
-        let (text, _) = prompt(model, frames, question)?;
-        self.chunks(&text, &pictures(frames))
     }
 
     /// `mtmd_helper_eval_chunks` of `chunks` into a fresh context (what mtmd-cli does), then up to
