@@ -138,7 +138,7 @@ fn report(what: &str, start: f64, end: f64, detail: &str) {
 }
 
 const LIVE: &str = "videotestsrc is-live=true pattern=ball ! video/x-raw,width=64,height=48,framerate=FPS ! videoconvert \
-    ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+    ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
     ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=4 ! fakesink async=false";
 
 #[test]
