@@ -140,6 +140,9 @@ struct Pending {
     /// answer was committed to the history): ends once the answering thread has its outcome.
     commit: CommitTurn,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The stream of a question accepted before any stream reached the element, once its first
+    /// frame is registered (see `Pending::stream`).
+    late_stream: std::sync::OnceLock<Arc<Stream>>,
     /// The lag of the question's stream when it was accepted.
     lag: Lag,
     /// How old the picture the question is bound to was at the question's time (ms): the
@@ -265,7 +268,7 @@ impl VlmQuery {
             shared.flushing = true;
             for p in &shared.pending {
                 p.cancel.store(true, Ordering::Release);
-                if let Some(stream) = &p.job.stream {
+                if let Some(stream) = p.stream() {
                     stream.wake();
                 }
                 p.commit.wake();

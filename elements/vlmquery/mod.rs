@@ -19,6 +19,12 @@
 //! Each question is answered at once on its own thread, from a private branch of its version
 //! (greedy by default); a question whose frame is registered but not yet prefilled waits for it
 //! (with several engines the placer may instead replay that history on another engine).
+//! Nothing is answered from no frames: a question that finds its stream with no registered frame
+//! yet (a video with no frame so far, a timed question before the first frame, `ask` before any
+//! video reached the element or while the model loads) waits for the stream's first registered
+//! frame and binds to the newest one then. It holds its `max-questions` slot meanwhile, a flush
+//! or stop cancels it, and at the video's EOS with still no frame it ends `failed` with the
+//! `reason` "the video ended before any frame was registered".
 //! Each question's `vlm-answer` message is posted as soon as its answer has ended (in question
 //! order), and its text is pushed in question order, timestamped at the end of the newest video
 //! frame (the first frame that can show it), lasting `answer-duration`; while there is nothing to

@@ -9,7 +9,7 @@ use std::time::Instant;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 use parking_lot::Mutex;
-use vlm_runtime::{CommitTurn, Question};
+use vlm_runtime::{CommitTurn, Question, Stream};
 
 use super::{CAT, CommitAnswers, FRAME_HISTORY, Job, Outcome, Pending, Shared, VlmQuery};
 use crate::events::{QuestionEvent, StreamEvent};
@@ -37,6 +37,21 @@ static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 
 /// Accepted question ids remembered to refuse a repeated one.
 const RECENT_IDS: usize = 4096;
+
+/// Why a question that waited for its stream's first frame fails at the video's EOS.
+const NO_FRAME: &str = "the video ended before any frame was registered";
+
+/// How often a question waiting for its stream's first frame looks at the stream again (a
+/// frame arriving here wakes it at once; this catches a registration seen nowhere else).
+const FIRST_FRAME_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+impl Pending {
+    /// The question's stream: the one it was bound to when accepted, or (accepted before any
+    /// stream reached the element) the one whose first frame it waited for.
+    pub(super) fn stream(&self) -> Option<&Arc<Stream>> {
+        self.job.stream.as_ref().or_else(|| self.late_stream.get())
+    }
+}
 
 impl VlmQuery {
     fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>) -> Question {
@@ -122,6 +137,7 @@ impl VlmQuery {
             text_taken: AtomicUsize::new(0),
             commit: CommitTurn::new(),
             thread: Mutex::new(None),
+            late_stream: std::sync::OnceLock::new(),
         });
         // With ordered commits a question sees the answers before it: it waits for them.
         let previous = ordered.then(|| shared.pending.back().cloned()).flatten();
@@ -156,17 +172,32 @@ impl VlmQuery {
     }
 
     /// Answer one question (on its own thread): wait for its version (or replay it elsewhere, as
-    /// the placer decides), then generate.
+    /// the placer decides), then generate. A question bound to no frame first waits for its
+    /// stream's first one (`first_frame`): nothing is answered from no frames.
     fn generate(&self, p: &Pending, previous: Option<&Pending>, placement: &str, commit: bool) -> Outcome {
         let q = &p.job.question;
         let mut frame = p.job.frames;
+        let mut first = None;
+        if frame == 0 {
+            match self.first_frame(p) {
+                Ok((stream, number)) => {
+                    frame = number;
+                    if p.job.stream.is_none() {
+                        let _ = p.late_stream.set(Arc::clone(&stream));
+                    }
+                    first = Some(stream);
+                }
+                Err(true) => return Outcome::Cancelled("cancelled".into()),
+                Err(false) => return Outcome::Failed(NO_FRAME.into()),
+            }
+        }
         if let Some(previous) = previous {
             // It sees the conversation so far: the newest version at or after the previous
             // answer's commit, which is appended after the newest frame registered then (so it
             // may hold frames newer than the question's own).
             frame = previous.commit.wait(frame, &p.cancel);
         }
-        let Some(stream) = p.job.stream.clone() else {
+        let Some(stream) = first.or_else(|| p.job.stream.clone()) else {
             return Outcome::Failed("no video stream has reached vlmquery yet".into());
         };
         let stream_tokens = self.settings.lock().stream_tokens;
@@ -190,6 +221,35 @@ impl VlmQuery {
             }
             Ok(_) | Err(vlm_runtime::Error::Cancelled) => Outcome::Cancelled("cancelled".into()),
             Err(e) => Outcome::Failed(e.to_string()),
+        }
+    }
+
+    /// A question bound to no frame (none of its stream registered yet when it came: a video
+    /// with no frame so far, a timed question before the first frame, `ask` before any video):
+    /// wait for its stream's first registered frame (the stream it was accepted with, or the one
+    /// that reaches the element first) and bind to the newest registered frame then. It holds
+    /// its `max-questions` slot meanwhile; a flush or stop cancels it, and at the video's EOS
+    /// with still no frame it fails (`NO_FRAME`).
+    ///
+    /// `Err(true)` when cancelled, `Err(false)` at the video's EOS.
+    fn first_frame(&self, p: &Pending) -> Result<(Arc<Stream>, u64), bool> {
+        let mut shared = self.shared.lock();
+        gst::debug!(CAT, imp = self, "question {} waits for its stream's first frame", p.job.question.id);
+        loop {
+            if p.cancel.load(Ordering::Acquire) || shared.flushing {
+                return Err(true);
+            }
+            if let Some(stream) = p.job.stream.clone().or_else(|| shared.video.stream.clone()) {
+                let registered = stream.registered();
+                if registered > 0 {
+                    gst::debug!(CAT, imp = self, "question {} bound to {registered} frames", p.job.question.id);
+                    return Ok((stream, registered));
+                }
+            }
+            if shared.video.eos {
+                return Err(false);
+            }
+            self.changed.wait_for(&mut shared, FIRST_FRAME_POLL);
         }
     }
 

@@ -68,7 +68,7 @@ fn line(format: OutputFormat, p: &Pending, text: &str, status: &str) -> String {
         OutputFormat::Json => json_line(
             &gst::Structure::builder("vlm-answer")
                 .field("id", &p.job.question.id)
-                .field("stream", p.job.stream.as_ref().map_or("", |s| s.name()))
+                .field("stream", p.stream().map_or("", |s| s.name()))
                 .field("status", status)
                 .field("text", without_nul(text).as_ref())
                 .build(),
@@ -364,7 +364,7 @@ impl VlmQuery {
             let buffer = buffer.get_mut().unwrap();
             buffer.set_pts(at);
             buffer.set_duration(duration);
-            let stream = p.job.stream.as_ref().map_or("", |s| s.name());
+            let stream = p.stream().map_or("", |s| s.name());
             crate::meta::add_answer_meta(buffer, &p.job.question.id, stream, status);
         }
         match self.srcpad.push(buffer) {
@@ -424,7 +424,7 @@ impl VlmQuery {
     /// The question's `vlm-answer` (a failed one's warning is posted here).
     fn answer_message(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
         let q = &p.job.question;
-        let stream = p.job.stream.as_ref().map_or("", |s| s.name());
+        let stream = p.stream().map_or("", |s| s.name());
         let mut msg = gst::Structure::builder("vlm-answer")
             .field("id", &q.id)
             .field("question", &q.text)
