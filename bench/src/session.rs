@@ -37,7 +37,10 @@ fn run_workers(
     bar: &ProgressBar,
     timeout: Duration,
 ) -> Result<RunRecord, BoxError> {
-    let exe = std::env::current_exe()?;
+    // The running binary itself: a rebuild in a shared target folder replaces the file at
+    // current_exe()'s path during a long run, while /proc/self/exe still executes this one.
+    let proc_exe = std::path::Path::new("/proc/self/exe");
+    let exe = if proc_exe.exists() { proc_exe.to_owned() } else { std::env::current_exe()? };
     let config = specs[0].config;
     let (tx, rx) = mpsc::channel();
     let mut children = vec![];
