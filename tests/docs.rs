@@ -1,0 +1,62 @@
+//! docs/elements.md cannot drift from the plugin: every property and signal of `vlmencode`,
+//! `vlmcontext` and `vlmquery`, as the registered elements report them (what gst-inspect-1.0
+//! prints), is named in backticks in docs/elements.md.
+
+mod common;
+
+use common::*;
+use gst::glib;
+use gst::glib::translate::IntoGlib;
+use gst::prelude::*;
+
+/// Property names of `factory` (GObject's `name` and `parent` left out) and the signals its own
+/// type defines (`GstElement`'s are GStreamer's, documented there).
+fn names(factory: &str) -> Vec<String> {
+    let element = gst::ElementFactory::make(factory).build().unwrap_or_else(|e| panic!("make {factory}: {e}"));
+    let mut names: Vec<String> = element
+        .list_properties()
+        .iter()
+        .map(|p| p.name().to_string())
+        .filter(|n| n != "name" && n != "parent")
+        .collect();
+    names.extend(signals(element.type_()));
+    names
+}
+
+/// The signals `type_` itself defines (GObject lists them per type; glib-rs has no safe call).
+fn signals(type_: glib::Type) -> Vec<String> {
+    let mut n = 0u32;
+    // SAFETY: g_signal_list_ids returns a newly allocated array of `n` signal ids of a registered
+    // type, which is freed with g_free after the ids are read; each id is a valid, non-zero id.
+    unsafe {
+        let ids = glib::gobject_ffi::g_signal_list_ids(type_.into_glib(), &mut n);
+        let names = (0..n as usize)
+            .filter_map(|i| std::num::NonZeroU32::new(*ids.add(i)))
+            .map(|id| glib::subclass::SignalId::new(id).query().signal_name().to_string())
+            .collect();
+        glib::ffi::g_free(ids.cast());
+        names
+    }
+}
+
+#[test]
+fn every_property_and_signal_is_in_docs_elements_md() {
+    init();
+    let path = root().join("docs/elements.md");
+    let docs = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut missing = Vec::new();
+    for factory in ["vlmencode", "vlmcontext", "vlmquery"] {
+        let names = names(factory);
+        assert!(!names.is_empty(), "{factory} reports no properties");
+        for name in names {
+            if !docs.contains(&format!("`{name}`")) {
+                missing.push(format!("{factory}::{name}"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "docs/elements.md does not name (in backticks) these properties/signals: {}",
+        missing.join(", ")
+    );
+}
