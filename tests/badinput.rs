@@ -491,7 +491,7 @@ fn an_engine_fault_on_one_stream_fails_it_while_the_other_keeps_answering() {
 }
 
 /// A remote engine through the elements (`engines=local:cpu:1,far:rpc:127.0.0.1:PORT`, one
-/// stream per engine, flash attention as the README advises for RPC): placed there, a question is
+/// stream per engine, flash attention as docs/deploy.md advises for RPC): placed there, a question is
 /// answered on it like on the local engine (the same greedy text, after importing a snapshot of
 /// the local stream's history); then its `rpc-server` is killed
 /// while it answers. That question fails with a reason naming the endpoint, later questions of

@@ -17,7 +17,7 @@
 //!
 //! ggml's RPC protocol has no authentication and no encryption: anyone who reaches the port can
 //! run computations and read or write the server's memory. Reach a remote server over an SSH
-//! tunnel or a private network, never an open port (README, "A remote engine").
+//! tunnel or a private network, never an open port (docs/deploy.md, "A remote engine").
 
 use std::ffi::{CStr, CString, c_char};
 use std::net::{TcpStream, ToSocketAddrs};
