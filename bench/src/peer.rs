@@ -299,6 +299,16 @@ pub fn run_round(
     record
 }
 
+/// A stream's frame request waiting for its sender (the newest only), and whether the stream
+/// has ended.
+#[derive(Default)]
+struct Outbox {
+    next: Option<(Planned, Vec<Arc<String>>, Instant)>,
+    ended: bool,
+    /// Frame requests dropped unsent: a newer request or a question carried their frames.
+    superseded: u64,
+}
+
 /// What a window of the peer shares: the server, its client and what has been measured.
 struct Window<'a> {
     w: &'a Workload,
@@ -373,10 +383,12 @@ impl Window<'_> {
     }
 
     /// The live workload: each stream's frames made at their due times (PNG images) and the
-    /// client's plan sent: a frame's 1-token request from the stream's thread, waited for (the
-    /// warm client), each question from its own thread with all of the stream's frames so far.
-    /// The frames' feed lateness (their request answered minus their due time) and the first
-    /// frame request's error, if any.
+    /// client's plan sent: each question at its frame's due time from its own thread with all of
+    /// the stream's frames so far; a frame's 1-token request (the warm client) handed to the
+    /// stream's sender thread, which sends one at a time and waits for each, the newest first:
+    /// a request not sent yet when a newer one (or a question, which carries its frames) is due
+    /// is dropped and counted in `superseded`. The frames' feed lateness (their request answered
+    /// minus their due time) and the first frame request's error, if any.
     fn live(&self, mode: Mode) -> (FeedStats, Option<String>) {
         let w = self.w;
         let plan = plan(w, mode);
@@ -386,9 +398,12 @@ impl Window<'_> {
                 let mine: Vec<Planned> = plan.iter().filter(|p| p.stream == gs).cloned().collect();
                 let feed = &feed;
                 scope.spawn(move || {
+                    let outbox = Arc::new((Mutex::new(Outbox::default()), std::sync::Condvar::new()));
+                    let sender = {
+                        let outbox = Arc::clone(&outbox);
+                        scope.spawn(move || self.send_frames(gs, &outbox))
+                    };
                     let mut images: Vec<Arc<String>> = vec![];
-                    let mut local = FeedStats::default();
-                    let mut error = None;
                     for number in 1..=w.frames {
                         let due = w.frame_due(self.t0, gs, number);
                         sleep_until(due);
@@ -400,20 +415,24 @@ impl Window<'_> {
                             }
                         }
                         for p in mine.iter().filter(|p| p.frame == number) {
+                            let mut o = outbox.0.lock().expect("no panics hold it");
+                            o.superseded += o.next.is_some() as u64;
+                            o.next = None;
                             match p.question {
                                 Some(index) => {
                                     let images = images.clone();
                                     scope.spawn(move || self.ask(gs, index, number, &images, None, Some(due)));
                                 }
-                                None => match self.send(p.body(&images, w)) {
-                                    Ok(()) => local.fed(ms(Instant::now().saturating_duration_since(due))),
-                                    Err(e) => {
-                                        error.get_or_insert(format!("stream {gs}, frame {number}: {e}"));
-                                    }
-                                },
+                                None => {
+                                    o.next = Some((p.clone(), images.clone(), due));
+                                    outbox.1.notify_one();
+                                }
                             }
                         }
                     }
+                    outbox.0.lock().expect("no panics hold it").ended = true;
+                    outbox.1.notify_one();
+                    let (local, error) = sender.join().expect("the sender does not panic");
                     let mut all = feed.lock().expect("no panics hold it");
                     all.0.add(&local);
                     if all.1.is_none() {
@@ -423,6 +442,33 @@ impl Window<'_> {
             }
         });
         feed.into_inner().expect("no panics hold it")
+    }
+
+    /// A stream's sender: its frame requests, one at a time, until the stream has ended.
+    fn send_frames(&self, gs: usize, outbox: &(Mutex<Outbox>, std::sync::Condvar)) -> (FeedStats, Option<String>) {
+        let (mut local, mut error) = (FeedStats::default(), None);
+        loop {
+            let next = {
+                let mut o = outbox.0.lock().expect("no panics hold it");
+                loop {
+                    if let Some(next) = o.next.take() {
+                        break Some(next);
+                    }
+                    if o.ended {
+                        local.superseded = o.superseded;
+                        break None;
+                    }
+                    o = outbox.1.wait(o).expect("no panics hold it");
+                }
+            };
+            let Some((p, images, due)) = next else { return (local, error) };
+            match self.send(p.body(&images, self.w)) {
+                Ok(()) => local.fed(ms(Instant::now().saturating_duration_since(due))),
+                Err(e) => {
+                    error.get_or_insert(format!("stream {gs}, frame {}: {e}", p.frame));
+                }
+            }
+        }
     }
 
     /// The history curve on slot 0: at each point, one priming request carries the frames so

@@ -230,11 +230,16 @@ pub struct FeedStats {
     /// encoder is not timed apart.
     pub encoded: u64,
     pub encode_ms: f64,
+    /// The warm peer: frame requests dropped unsent because a newer request or a question,
+    /// which carries their frames, was due before they could be sent.
+    #[serde(default)]
+    pub superseded: u64,
 }
 
 impl FeedStats {
     pub fn add(&mut self, o: &FeedStats) {
         self.frames += o.frames;
+        self.superseded += o.superseded;
         self.late_sum_ms += o.late_sum_ms;
         self.late_max_ms = self.late_max_ms.max(o.late_max_ms);
         self.encoded += o.encoded;
