@@ -151,12 +151,12 @@ impl Mode {
 }
 
 /// What the warm client does, as the JSON report says it.
-pub const WARM_CLIENT: &str = "warm: at each frame's due time the stream's thread sends a 1-token request \
-    (n_predict 1, cache_prompt, id_slot = the stream) carrying the stream's frames so far and no text, and waits \
-    for it, so the slot's prompt cache holds the history; a question is sent at its frame's due time from its \
-    own thread on the same slot with the same frames and its text, so the server prefills only what its cache \
-    lacks (the question's frame travels with the question: a separate 1-token request for it would only put a \
-    decode step before the question on the same slot)";
+pub const WARM_CLIENT: &str = "warm: at each frame's due time a 1-token request (n_predict 1, cache_prompt, \
+    id_slot = the stream) carrying the stream's frames so far and no text goes to the stream's sender thread, which \
+    sends one at a time and waits for each, so the slot's prompt cache holds the history (a request not sent yet when \
+    a newer one or a question is due is dropped and counted as superseded: the newer one carries its frames); a \
+    question is sent at its frame's due time from its own thread on the same slot with the same frames and its text, \
+    so the server prefills only what its cache lacks (the question's frame travels with the question)";
 
 /// One request of a client, planned.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
