@@ -16,6 +16,7 @@
 //! headline) and from the question's arrival. See docs/benchmarks.md.
 
 mod capacity;
+mod levels;
 mod peer;
 mod plots;
 mod record;

@@ -301,8 +301,8 @@ fn lines(
 /// against history length; the paths written.
 pub fn capacity(
     dir: &Path,
-    levels: &[crate::capacity::Level],
-    history: &[crate::capacity::HistoryPoint],
+    levels: &[crate::levels::Level],
+    history: &[crate::levels::HistoryPoint],
     target_ms: f64,
     [title, history_title]: &[String; 2],
 ) -> Result<Vec<PathBuf>, BoxError> {
@@ -314,7 +314,7 @@ pub fn capacity(
             configs.push(c);
         }
     }
-    let per_level = |value: &dyn Fn(&crate::capacity::Level) -> f64, suffix: &str, width: u32| -> Vec<Line> {
+    let per_level = |value: &dyn Fn(&crate::levels::Level) -> f64, suffix: &str, width: u32| -> Vec<Line> {
         configs
             .iter()
             .map(|&c| Line {
