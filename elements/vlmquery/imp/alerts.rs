@@ -322,7 +322,6 @@ impl VlmQuery {
                 }),
             };
             let mut st = self.alerts.state.lock();
-            st.busy = false;
             st.waiting_on.clear();
             let mut posts = vec![];
             for ((stream, frame), result) in taken.into_iter().zip(results) {
@@ -342,9 +341,11 @@ impl VlmQuery {
                     }
                 }
             }
-            self.alerts.changed.notify_all();
             drop(st);
             self.post_alerts(posts);
+            // Busy until its lines are queued: the video's EOS waits for them (`alerts_drain`).
+            self.alerts.state.lock().busy = false;
+            self.alerts.changed.notify_all();
         }
     }
 

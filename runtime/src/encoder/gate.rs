@@ -4,17 +4,18 @@
 //! The picture is cut into blocks (at least 16 px, at most 64 across) and its brightness
 //! sampled (every other pixel each way). A sample has moved when it differs from the reference
 //! frame's by more than `STEP_LEVELS` (of 255); a block has changed when its moved samples lean
-//! one way, brighter or darker, by more than chance allows: `|up - down| > max(MIN_SAMPLES,
-//! K · √(up + down))`. Sensor noise, dither and a videotestsrc noise patch move samples both
-//! ways at random (the difference of the two counts stays within a few √ of their sum); an
-//! object that appears, leaves or moves makes its samples all brighter or all darker. The
-//! frame's change is the share of its blocks that changed.
+//! one way, brighter or darker, by more than chance allows: `|up - down| >= MIN_SAMPLES` and
+//! `|up - down| > K · √(4/3 · (up + down))`. Sensor noise, dither and a videotestsrc noise patch
+//! move samples both ways at random (the difference of the two counts stays within a few √ of
+//! their sum); an object that appears, leaves or moves makes its samples all brighter or all
+//! darker. The frame's change is the share of its blocks that changed.
 //!
 //! What it cannot see: an object of less than about 10 × 10 pixels, a change of less than
 //! `STEP_LEVELS` in brightness (a grey object on a grey ground), a change of colour at the same
 //! brightness, and an object that moves within one block so that as much of the block gets
-//! brighter as darker (it is seen once it enters another block). A slow drift of light adds up against the last *encoded* frame until it shows,
-//! and the caller caps how long a picture may stand unchanged.
+//! brighter as darker (it is seen once it enters another block). A slow drift of light adds up
+//! against the last *encoded* frame until it shows, and the caller caps how long a picture may
+//! stand unchanged.
 
 use std::sync::Arc;
 
