@@ -240,7 +240,13 @@ fn a_stopped_rpc_server_fails_the_answer_naming_it_within_the_stall_limit() {
     let result = done_rx.recv_timeout(Duration::from_secs(60)).expect("the answer on the stopped server never ended");
     let took = stopped.elapsed();
     let err = result.expect_err("an answer whose server stopped cannot succeed").to_string();
-    assert!(err.contains(&endpoint) && err.contains("has not answered"), "{err}");
+    // The watchdog's stall ("has not answered"), or, when another test's server dies at the
+    // same time, ggml-rpc's transport failure attributed to this silent endpoint ("stopped
+    // answering"): either way the answer fails naming it, within the bound.
+    assert!(
+        err.contains(&endpoint) && (err.contains("has not answered") || err.contains("stopped answering")),
+        "{err}"
+    );
     assert!(took < LIMIT + Duration::from_secs(3), "noticed after {took:?} (limit {LIMIT:?})");
     eprintln!("the stopped server was noticed after {took:?} (stall limit {LIMIT:?})");
     assert!(far.failure().is_some_and(|f| f.contains(&endpoint)));
