@@ -86,10 +86,20 @@ fn a_users_question_goes_before_waiting_evaluations() {
     let alerts = alert::parse_alerts(&list).unwrap();
     // Hold the engine thread until everything is queued.
     let (release, held) = std::sync::mpsc::channel::<()>();
+    let (entered, holding) = std::sync::mpsc::channel::<()>();
     let holder = {
         let engine = Arc::clone(&engine);
-        std::thread::spawn(move || engine.call(move |_| held.recv().ok()).unwrap())
+        std::thread::spawn(move || {
+            engine
+                .call(move |_| {
+                    let _ = entered.send(());
+                    held.recv().ok()
+                })
+                .unwrap()
+        })
     };
+    // The engine thread is inside the call before anything else is queued.
+    holding.recv().unwrap();
     let backlog = |above: f64| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while engine.start_backlog_ms() <= above {
