@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::record::{Config, RunRecord};
+use crate::record::{AnswerRecord, Config, RunRecord};
 
 /// Everything measured for one configuration, over all its rounds.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -204,6 +204,13 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.min(sorted.len()) - 1]
 }
 
+/// The mean of `value` over each round's answered questions.
+fn per_round(runs: &[&RunRecord], value: impl Fn(&AnswerRecord) -> Option<f64>) -> Vec<f64> {
+    runs.iter()
+        .map(|r| mean(&r.answers.iter().filter(|a| a.error.is_none()).filter_map(&value).collect::<Vec<_>>()))
+        .collect()
+}
+
 pub fn summarize(config: Config, runs: &[&RunRecord], expected_per_round: usize) -> Summary {
     let answers: Vec<_> = runs.iter().flat_map(|r| r.answers.iter()).collect();
     let ok: Vec<_> = answers.iter().filter(|a| a.error.is_none()).collect();
@@ -255,33 +262,11 @@ pub fn summarize(config: Config, runs: &[&RunRecord], expected_per_round: usize)
         ttft_from_capture_mean_ms: mean(&from_capture),
         ttft_from_capture_p50_ms: percentile(&from_capture, 50.0),
         ttft_from_capture_p95_ms: percentile(&from_capture, 95.0),
-        ttft_from_capture_mean_rounds: runs
-            .iter()
-            .map(|r| {
-                mean(
-                    &r.answers
-                        .iter()
-                        .filter(|a| a.error.is_none())
-                        .filter_map(|a| a.ttft_from_capture_ms)
-                        .collect::<Vec<_>>(),
-                )
-            })
-            .collect(),
+        ttft_from_capture_mean_rounds: per_round(runs, |a| a.ttft_from_capture_ms),
         ttft_from_question_mean_ms: mean(&ttft),
         ttft_from_question_p50_ms: percentile(&ttft, 50.0),
         ttft_from_question_p95_ms: percentile(&ttft, 95.0),
-        ttft_from_question_mean_rounds: runs
-            .iter()
-            .map(|r| {
-                mean(
-                    &r.answers
-                        .iter()
-                        .filter(|a| a.error.is_none())
-                        .map(|a| a.ttft_from_question_ms)
-                        .collect::<Vec<_>>(),
-                )
-            })
-            .collect(),
+        ttft_from_question_mean_rounds: per_round(runs, |a| Some(a.ttft_from_question_ms)),
         staleness_mean_ms: (!staleness.is_empty()).then(|| mean(&staleness)),
         staleness_max_ms: staleness.iter().copied().reduce(f64::max),
         feed_late_mean_ms: feed.late_mean_ms(),
