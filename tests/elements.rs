@@ -117,7 +117,7 @@ fn runtime_stream(name: &str) -> Arc<Stream> {
 
 fn encoder() -> MtmdEncoder {
     let m = models::model(std::path::Path::new(&model()), &Device::Cpu).unwrap();
-    MtmdEncoder::new(models::projector(std::path::Path::new(&mmproj()), &m, false, 2).unwrap())
+    MtmdEncoder::new(models::projector(std::path::Path::new(&mmproj()), &m, false, 2, 1).unwrap())
 }
 
 fn frame(enc: &MtmdEncoder, variant: u32) -> Arc<Frame> {

@@ -8,6 +8,7 @@
 //!   cargo run --release -p vlm-bench -- --smoke        # seconds-long, for CI
 //!   vlm-bench plot --from FILE --plots DIR             # redraw the plots of a JSON report
 //!   vlm-bench capacity [--max-streams 8] [--pair smolvlm-256m] [--smoke]   # streams sustained
+//!   vlm-bench encoders [--contexts 1,2,4,8] [--streams 1,4,16] [--encoder gpu]  # encoding scale
 //!
 //! Each runtime configuration runs in a fresh worker process (this binary, re-executed), so model
 //! load, warm-up and peak RSS are its own; B3 runs one worker per stream, and the peer is a
@@ -16,6 +17,7 @@
 //! headline) and from the question's arrival. See docs/benchmarks.md.
 
 mod capacity;
+mod encoders;
 mod levels;
 mod peer;
 mod plots;
@@ -61,6 +63,8 @@ enum Cmd {
     /// Capacity: how many live streams each side sustains at a TTFT target (S = 1, 2, 4, ...),
     /// and TTFT against history length, the retained runtime against llama-server.
     Capacity(Box<capacity::CapacityArgs>),
+    /// Vision encoding throughput against encoder contexts and streams encoding at once.
+    Encoders(Box<encoders::EncodersArgs>),
     /// Internal: run one configuration's worker process (spec as JSON).
     #[command(name = "__worker", hide = true)]
     Worker { spec: String },
@@ -147,6 +151,9 @@ pub struct CommonArgs {
     /// the server encodes on the device its `--peer-args` give it.
     #[arg(long, default_value = "cpu:1")]
     encoder: String,
+    /// The runtime's encoder contexts (vlmencode's encoder-contexts; 0: 4 on a GPU, 1 on the CPU).
+    #[arg(long, default_value_t = 0)]
+    encoder_contexts: usize,
     /// The engines' KV layout: per-sequence or unified (vlmcontext's kv-layout).
     #[arg(long, default_value = "per-sequence")]
     kv_layout: String,
@@ -243,6 +250,7 @@ fn build_workload(
         merge_frames: c.merge_frames.clone(),
         encoder_gpu,
         encoder_threads,
+        encoder_contexts: vlm_runtime::encoder::encoder_contexts(c.encoder_contexts, encoder_gpu),
         streams,
         frames,
         fps,
@@ -546,6 +554,7 @@ fn main() {
         },
         Some(Cmd::Plot { from, plots }) => replot(&from, &plots),
         Some(Cmd::Capacity(args)) => capacity::run(*args),
+        Some(Cmd::Encoders(args)) => encoders::run(*args),
         None => run(cli.run),
     };
     if let Err(e) = result {

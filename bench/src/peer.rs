@@ -581,6 +581,7 @@ mod tests {
             flash_attention: false,
             merge_frames: "auto".into(),
             encoder_threads: 1,
+            encoder_contexts: 1,
         }
     }
 

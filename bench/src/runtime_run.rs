@@ -106,7 +106,13 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     // model is the first engine's copy (vlmencode takes any loaded copy), so a GPU engine's
     // weights are not loaded a second time on the CPU.
     let model = models::model(&w.model, &configs[0].device)?;
-    let encoder = MtmdEncoder::new(models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32)?);
+    let encoder = MtmdEncoder::new(models::projector(
+        &w.mmproj,
+        &model,
+        w.encoder_gpu,
+        w.encoder_threads as i32,
+        w.encoder_contexts,
+    )?);
     let encode =
         |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));
     let warm = encode(&picture(99, 0, w.width, w.height))?;

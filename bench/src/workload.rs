@@ -58,14 +58,17 @@ pub struct Workload {
     /// Threads of the runtime's CPU vision encoder (vlmencode's `threads`).
     #[serde(default = "one")]
     pub encoder_threads: u32,
+    /// The runtime's encoder contexts (resolved: never 0).
+    #[serde(default = "one")]
+    pub encoder_contexts: usize,
 }
 
 fn auto() -> String {
     "auto".into()
 }
 
-fn one() -> u32 {
-    1
+fn one<T: From<u8>>() -> T {
+    T::from(1)
 }
 
 fn per_sequence() -> String {

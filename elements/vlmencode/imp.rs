@@ -112,6 +112,7 @@ struct Settings {
     max_pending: u32,
     leaky: bool,
     threads: u32,
+    contexts: u32,
     min_change: f64,
     max_unchanged: u64,
     tile_reuse: TileReuseKind,
@@ -131,6 +132,7 @@ impl Default for Settings {
             max_pending: DEFAULT_MAX_PENDING,
             leaky: false,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
+            contexts: 0,
             min_change: DEFAULT_MIN_CHANGE,
             max_unchanged: DEFAULT_MAX_UNCHANGED,
             tile_reuse: TileReuseKind::Threshold,
@@ -613,6 +615,17 @@ impl ObjectImpl for VlmEncode {
                     .default_value(Settings::default().threads)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecUInt::builder("encoder-contexts")
+                    .nick("Encoder contexts")
+                    .blurb(
+                        "libmtmd encoder contexts, shared by every vlmencode of the process with the same projector: \
+                         a frame's tiles and several streams' frames are encoded on them side by side, sharing \
+                         'threads' (0: 4 on a GPU, 1 on the CPU)",
+                    )
+                    .maximum(vlm_runtime::llama::MAX_ENCODER_CONTEXTS as u32)
+                    .default_value(0)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecUInt64::builder("frames-seen").nick("Frames seen").blurb("Video frames received").read_only().build(),
                 glib::ParamSpecUInt64::builder("frames-encoded").nick("Frames encoded").blurb("Frames given embeddings").read_only().build(),
                 glib::ParamSpecUInt64::builder("frames-skipped")
@@ -659,6 +672,7 @@ impl ObjectImpl for VlmEncode {
             "cache-entries" => s.cache_entries = value.get().unwrap(),
             "cache-bytes" => s.cache_bytes = value.get().unwrap(),
             "threads" => s.threads = value.get().unwrap(),
+            "encoder-contexts" => s.contexts = value.get().unwrap(),
             "min-change" => s.min_change = value.get().unwrap(),
             "max-unchanged" => s.max_unchanged = value.get().unwrap(),
             "tile-reuse" => s.tile_reuse = value.get().unwrap(),
@@ -684,6 +698,7 @@ impl ObjectImpl for VlmEncode {
             "cache-hits" => self.cache_stats().hits.to_value(),
             "cache-misses" => self.cache_stats().misses.to_value(),
             "threads" => self.settings.lock().threads.to_value(),
+            "encoder-contexts" => self.settings.lock().contexts.to_value(),
             "min-change" => self.settings.lock().min_change.to_value(),
             "max-unchanged" => self.settings.lock().max_unchanged.to_value(),
             "frames-unchanged" => self.stats.lock().unchanged.to_value(),

@@ -82,7 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
     let model = models::model(&args.files.model, &Device::Cpu)?;
-    let encoder = Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads)?));
+    let encoder = Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads, 1)?));
     let mut rows = vec![];
     println!(
         "{:>7} {:>6} {:>5} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",

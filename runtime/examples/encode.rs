@@ -67,7 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let model = models::model(&args.files.model, &Device::Cpu)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
-    let mtmd = Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads)?));
+    let mtmd = Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads, 1)?));
     let mut rows = vec![];
     println!("{:<6} {:>10} {:>12} {:>14} {:>8}", "format", "size", "encode ms", "cache hit ms", "ratio");
     for (w, h) in [(320usize, 240usize), (640, 480), (1280, 720)] {

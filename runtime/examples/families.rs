@@ -120,7 +120,7 @@ fn run_family(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     println!("model  {}\nmmproj {}", lm.display(), mmproj.display());
     let model = models::model(&lm, &Device::Cpu)?;
     println!("[load] model: {} (n_embd {}, vocab {})", model.description(), model.n_embd(), model.n_vocab());
-    let encoder = MtmdEncoder::new(models::projector(&mmproj, &model, false, threads)?);
+    let encoder = MtmdEncoder::new(models::projector(&mmproj, &model, false, threads, 1)?);
     println!("[load] projector: ok");
     // A second, raw copy of the pair for libmtmd's own helper (the runtime keeps its pointers
     // private); also used to print tokens with their special text.

@@ -68,7 +68,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let (home, others) = engines.split_first().ok_or("no engine")?;
     let model = models::model(&args.files.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, 2)?);
+    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, 2, 1)?);
     let prompt = Arc::new(Prompt::new(&model, DEFAULT_SYSTEM_PROMPT)?);
     let never = Arc::new(AtomicBool::new(false));
     let config = StreamConfig { answer_reserve: 64, peers: engines.clone(), ..StreamConfig::new("fidelity") };

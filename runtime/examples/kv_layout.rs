@@ -70,7 +70,7 @@ fn continue_greedy(ctx: &mut Context, mut pos: i32, seq: i32, n: usize) -> (Vec<
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let model = models::model(&args.files.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, 2)?);
+    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, 2, 1)?);
     let prompt = Prompt::new(&model, DEFAULT_SYSTEM_PROMPT)?;
     let frames: Vec<_> = (0..3u8)
         .map(|v| {

@@ -47,7 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.size.split_once('x').and_then(|(w, h)| Some((w.parse().ok()?, h.parse().ok()?))).ok_or("--size")?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
     let model = models::model(&args.files.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads)?);
+    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads, 1)?);
     let frames: Vec<_> = (0..args.frames)
         .map(|v| {
             let rgb: Vec<u8> =

@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     )?;
     let model = models::model(&args.files.model, &Device::Cpu)?;
-    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads)?);
+    let encoder = MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads, 1)?);
     let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT)?);
     let never = Arc::new(AtomicBool::new(false));
     let open = |name: &str, retain| {

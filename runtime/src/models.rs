@@ -45,14 +45,22 @@ pub fn any_loaded(path: &Path) -> Option<Arc<Model>> {
     cpu.or_else(|| copies().find_map(|(_, w)| w.upgrade()))
 }
 
-/// The shared projector for `mmproj` bound to `model`, loading it on first use.
-pub fn projector(mmproj: &Path, model: &Arc<Model>, use_gpu: bool, threads: i32) -> Result<Arc<Projector>> {
+/// The shared projector for `mmproj` bound to `model`, loading it on first use with `contexts`
+/// encoder contexts sharing `threads` (a projector already loaded with fewer gains the rest).
+pub fn projector(
+    mmproj: &Path,
+    model: &Arc<Model>,
+    use_gpu: bool,
+    threads: i32,
+    contexts: usize,
+) -> Result<Arc<Projector>> {
     let key = ProjectorKey { mmproj: canonical(mmproj), model: canonical(model.path()), use_gpu };
     let mut projectors = PROJECTORS.lock();
     if let Some(p) = projectors.get(&key).and_then(Weak::upgrade) {
+        p.ensure_contexts(contexts, threads)?;
         return Ok(p);
     }
-    let p = Arc::new(Projector::load(mmproj, Arc::clone(model), use_gpu, threads)?);
+    let p = Arc::new(Projector::load(mmproj, Arc::clone(model), use_gpu, threads, contexts)?);
     projectors.retain(|_, w| w.strong_count() > 0);
     projectors.insert(key, Arc::downgrade(&p));
     Ok(p)

@@ -85,7 +85,7 @@ fn stream_with(
 
 fn encoder(lm: &Path, mmproj: &Path) -> (Arc<Model>, MtmdEncoder) {
     let model = models::model(lm, &Device::Cpu).expect("model");
-    let projector = models::projector(mmproj, &model, false, threads()).expect("projector");
+    let projector = models::projector(mmproj, &model, false, threads(), 1).expect("projector");
     (model, MtmdEncoder::new(projector))
 }
 
@@ -367,7 +367,7 @@ fn images_decode_while_the_vision_encoder_is_busy() {
         assert!(images(&f).iter().all(|i| !i.causal_rows), "{family}: images are decoded whole");
         let e = engine(&lm, "busy", 512);
         let s = stream(&e, &[], "busy", true, 32);
-        let projector = models::projector(&mmproj, &model, false, threads()).unwrap();
+        let projector = models::projector(&mmproj, &model, false, threads(), 1).unwrap();
         let held = projector.hold_encoder();
         // Before the fix this waits for the encoder forever: give up after a minute.
         let gave_up = never();
@@ -442,7 +442,7 @@ fn the_non_causal_refusal_follows_libmtmds_answer_for_the_projector() {
         let (lm, mmproj) = pair(family);
         let _serial = serial();
         let model = models::model(&lm, &Device::Cpu).unwrap();
-        let projector = models::projector(&mmproj, &model, false, threads()).unwrap();
+        let projector = models::projector(&mmproj, &model, false, threads(), 1).unwrap();
         let ty = vlm_runtime::llama::projector_type(&mmproj).unwrap();
         let libmtmd = projector.decodes_non_causally();
         assert_eq!(vlm_runtime::llama::projector_type_non_causal(&ty, model.n_embd()), libmtmd, "{family}: {ty}");

@@ -141,7 +141,7 @@ fn a_missing_model_is_an_error_naming_the_file() {
 #[test]
 fn a_language_model_given_as_projector_is_refused() {
     let model = vlm_runtime::models::model(&model_path(), &vlm_runtime::Device::Cpu).unwrap();
-    let err = vlm_runtime::models::projector(&model_path(), &model, false, 1).err().expect("must fail");
+    let err = vlm_runtime::models::projector(&model_path(), &model, false, 1, 1).err().expect("must fail");
     assert!(err.to_string().contains("not a projector"), "{err}");
 }
 

@@ -83,14 +83,14 @@ fn the_npu_encoder_is_refused_for_an_mrope_model() {
     let model = models::model(&lm, &Device::Cpu).unwrap();
     let width = model.n_embd();
     let npu = model_file("qwen.rknn", &format!("RKNN-STANDIN width=64 height=64 rows=16 dim={width} seed=7"));
-    let err = open_encoder(EncoderBackend::Rknn, &mmproj, Some(&npu), &model, 1).err().expect("refused");
+    let err = open_encoder(EncoderBackend::Rknn, &mmproj, Some(&npu), &model, 1, 1).err().expect("refused");
     let text = err.to_string();
     assert!(matches!(err, Error::Config(_)), "{err:?}");
     assert!(
         text.contains("M-RoPE") && text.contains("use backend=cpu|gpu") && text.contains("test-qwen2vl-lm"),
         "{text}"
     );
-    let auto = open_encoder(EncoderBackend::Auto, &mmproj, Some(&npu), &model, 1).unwrap();
+    let auto = open_encoder(EncoderBackend::Auto, &mmproj, Some(&npu), &model, 1, 1).unwrap();
     assert_ne!(auto.backend, "rknn");
     assert!(auto.fallback.as_deref().is_some_and(|f| f.contains("M-RoPE")), "{:?}", auto.fallback);
 

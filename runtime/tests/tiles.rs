@@ -19,7 +19,7 @@ fn encoder(family: &str) -> FrameEncoder {
     let dir = common::models_dir();
     let (lm, mmproj) = (dir.join(format!("test-{family}-lm.gguf")), dir.join(format!("test-{family}-mmproj.gguf")));
     let model = models::model(&lm, &Device::Cpu).expect("model");
-    let projector = models::projector(&mmproj, &model, false, 2).expect("projector");
+    let projector = models::projector(&mmproj, &model, false, 2, 1).expect("projector");
     // No embedding cache: every frame goes to the encoder.
     FrameEncoder::new(Arc::new(MtmdEncoder::new(projector)), 0, 0)
 }
@@ -109,4 +109,52 @@ fn a_projector_without_tiles_encodes_the_picture_whole() {
     let b = with_square(4, 4, 12);
     let third = enc.encode_reusing(&picture(&b), TileReuse::Exact).unwrap();
     assert_eq!((third.tiles.encoded, third.tiles.reused), (1, 0));
+}
+
+#[test]
+fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_frames_side_by_side() {
+    let dir = common::models_dir();
+    let (lm, mmproj) = (dir.join("test-idefics3-lm.gguf"), dir.join("test-idefics3-mmproj.gguf"));
+    let model = models::model(&lm, &Device::Cpu).expect("model");
+    // Private projectors (not the shared registry's), one CPU thread per context either way.
+    let one = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, 1, 1).unwrap());
+    let three = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, 3, 3).unwrap());
+    assert_eq!((one.contexts(), three.contexts()), (1, 3));
+    let rows = |segments: &[Segment]| -> Vec<Vec<f32>> {
+        segments
+            .iter()
+            .filter_map(|s| match s {
+                Segment::Image(i) => Some(i.data.to_vec()),
+                Segment::Text(_) => None,
+            })
+            .collect()
+    };
+    let pictures: Vec<Vec<u8>> = (0..4).map(|i| with_square(4 + 8 * i, 4 + 4 * i, 12)).collect();
+    let reference: Vec<_> = pictures
+        .iter()
+        .map(|p| {
+            let (segments, count) = one.encode_tiles(p, W, H, &mut |_, _| None).unwrap();
+            assert_eq!((count.encoded, count.contexts), (5, 1));
+            rows(&segments)
+        })
+        .collect();
+    // One frame alone: its 5 tiles spread over the 3 contexts, the same rows bit for bit.
+    let (segments, count) = three.encode_tiles(&pictures[0], W, H, &mut |_, _| None).unwrap();
+    assert_eq!((count.encoded, count.contexts), (5, 3));
+    assert_eq!(rows(&segments), reference[0]);
+    // Four frames at once on the 3 contexts: each frame's own rows.
+    std::thread::scope(|s| {
+        let threads: Vec<_> =
+            pictures.iter().map(|p| s.spawn(|| three.encode_tiles(p, W, H, &mut |_, _| None).unwrap())).collect();
+        for (i, t) in threads.into_iter().enumerate() {
+            let (segments, count) = t.join().unwrap();
+            assert_eq!(count.encoded, 5);
+            assert!((1..=3).contains(&count.contexts), "{count:?}");
+            assert_eq!(rows(&segments), reference[i], "frame {i}");
+        }
+    });
+    // A reused tile is not encoded, and a frame with nothing to encode uses no context.
+    let (_, count) =
+        three.encode_tiles(&pictures[1], W, H, &mut |_, n| Some(vec![0.0; n * model.n_embd()].into())).unwrap();
+    assert_eq!((count.encoded, count.reused, count.contexts), (0, 5, 0));
 }

@@ -67,6 +67,7 @@ impl VlmEncode {
             rknn_model.as_deref(),
             &model,
             settings.threads as i32,
+            settings.contexts as usize,
         )
         .map_err(fail)?;
         if let Some(why) = &choice.fallback {
@@ -148,11 +149,12 @@ impl VlmEncode {
         gst::debug!(
             CAT,
             imp = self,
-            "frame {:?}: {} in {:.1} ms ({} images encoded, {} reused)",
+            "frame {:?}: {} in {:.1} ms ({} images encoded on {} contexts, {} reused)",
             buffer.pts(),
             if hit { "cache hit" } else { "encoded" },
             ms,
             tiles.encoded,
+            tiles.contexts,
             tiles.reused
         );
         if !hit && tiles.tiles.len() <= 1 && !matches!(reuse, TileReuse::Off) && !self.state.lock().untiled_said {

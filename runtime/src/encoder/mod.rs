@@ -255,7 +255,10 @@ pub trait VisionEncoder: Send + Sync {
     ) -> Result<(Vec<Segment>, TileCount)> {
         let segments = self.encode_rgb(rgb)?;
         let images = segments.iter().filter(|s| matches!(s, Segment::Image(_))).count();
-        Ok((segments, TileCount { encoded: images, reused: 0, tiles: vec![None; images] }))
+        Ok((
+            segments,
+            TileCount { encoded: images, reused: 0, contexts: usize::from(images > 0), tiles: vec![None; images] },
+        ))
     }
 
     /// Preprocess and encode one picture.
@@ -340,17 +343,32 @@ fn open_rknn(model: &std::path::Path, _width: usize) -> Result<Arc<dyn VisionEnc
     )))
 }
 
-/// Open the vision encoder for `backend`: libmtmd with `mmproj` on the CPU or GPU, or the NPU
-/// with `rknn_model`, feeding `model`.
+/// How many libmtmd encoder contexts `contexts` means (0: automatic): on a GPU several, so that
+/// the tiles of a frame and the frames of several streams are encoded side by side (a small
+/// vision tower leaves most of a GPU idle while one context launches its kernels); on the CPU
+/// one, whose threads already take every core given.
+pub fn encoder_contexts(contexts: usize, gpu: bool) -> usize {
+    match contexts {
+        0 if gpu => 4,
+        0 => 1,
+        n => n.min(crate::llama::MAX_ENCODER_CONTEXTS),
+    }
+}
+
+/// Open the vision encoder for `backend`: libmtmd with `mmproj` on the CPU or GPU (`contexts`
+/// encoder contexts, 0: [`encoder_contexts`] chooses, sharing `threads`), or the NPU with
+/// `rknn_model`, feeding `model`.
 pub fn open_encoder(
     backend: EncoderBackend,
     mmproj: &std::path::Path,
     rknn_model: Option<&std::path::Path>,
     model: &Arc<crate::llama::Model>,
     threads: i32,
+    contexts: usize,
 ) -> Result<EncoderChoice> {
     let mtmd = |gpu: bool| -> Result<Arc<dyn VisionEncoder>> {
-        Ok(Arc::new(MtmdEncoder::new(crate::models::projector(mmproj, model, gpu, threads)?)))
+        let projector = crate::models::projector(mmproj, model, gpu, threads, encoder_contexts(contexts, gpu))?;
+        Ok(Arc::new(MtmdEncoder::new(projector)))
     };
     let rknn = || match rknn_model {
         Some(m) => match model.plain_embeddings_refusal() {

@@ -6,16 +6,78 @@ use std::ptr::{NonNull, null_mut};
 use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::model::c_path;
 use super::{Model, Token, check_readable, init_backend};
 use crate::error::{Error, Result};
 
+#[derive(Clone, Copy)]
 struct MtmdPtr(NonNull<sys::mtmd_context>);
-// SAFETY: the mtmd context is only touched under the Projector's mutex (except through
-// [`DecodeView`]).
+// SAFETY: an mtmd context is used by one thread at a time: the one holding its lease from the
+// Projector's pool (except through [`DecodeView`]).
 unsafe impl Send for MtmdPtr {}
+
+/// The most encoder contexts one projector loads.
+pub const MAX_ENCODER_CONTEXTS: usize = 16;
+
+/// The projector's encoder contexts: libmtmd contexts loaded from the one file, each encoding
+/// one image at a time. An encode leases one and, for a frame of several tiles, every other
+/// one free at that moment, so the tiles of a frame and the frames of several streams are
+/// encoded side by side (on a GPU each context has its own streams and graphs).
+struct Contexts {
+    free: Mutex<Vec<MtmdPtr>>,
+    returned: Condvar,
+    /// Every context loaded (freed in the Projector's Drop), the first being the decode view's.
+    loaded: Mutex<Vec<MtmdPtr>>,
+}
+
+/// One context leased from the pool, returned when dropped.
+struct Lease<'a> {
+    ctx: Option<MtmdPtr>,
+    pool: &'a Contexts,
+}
+
+impl Lease<'_> {
+    fn ptr(&self) -> *mut sys::mtmd_context {
+        self.ctx.as_ref().expect("held until dropped").0.as_ptr()
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.ctx.take() {
+            self.pool.free.lock().push(ctx);
+            self.pool.returned.notify_one();
+        }
+    }
+}
+
+impl Contexts {
+    /// A free context, waiting for one.
+    fn lease(&self) -> Lease<'_> {
+        let mut free = self.free.lock();
+        while free.is_empty() {
+            self.returned.wait(&mut free);
+        }
+        Lease { ctx: free.pop(), pool: self }
+    }
+
+    /// Up to `n` contexts free now, without waiting.
+    fn lease_free(&self, n: usize) -> Vec<Lease<'_>> {
+        let mut free = self.free.lock();
+        let at = free.len().saturating_sub(n);
+        free.drain(at..).map(|ctx| Lease { ctx: Some(ctx), pool: self }).collect()
+    }
+}
+
+/// A chunk of a tokenized frame, encoded on another thread: libmtmd only reads a chunk while
+/// encoding it (its preprocessed pixels) and writes the encoding context's own output.
+#[derive(Clone, Copy)]
+struct ChunkPtr(*const sys::mtmd_input_chunk);
+// SAFETY: see above; the chunks outlive the scoped threads that encode them.
+unsafe impl Send for ChunkPtr {}
+unsafe impl Sync for ChunkPtr {}
 
 /// The projector's mtmd context as `mtmd_helper_decode_image_chunk` uses it while a language
 /// context decodes an image: it reads only what `mtmd_init_from_file` fixed (the position type
@@ -33,11 +95,12 @@ unsafe impl Sync for DecodeView {}
 /// A loaded libmtmd projector (vision tower + projector), bound to the language model whose
 /// vocabulary and embedding width it uses.
 pub struct Projector {
-    ctx: Mutex<MtmdPtr>,
+    contexts: Contexts,
     pub(super) decode_view: DecodeView,
     path: PathBuf,
     model: Arc<Model>,
     marker: CString,
+    use_gpu: bool,
 }
 
 /// Projected embeddings of one image, as the language model consumes them.
@@ -156,6 +219,8 @@ fn tiles(markers: &[String]) -> Vec<Option<Tile>> {
 pub struct TileCount {
     pub encoded: usize,
     pub reused: usize,
+    /// Encoder contexts the encoded images were spread over (0 when none was encoded).
+    pub contexts: usize,
     /// One per image segment, in order.
     pub tiles: Vec<Option<Tile>>,
 }
@@ -176,38 +241,76 @@ pub struct ProjectorKey {
     pub use_gpu: bool,
 }
 
+/// Each of `contexts` contexts' share of `threads` CPU threads.
+fn threads_each(threads: i32, contexts: usize) -> i32 {
+    (threads / contexts.max(1) as i32).max(1)
+}
+
+/// One libmtmd context of the projector at `path`.
+fn load_context(path: &Path, model: &Model, use_gpu: bool, threads: i32) -> Result<NonNull<sys::mtmd_context>> {
+    let cpath = c_path(path)?;
+    // SAFETY: default params are plain data; the model outlives the projector (Arc held).
+    let ptr = unsafe {
+        let mut p = sys::mtmd_context_params_default();
+        p.use_gpu = use_gpu;
+        p.n_threads = threads;
+        p.print_timings = false;
+        p.warmup = true;
+        sys::mtmd_init_from_file(cpath.as_ptr(), model.as_ptr(), p)
+    };
+    NonNull::new(ptr).ok_or_else(|| Error::File {
+        path: path.to_path_buf(),
+        reason: format!(
+            "libmtmd could not load it as a projector for {} (wrong file type, or its output width does not match the model's {})",
+            model.path().display(),
+            model.n_embd()
+        ),
+    })
+}
+
 impl Projector {
-    pub fn load(path: &Path, model: Arc<Model>, use_gpu: bool, threads: i32) -> Result<Projector> {
+    /// Load the projector with `contexts` encoder contexts (1 to [`MAX_ENCODER_CONTEXTS`]) sharing
+    /// `threads` CPU threads (each at least one).
+    pub fn load(path: &Path, model: Arc<Model>, use_gpu: bool, threads: i32, contexts: usize) -> Result<Projector> {
         init_backend();
         check_readable(path, "mmproj")?;
         super::gguf::check_projector(path, &model)?;
-        let cpath = c_path(path)?;
-        // SAFETY: default params are plain data; the model outlives the projector (Arc held).
-        let ptr = unsafe {
-            let mut p = sys::mtmd_context_params_default();
-            p.use_gpu = use_gpu;
-            p.n_threads = threads;
-            p.print_timings = false;
-            p.warmup = true;
-            sys::mtmd_init_from_file(cpath.as_ptr(), model.as_ptr(), p)
-        };
-        let ptr = NonNull::new(ptr).ok_or_else(|| Error::File {
-            path: path.to_path_buf(),
-            reason: format!(
-                "libmtmd could not load it as a projector for {} (wrong file type, or its output width does not match the model's {})",
-                model.path().display(),
-                model.n_embd()
-            ),
-        })?;
+        let first = load_context(path, &model, use_gpu, threads_each(threads, contexts))?;
         // SAFETY: the default marker is a static NUL-terminated string.
         let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_owned();
-        Ok(Projector {
-            ctx: Mutex::new(MtmdPtr(ptr)),
-            decode_view: DecodeView(ptr),
+        let projector = Projector {
+            contexts: Contexts {
+                free: Mutex::new(vec![MtmdPtr(first)]),
+                returned: Condvar::new(),
+                loaded: Mutex::new(vec![MtmdPtr(first)]),
+            },
+            decode_view: DecodeView(first),
             path: path.to_path_buf(),
             model,
             marker,
-        })
+            use_gpu,
+        };
+        projector.ensure_contexts(contexts, threads)?;
+        Ok(projector)
+    }
+
+    /// Load encoder contexts until there are `contexts` (at most [`MAX_ENCODER_CONTEXTS`]), the
+    /// new ones sharing `threads` as [`Projector::load`] does.
+    pub fn ensure_contexts(&self, contexts: usize, threads: i32) -> Result<()> {
+        let contexts = contexts.clamp(1, MAX_ENCODER_CONTEXTS);
+        let mut loaded = self.contexts.loaded.lock();
+        while loaded.len() < contexts {
+            let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts))?;
+            loaded.push(MtmdPtr(ctx));
+            self.contexts.free.lock().push(MtmdPtr(ctx));
+            self.contexts.returned.notify_one();
+        }
+        Ok(())
+    }
+
+    /// How many encoder contexts are loaded.
+    pub fn contexts(&self) -> usize {
+        self.contexts.loaded.lock().len()
     }
 
     pub fn path(&self) -> &Path {
@@ -230,7 +333,8 @@ impl Projector {
     /// stands in for a long encode in tests (decodes of this projector's images must go on).
     #[doc(hidden)]
     pub fn hold_encoder(&self) -> impl Sized + '_ {
-        self.ctx.lock()
+        let n = self.contexts();
+        (0..n).map(|_| self.contexts.lease()).collect::<Vec<_>>()
     }
 
     /// Encode one packed RGB image (width × height × 3 bytes) into the segments it becomes in
@@ -254,14 +358,14 @@ impl Projector {
                 rgb.len()
             )));
         }
-        let ctx = self.ctx.lock();
+        let ctx = self.contexts.lease();
         let n_embd = self.model.n_embd();
         let mut segments = Vec::new();
         let mut count = TileCount::default();
         // SAFETY: the bitmap copies `rgb` (w*h*3 bytes, checked above); the input text points at
-        // the marker, alive for the call; chunks are freed before return; the output embedding
-        // buffer holds n_tokens*n_embd floats after a successful encode and is copied out before
-        // the mutex is released.
+        // the marker, alive for the call; chunks are freed before return, after the scoped
+        // threads that encode them; each output embedding buffer holds n_tokens*n_embd floats
+        // after a successful encode and is copied out while its context is leased.
         unsafe {
             let bitmap = sys::mtmd_bitmap_init(width, height, rgb.as_ptr());
             if bitmap.is_null() {
@@ -275,21 +379,27 @@ impl Projector {
                 parse_special: true,
             };
             let bitmaps = [bitmap as *const sys::mtmd_bitmap];
-            let rc = sys::mtmd_tokenize(ctx.0.as_ptr(), chunks, &text, bitmaps.as_ptr(), 1);
+            let rc = sys::mtmd_tokenize(ctx.ptr(), chunks, &text, bitmaps.as_ptr(), 1);
             sys::mtmd_bitmap_free(bitmap);
             let result = if rc != 0 {
                 Err(Error::Engine(format!("mtmd_tokenize failed ({rc})")))
             } else {
                 (|| {
+                    let all: Vec<ChunkPtr> = (0..sys::mtmd_input_chunks_size(chunks))
+                        .map(|i| ChunkPtr(sys::mtmd_input_chunks_get(chunks, i)))
+                        .collect();
+                    let is_text = |c: ChunkPtr| sys::mtmd_input_chunk_get_type(c.0) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT;
+                    let text_of = |c: ChunkPtr| {
+                        let mut n = 0usize;
+                        let p = sys::mtmd_input_chunk_get_tokens_text(c.0, &mut n);
+                        if n == 0 { &[][..] } else { std::slice::from_raw_parts(p, n) }
+                    };
                     // The wrapper text before each image says where it is in the picture.
                     let mut markers = vec![];
                     let mut text = String::new();
-                    for i in 0..sys::mtmd_input_chunks_size(chunks) {
-                        let c = sys::mtmd_input_chunks_get(chunks, i);
-                        if sys::mtmd_input_chunk_get_type(c) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT {
-                            let mut n = 0usize;
-                            let p = sys::mtmd_input_chunk_get_tokens_text(c, &mut n);
-                            for &t in std::slice::from_raw_parts(p, n) {
+                    for &c in &all {
+                        if is_text(c) {
+                            for &t in text_of(c) {
                                 text.push_str(&String::from_utf8_lossy(&self.model.token_piece(t, true)));
                             }
                         } else {
@@ -297,43 +407,44 @@ impl Projector {
                         }
                     }
                     count.tiles = tiles(&markers);
-                    for i in 0..sys::mtmd_input_chunks_size(chunks) {
-                        let c = sys::mtmd_input_chunks_get(chunks, i);
-                        if sys::mtmd_input_chunk_get_type(c) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT {
-                            let mut n = 0usize;
-                            let p = sys::mtmd_input_chunk_get_tokens_text(c, &mut n);
-                            if n > 0 {
-                                segments.push(Segment::Text(std::slice::from_raw_parts(p, n).to_vec()));
+                    // Each image's rows: reused, or encoded (below) on the contexts free now.
+                    let images: Vec<ChunkPtr> = all.iter().copied().filter(|&c| !is_text(c)).collect();
+                    let mut rows_of: Vec<Option<Box<[f32]>>> = images
+                        .iter()
+                        .zip(&count.tiles)
+                        .map(|(&c, &tile)| {
+                            let rows = sys::mtmd_input_chunk_get_n_tokens(c.0);
+                            tile.and_then(|t| reuse(t, rows)).filter(|d| d.len() == rows * n_embd)
+                        })
+                        .collect();
+                    count.reused = rows_of.iter().flatten().count();
+                    let todo: Vec<usize> = (0..images.len()).filter(|&i| rows_of[i].is_none()).collect();
+                    count.encoded = todo.len();
+                    let (encoded, contexts) = self.encode_chunks(ctx, &images, &todo, n_embd)?;
+                    count.contexts = contexts;
+                    for (i, rows) in encoded {
+                        rows_of[i] = Some(rows);
+                    }
+                    let mut rows_of = rows_of.into_iter();
+                    for &c in &all {
+                        if is_text(c) {
+                            if !text_of(c).is_empty() {
+                                segments.push(Segment::Text(text_of(c).to_vec()));
                             }
                             continue;
                         }
-                        let rows = sys::mtmd_input_chunk_get_n_tokens(c);
-                        let tile = count.tiles.get(count.encoded + count.reused).copied().flatten();
-                        let data = match tile.and_then(|t| reuse(t, rows)).filter(|d| d.len() == rows * n_embd) {
-                            Some(data) => {
-                                count.reused += 1;
-                                data
-                            }
-                            None => {
-                                let rc = sys::mtmd_encode_chunk(ctx.0.as_ptr(), c);
-                                if rc != 0 {
-                                    return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
-                                }
-                                count.encoded += 1;
-                                std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.0.as_ptr()), rows * n_embd)
-                                    .into()
-                            }
-                        };
+                        let data = rows_of.next().flatten().expect("every image reused or encoded");
+                        let rows = sys::mtmd_input_chunk_get_n_tokens(c.0);
                         let mut len = 0usize;
-                        sys::mtmd_input_chunk_save(c, null_mut(), 0, &mut len);
+                        sys::mtmd_input_chunk_save(c.0, null_mut(), 0, &mut len);
                         let mut chunk = vec![0u8; len];
-                        if sys::mtmd_input_chunk_save(c, chunk.as_mut_ptr().cast(), len, &mut len) != 0 {
+                        if sys::mtmd_input_chunk_save(c.0, chunk.as_mut_ptr().cast(), len, &mut len) != 0 {
                             return Err(Error::Engine("mtmd_input_chunk_save failed".into()));
                         }
-                        let n_pos = sys::mtmd_input_chunk_get_n_pos(c);
-                        let non_causal = sys::mtmd_decode_use_non_causal(ctx.0.as_ptr(), c);
-                        let causal_rows =
-                            n_pos == rows as i32 && !sys::mtmd_decode_use_mrope(ctx.0.as_ptr()) && !non_causal;
+                        let view = self.decode_view.0.as_ptr();
+                        let n_pos = sys::mtmd_input_chunk_get_n_pos(c.0);
+                        let non_causal = sys::mtmd_decode_use_non_causal(view, c.0);
+                        let causal_rows = n_pos == rows as i32 && !sys::mtmd_decode_use_mrope(view) && !non_causal;
                         let source = ImageSource::Mtmd { chunk, projector: Arc::clone(self), non_causal };
                         segments.push(Segment::Image(ImageEmbeddings {
                             data,
@@ -352,12 +463,72 @@ impl Projector {
         }
         Ok((segments, count))
     }
+
+    /// Encode `images[i]` for each `i` of `todo` on `first` and on every other context free now
+    /// (one thread each, taking the next image as they finish): each image's rows by its index,
+    /// and how many contexts encoded them.
+    ///
+    /// # Safety
+    /// The chunks are valid image chunks of this projector's tokenization, alive for the call.
+    unsafe fn encode_chunks(
+        &self,
+        first: Lease<'_>,
+        images: &[ChunkPtr],
+        todo: &[usize],
+        n_embd: usize,
+    ) -> Result<(Vec<(usize, Box<[f32]>)>, usize)> {
+        let mut leases = vec![first];
+        leases.extend(self.contexts.lease_free(todo.len().saturating_sub(1)));
+        let used = if todo.is_empty() { 0 } else { leases.len() };
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let encode_on = |ctx: &Lease<'_>| -> Result<Vec<(usize, Box<[f32]>)>> {
+            let mut out = vec![];
+            while let Some(&i) = todo.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                let c = images[i].0;
+                // SAFETY: the caller's chunks; the context is leased to this thread; its output
+                // holds the chunk's rows after a successful encode.
+                unsafe {
+                    let rc = sys::mtmd_encode_chunk(ctx.ptr(), c);
+                    if rc != 0 {
+                        return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
+                    }
+                    let rows = sys::mtmd_input_chunk_get_n_tokens(c);
+                    out.push((
+                        i,
+                        std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.ptr()), rows * n_embd).into(),
+                    ));
+                }
+            }
+            Ok(out)
+        };
+        let mut leases = leases.into_iter();
+        let first = leases.next().expect("the first lease");
+        if leases.len() == 0 {
+            return Ok((encode_on(&first)?, used));
+        }
+        let encode_on = &encode_on;
+        std::thread::scope(|scope| {
+            let others: Vec<_> = leases.map(|l| scope.spawn(move || encode_on(&l))).collect();
+            let mut all = encode_on(&first);
+            for other in others {
+                let rows = other.join().unwrap_or_else(|_| Err(Error::Engine("a vision encode panicked".into())));
+                match (&mut all, rows) {
+                    (Ok(all), Ok(rows)) => all.extend(rows),
+                    (Ok(_), Err(e)) => all = Err(e),
+                    (Err(_), _) => {}
+                }
+            }
+            Ok((all?, used))
+        })
+    }
 }
 
 impl Drop for Projector {
     fn drop(&mut self) {
-        // SAFETY: owned context, no other user (we are being dropped).
-        unsafe { sys::mtmd_free(self.ctx.get_mut().0.as_ptr()) }
+        for ctx in self.contexts.loaded.get_mut().drain(..) {
+            // SAFETY: owned contexts, no other user (we are being dropped).
+            unsafe { sys::mtmd_free(ctx.0.as_ptr()) }
+        }
     }
 }
 

@@ -56,7 +56,7 @@ pub fn engine_with(name: &str, cells: u32) -> Arc<Engine> {
 
 pub fn encoder() -> MtmdEncoder {
     let model = models::model(&model_path(), &Device::Cpu).expect("model");
-    MtmdEncoder::new(models::projector(&mmproj_path(), &model, false, 2).expect("projector"))
+    MtmdEncoder::new(models::projector(&mmproj_path(), &model, false, 2, 1).expect("projector"))
 }
 
 /// A deterministic 64x48 RGB picture; different `variant`s give different pictures.
