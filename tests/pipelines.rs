@@ -529,3 +529,16 @@ fn every_vlm_family_answers_through_the_elements_as_its_replay_does() {
         assert!(retained.iter().any(|a| !a.2.is_empty()), "{family}: no text at all");
     }
 }
+
+/// A quantized KV type needs flash attention in llama.cpp: it turns it on instead of failing the
+/// pipeline, and the answers come.
+#[test]
+fn a_quantized_kv_type_answers_without_setting_flash_attention() {
+    let questions = "filesrc location=pipelines/questions.srt ! subparse ! q.query";
+    let run = run(&launch(&format!(
+        "{SOURCE} kv-type=q8_0 ! vlmquery name=q max-tokens=4 ! fakesink sync=false {questions}"
+    )));
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(!run.answers.is_empty());
+    assert!(run.answers.iter().all(|a| a.get::<String>("status").as_deref() == Ok("answered")), "{:?}", run.answers);
+}

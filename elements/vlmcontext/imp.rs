@@ -87,9 +87,9 @@ pub enum KvLayoutKind {
 pub enum KvTypeKind {
     #[enum_value(name = "16-bit floats", nick = "f16")]
     F16,
-    #[enum_value(name = "8-bit blocks (needs flash-attention)", nick = "q8_0")]
+    #[enum_value(name = "8-bit blocks (turns flash-attention on)", nick = "q8_0")]
     Q8_0,
-    #[enum_value(name = "4-bit blocks (needs flash-attention)", nick = "q4_0")]
+    #[enum_value(name = "4-bit blocks (turns flash-attention on)", nick = "q4_0")]
     Q4_0,
 }
 

@@ -609,7 +609,7 @@ impl ObjectImpl for VlmEncode {
                     .build(),
                 glib::ParamSpecUInt::builder("threads")
                     .nick("Threads")
-                    .blurb("CPU threads of the vision encoder")
+                    .blurb("CPU threads of the vision encoder, shared by its encoder contexts")
                     .minimum(1)
                     .maximum(256)
                     .default_value(Settings::default().threads)

@@ -167,12 +167,21 @@ impl VlmContext {
             }
         };
         self.progress(gst::ProgressType::Start, &format!("loading {} ({} engines)", s.model, s.engines));
+        if s.kv_type != KvTypeKind::F16 && !s.flash_attention {
+            gst::info!(
+                CAT,
+                imp = self,
+                "kv-type {:?} quantizes V: flash attention on (as if flash-attention=true)",
+                s.kv_type
+            );
+        }
         let base = EngineConfig {
             threads: s.threads as i32,
             context_per_sequence: s.context_size,
             max_streams: s.max_streams,
             max_branches: s.max_answers,
-            flash_attention: s.flash_attention,
+            // Quantized V needs flash attention in llama.cpp: a quantized kv-type turns it on.
+            flash_attention: s.flash_attention || s.kv_type != KvTypeKind::F16,
             gpu: Gpu { index: s.gpu_device as usize, layers: u32::try_from(s.gpu_layers).ok() },
             kv_layout: match s.kv_layout {
                 KvLayoutKind::PerSequence => KvLayout::PerSequence,

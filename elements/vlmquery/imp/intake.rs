@@ -139,8 +139,13 @@ impl VlmQuery {
             thread: Mutex::new(None),
             late_stream: std::sync::OnceLock::new(),
         });
-        // With ordered commits a question sees the answers before it: it waits for them.
-        let previous = ordered.then(|| shared.pending.back().cloned()).flatten();
+        // With ordered commits a question sees the answers before it on its stream: it waits for
+        // the newest of them (another stream's answer, after a stream switch, is not its history).
+        let same_stream = |q: &Pending| match (q.stream(), pending.stream()) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        let previous = ordered.then(|| shared.pending.iter().rev().find(|q| same_stream(q)).cloned()).flatten();
         let placement = self.settings.lock().placement.clone();
         let this = self.ref_counted();
         let p = Arc::clone(&pending);

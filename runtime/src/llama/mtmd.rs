@@ -71,6 +71,9 @@ impl Contexts {
     }
 }
 
+/// An image's index among a frame's images, and its rows.
+type EncodedImage = (usize, Box<[f32]>);
+
 /// A chunk of a tokenized frame, encoded on another thread: libmtmd only reads a chunk while
 /// encoding it (its preprocessed pixels) and writes the encoding context's own output.
 #[derive(Clone, Copy)]
@@ -358,7 +361,6 @@ impl Projector {
                 rgb.len()
             )));
         }
-        let ctx = self.contexts.lease();
         let n_embd = self.model.n_embd();
         let mut segments = Vec::new();
         let mut count = TileCount::default();
@@ -379,7 +381,10 @@ impl Projector {
                 parse_special: true,
             };
             let bitmaps = [bitmap as *const sys::mtmd_bitmap];
-            let rc = sys::mtmd_tokenize(ctx.ptr(), chunks, &text, bitmaps.as_ptr(), 1);
+            // Tokenizing (resizing, tiling and normalising the picture on the CPU) reads only what
+            // loading fixed, as llama-server's request threads do beside its encodes: no context
+            // is leased for it, so frames are prepared side by side while others encode.
+            let rc = sys::mtmd_tokenize(self.decode_view.0.as_ptr(), chunks, &text, bitmaps.as_ptr(), 1);
             sys::mtmd_bitmap_free(bitmap);
             let result = if rc != 0 {
                 Err(Error::Engine(format!("mtmd_tokenize failed ({rc})")))
@@ -420,7 +425,7 @@ impl Projector {
                     count.reused = rows_of.iter().flatten().count();
                     let todo: Vec<usize> = (0..images.len()).filter(|&i| rows_of[i].is_none()).collect();
                     count.encoded = todo.len();
-                    let (encoded, contexts) = self.encode_chunks(ctx, &images, &todo, n_embd)?;
+                    let (encoded, contexts) = self.encode_chunks(&images, &todo, n_embd)?;
                     count.contexts = contexts;
                     for (i, rows) in encoded {
                         rows_of[i] = Some(rows);
@@ -464,24 +469,26 @@ impl Projector {
         Ok((segments, count))
     }
 
-    /// Encode `images[i]` for each `i` of `todo` on `first` and on every other context free now
-    /// (one thread each, taking the next image as they finish): each image's rows by its index,
-    /// and how many contexts encoded them.
+    /// Encode `images[i]` for each `i` of `todo` on a context (waiting for one) and on every other
+    /// context free then (one thread each, taking the next image as they finish): each image's
+    /// rows by its index, and how many contexts encoded them.
     ///
     /// # Safety
     /// The chunks are valid image chunks of this projector's tokenization, alive for the call.
     unsafe fn encode_chunks(
         &self,
-        first: Lease<'_>,
         images: &[ChunkPtr],
         todo: &[usize],
         n_embd: usize,
-    ) -> Result<(Vec<(usize, Box<[f32]>)>, usize)> {
-        let mut leases = vec![first];
-        leases.extend(self.contexts.lease_free(todo.len().saturating_sub(1)));
-        let used = if todo.is_empty() { 0 } else { leases.len() };
+    ) -> Result<(Vec<EncodedImage>, usize)> {
+        if todo.is_empty() {
+            return Ok((vec![], 0));
+        }
+        let mut leases = vec![self.contexts.lease()];
+        leases.extend(self.contexts.lease_free(todo.len() - 1));
+        let used = leases.len();
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let encode_on = |ctx: &Lease<'_>| -> Result<Vec<(usize, Box<[f32]>)>> {
+        let encode_on = |ctx: &Lease<'_>| -> Result<Vec<EncodedImage>> {
             let mut out = vec![];
             while let Some(&i) = todo.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
                 let c = images[i].0;
