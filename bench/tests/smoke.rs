@@ -244,3 +244,39 @@ fn the_naive_peer_sends_only_the_questions_with_every_frame() {
         );
     }
 }
+
+/// `vlm-bench encoders --smoke` on the tiled idefics3 test pair: every context count at every
+/// stream count, every frame's images counted, the one-context level the peer.
+#[test]
+fn encoders_smoke_measures_every_context_and_stream_count() {
+    let dir = std::env::temp_dir().join(format!("vlm-bench-encoders-smoke-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("encoders.json");
+    let models = manifest_dir().join("../models");
+    let out = Command::new(env!("CARGO_BIN_EXE_vlm-bench"))
+        .args(["encoders", "--smoke", "--model"])
+        .arg(models.join("test-idefics3-lm.gguf"))
+        .arg("--mmproj")
+        .arg(models.join("test-idefics3-mmproj.gguf"))
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let tiles = report["tiles_a_frame"].as_u64().unwrap();
+    assert!(tiles > 1, "a tiled projector: {report}");
+    let levels = report["levels"].as_array().unwrap();
+    let seen: Vec<_> =
+        levels.iter().map(|l| (l["contexts"].as_u64().unwrap(), l["streams"].as_u64().unwrap())).collect();
+    assert_eq!(seen, [(1, 1), (1, 2), (2, 1), (2, 2)]);
+    for l in levels {
+        let (streams, frames) = (l["streams"].as_u64().unwrap(), l["frames"].as_u64().unwrap());
+        assert_eq!(frames, streams * 2, "{l}");
+        assert_eq!(l["tiles"].as_u64(), Some(frames * tiles), "{l}");
+        assert!(f64_of(l, "frames_per_s") > 0.0 && f64_of(l, "encode_p95_ms") > 0.0, "{l}");
+        assert_eq!(l["speedup"].is_null(), l["contexts"].as_u64() == Some(1), "{l}");
+    }
+    assert!(report["table"].as_str().unwrap().contains("peer: 1 context(s)"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
