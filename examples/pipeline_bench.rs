@@ -6,7 +6,7 @@
 //!       --rounds 3 --json docs/benchmarks/pipeline.json
 //!
 //! Each stream is `videotestsrc is-live=true` at `--fps` (320x240) into its own `vlmencode`
-//! (every frame encoded, one thread, as the runtime benchmark's encoder), one `vlmcontext` for both streams (its defaults, as B1), and one
+//! (every frame encoded, `--encoder-threads`, as the runtime benchmark's encoder), one `vlmcontext` for both streams (its defaults, as B1), and one
 //! `vlmquery` per stream (`exact-tokens=true`); when the 2nd, 4th, 6th or 8th frame of a stream
 //! leaves `vlmcontext`, the question is asked there with `ask`, as the runtime benchmark asks
 //! right after registering that frame. Models load in READY (the `load-model` Progress message), before
@@ -66,6 +66,10 @@ struct Args {
     /// e.g. `gpu:gpu:16`; default: a CPU engine with every core.
     #[arg(long)]
     engine: Option<String>,
+    /// CPU threads of the vision encoder on both levels (vlmencode's `threads`, vlm-bench's
+    /// `--encoder cpu:N`).
+    #[arg(long, default_value_t = 1)]
+    encoder_threads: u32,
     /// The runtime benchmark's binary (default: `vlm-bench` beside this example's folder).
     #[arg(long)]
     vlm_bench: Option<PathBuf>,
@@ -156,12 +160,13 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
     for (s, pattern) in [(0, "ball"), (1, "smpte")] {
         description += &format!(
             "videotestsrc is-live=true pattern={pattern} num-buffers={} ! video/x-raw,width={width},height={height},framerate={} \
-             ! videoconvert ! vlmencode name=enc{s} mmproj={} model={} interval=0 threads=1 ! ctx.sink_{s} \
+             ! videoconvert ! vlmencode name=enc{s} mmproj={} model={} interval=0 min-change=0 threads={} ! ctx.sink_{s} \
              ctx.src_{s} ! vlmquery name=q{s} max-tokens={} exact-tokens=true ! fakesink sync=false async=false ",
             a.frames,
             framerate(a.fps),
             a.mmproj,
             a.model,
+            a.encoder_threads,
             a.tokens
         );
     }
@@ -287,6 +292,7 @@ fn runtime_round(a: &Args, bench: &PathBuf) -> Result<Vec<Round>, BoxError> {
         .args(["--frame-size", &a.frame_size])
         .args(["--ask-after", &asked.join(","), "--model", &a.model, "--mmproj", &a.mmproj])
         .args(a.engine.iter().flat_map(|e| ["--engine", e.as_str()]))
+        .args(["--encoder", &format!("cpu:{}", a.encoder_threads)])
         .arg("--json")
         .arg(&json)
         .stdout(std::process::Stdio::null())

@@ -542,3 +542,25 @@ fn a_quantized_kv_type_answers_without_setting_flash_attention() {
     assert!(!run.answers.is_empty());
     assert!(run.answers.iter().all(|a| a.get::<String>("status").as_deref() == Ok("answered")), "{:?}", run.answers);
 }
+
+/// A third camera on default settings: `max-streams` unset follows the sink pads requested
+/// before the model loads, and every stream's questions are answered.
+#[test]
+fn a_third_stream_on_default_settings_is_answered() {
+    let mut description = "vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf ".to_string();
+    for s in 0..3 {
+        description += &format!(
+            "videotestsrc pattern=ball num-buffers=40 ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+             ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=500000000 min-change=0 ! ctx.sink_{s} \
+             ctx.src_{s} ! vlmquery name=q{s} max-tokens=3 ! fakesink sync=false \
+             filesrc location=pipelines/questions.srt ! subparse ! q{s}.query "
+        );
+    }
+    let run = run(&launch(&description));
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let mut streams: Vec<String> = run.answers.iter().map(|a| a.get::<String>("stream").unwrap()).collect();
+    streams.sort();
+    streams.dedup();
+    assert_eq!(streams.len(), 3, "answers from every stream: {:?}", run.answers);
+    assert!(run.answers.iter().all(|a| a.get::<String>("status").as_deref() == Ok("answered")), "{:?}", run.answers);
+}

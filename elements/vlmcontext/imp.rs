@@ -102,6 +102,8 @@ struct Settings {
     system_prompt: String,
     context_size: u32,
     max_streams: u32,
+    /// `max-streams` was set: it is not raised to the sink pads requested by the load.
+    max_streams_set: bool,
     max_pending: u32,
     engines: String,
     history_policy: HistoryPolicyKind,
@@ -129,6 +131,7 @@ impl Default for Settings {
             system_prompt: DEFAULT_SYSTEM_PROMPT.into(),
             context_size: DEFAULT_CONTEXT_SIZE,
             max_streams: DEFAULT_MAX_STREAMS,
+            max_streams_set: false,
             max_pending: DEFAULT_MAX_PENDING,
             engines: "cpu".into(),
             history_policy: HistoryPolicyKind::Restart,

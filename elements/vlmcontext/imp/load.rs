@@ -28,7 +28,7 @@ impl VlmContext {
     /// Start loading the engines on a worker thread (at NULL→READY), so an application that
     /// goes to READY early finds them loaded when it starts streaming.
     pub(super) fn preload(&self) {
-        let s = self.settings.lock().clone();
+        let s = self.load_settings();
         if s.model.is_empty() {
             return;
         }
@@ -40,6 +40,21 @@ impl VlmContext {
             Ok(handle) => *self.loading.lock() = Some(Loading { settings: s, handle, cancel }),
             Err(e) => gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading at READY->PAUSED"),
         }
+    }
+
+    /// The settings a load uses: `max-streams`, unset, raised to the sink pads requested by
+    /// then (a third camera on default settings works; a pad requested after the load finds
+    /// the streams the load sized).
+    fn load_settings(&self) -> Settings {
+        let mut s = self.settings.lock().clone();
+        if !s.max_streams_set {
+            let pads = self.pads.lock().len() as u32;
+            if pads > s.max_streams {
+                gst::info!(CAT, imp = self, "max-streams unset: {pads} for the {pads} sink pads requested");
+                s.max_streams = pads.min(64);
+            }
+        }
+        s
     }
 
     /// Abandon a load still running, without waiting for it: its engines stop their
@@ -55,7 +70,7 @@ impl VlmContext {
     /// application's NULL→PLAYING never blocks its main loop (ASYNC_START now, ASYNC_DONE then,
     /// as a sink that prerolls does).
     pub(super) fn start(&self) -> Result<gst::StateChangeSuccess, gst::ErrorMessage> {
-        let current = self.settings.lock().clone();
+        let current = self.load_settings();
         let mut preloaded = self.loading.lock().take();
         if let Some(stale) = preloaded.take_if(|l| l.settings != current) {
             stale.cancel.store(true, Ordering::Release);
@@ -121,7 +136,7 @@ impl VlmContext {
     /// The engines of `loading` if it loaded them with the current settings (waiting for it to
     /// end), else loaded now.
     fn take_loaded(&self, loading: Option<Loading>) -> Loaded {
-        let s = self.settings.lock().clone();
+        let s = self.load_settings();
         match loading {
             Some(l) if l.settings == s => l
                 .handle

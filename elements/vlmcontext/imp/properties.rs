@@ -74,7 +74,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecUInt::builder(PROP_MAX_STREAMS)
             .nick("Max streams")
-            .blurb("Streams (sink pads) the engine holds KV for")
+            .blurb("Streams (sink pads) the engine holds KV for; unset, the sink pads requested before the model loads, at least 2")
             .minimum(1)
             .maximum(64)
             .default_value(DEFAULT_MAX_STREAMS)
@@ -245,7 +245,7 @@ impl VlmContext {
             PROP_RETAIN => s.retain = value.get().unwrap(),
             PROP_SYSTEM_PROMPT => s.system_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             PROP_CONTEXT_SIZE => s.context_size = value.get().unwrap(),
-            PROP_MAX_STREAMS => s.max_streams = value.get().unwrap(),
+            PROP_MAX_STREAMS => (s.max_streams, s.max_streams_set) = (value.get().unwrap(), true),
             PROP_MAX_PENDING => s.max_pending = value.get().unwrap(),
             PROP_HISTORY_POLICY => s.history_policy = value.get().unwrap(),
             PROP_KV_LAYOUT => s.kv_layout = value.get().unwrap(),
