@@ -564,3 +564,57 @@ fn a_third_stream_on_default_settings_is_answered() {
     assert_eq!(streams.len(), 3, "answers from every stream: {:?}", run.answers);
     assert!(run.answers.iter().all(|a| a.get::<String>("status").as_deref() == Ok("answered")), "{:?}", run.answers);
 }
+
+/// Recording the answers beside the video: `display=queue` straight into `matroskamux` (no queue
+/// between, as a recorder is often written) runs to the end (a text buffer reaching past the
+/// newest frame is followed by a GAP at its end, so the muxer goes on), and the file read back
+/// holds one subtitle cue per answer with its display duration (the questions asked during the
+/// 12 s of video).
+#[test]
+fn answers_recorded_with_display_queue_into_matroskamux_are_one_cue_each() {
+    let file = std::env::temp_dir().join(format!("gst-vlm-recording-{}.mkv", std::process::id()));
+    let run = run_for(
+        &launch(&format!(
+            "videotestsrc is-live=true pattern=ball num-buffers=120 ! video/x-raw,width=160,height=120,framerate=10/1 \
+             ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=500000000 min-change=0 \
+             ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q display=queue max-tokens=4 \
+             answer-duration=1000000000 q.video_src ! videoconvert ! jpegenc ! mux.video_0 q.src ! mux.subtitle_0 \
+             matroskamux name=mux ! filesink location={} filesrc location=pipelines/questions.srt ! subparse ! q.query",
+            file.display()
+        )),
+        120,
+    );
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let answered = run.answers.iter().filter(|a| a.get::<String>("status").as_deref() == Ok("answered")).count();
+    assert!(answered >= 1, "{:?}", run.answers);
+    // Read it back: the subtitle track's cues.
+    let reader = launch(&format!(
+        "filesrc location={} ! matroskademux name=d d.video_0 ! fakesink sync=false async=false \
+         d.subtitle_0 ! appsink name=cues sync=false async=false",
+        file.display()
+    ));
+    let cues =
+        reader.downcast_ref::<gst::Bin>().unwrap().by_name("cues").unwrap().downcast::<gst_app::AppSink>().unwrap();
+    let got = Arc::new(Mutex::new(vec![]));
+    let sink = Arc::clone(&got);
+    cues.set_callbacks(
+        gst_app::AppSinkCallbacks::builder()
+            .new_sample(move |s| {
+                let sample = s.pull_sample().map_err(|_| gst::FlowError::Eos)?;
+                let b = sample.buffer().unwrap();
+                sink.lock().unwrap().push((b.pts(), b.duration(), b.size()));
+                Ok(gst::FlowSuccess::Ok)
+            })
+            .build(),
+    );
+    let read = run_for(&reader, 60);
+    assert!(read.errors.is_empty(), "{:?}", read.errors);
+    let got = got.lock().unwrap().clone();
+    let texts: Vec<_> = got.iter().filter(|(_, _, size)| *size > 0).collect();
+    assert_eq!(texts.len(), answered, "one cue per answer: {got:?}");
+    for (pts, duration, _) in texts {
+        assert!(pts.is_some(), "{got:?}");
+        assert_eq!(*duration, Some(gst::ClockTime::from_seconds(1)), "{got:?}");
+    }
+    let _ = std::fs::remove_file(&file);
+}

@@ -228,6 +228,9 @@ struct Shared {
     /// How far the text pad has told downstream about (answers and GAP events), in the video
     /// segment's time.
     text_position: Option<gst::ClockTime>,
+    /// A text buffer reached past the newest frame (`display=queue`) and a GAP at its end has
+    /// said so: that end.
+    gap_ahead: Option<gst::ClockTime>,
     /// What the text pad shows while it follows the video (see `output::Shown`).
     shown: Option<output::Shown>,
     /// Answers posted and not yet attached to a video buffer (`VlmAnswerMeta`), in question

@@ -322,6 +322,17 @@ impl VlmQuery {
             shared.all_answered = true;
             return Some(Next::Eos);
         }
+        // A text buffer reaches past the newest frame (`display=queue`): a GAP at its end, once,
+        // so that a muxer waiting for this pad's next item before it writes the video up to it
+        // (matroskamux, with no queue between) goes on instead of waiting for ever.
+        if shared.shown.is_none()
+            && let (Some(end), Some(position)) = (shared.video.end, shared.text_position)
+            && position > end
+            && shared.gap_ahead != Some(position)
+        {
+            shared.gap_ahead = Some(position);
+            return Some(Next::Gap(position, gst::ClockTime::ZERO));
+        }
         // Nothing to say up to the newest frame: tell downstream, so it never waits.
         if shared.shown.is_none()
             && let Some(end) = shared.video.end
