@@ -618,3 +618,43 @@ fn answers_recorded_with_display_queue_into_matroskamux_are_one_cue_each() {
     }
     let _ = std::fs::remove_file(&file);
 }
+
+/// The question statistics: accepted and refused questions, failed and cancelled answers, the
+/// mean TTFT of the answered ones (read while the pipeline is still PLAYING, before they reset).
+#[test]
+fn the_question_statistics_count_what_happened() {
+    let pipeline = launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=4 ! fakesink sync=false"));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let q = bin.by_name("q").unwrap();
+    let sink = q.static_pad("sink").unwrap();
+    // At frame 4: two questions, then the first one's id again (refused).
+    let sent = Arc::new(Mutex::new(false));
+    sink.add_probe(gst::PadProbeType::BUFFER, move |pad, info| {
+        let number = info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).map(|p| p.1);
+        let mut sent = sent.lock().unwrap();
+        if number == Some(4) && !*sent {
+            *sent = true;
+            for (text, id) in [("What happened?", "a"), ("Anything moving?", "b"), ("Again?", "a")] {
+                assert!(pad.send_event(QuestionEvent::event(text, Some(id), None)));
+            }
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let run = run_to_eos(&pipeline, 240);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert_eq!(run.answers.len(), 2, "{:?}", run.answers);
+    let count = |name: &str| q.property::<u64>(name);
+    assert_eq!(
+        (count("questions-accepted"), count("questions-refused"), count("answers-failed"), count("answers-cancelled")),
+        (2, 1, 0, 0)
+    );
+    let ttfts: Vec<f64> = run.answers.iter().map(|a| a.get::<f64>("ttft-ms").unwrap()).collect();
+    let mean = ttfts.iter().sum::<f64>() / ttfts.len() as f64;
+    assert!(
+        (q.property::<f64>("mean-ttft-ms") - mean).abs() < 0.01,
+        "{} against {mean}",
+        q.property::<f64>("mean-ttft-ms")
+    );
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert_eq!(q.property::<u64>("questions-accepted"), 0, "reset at PAUSED->READY");
+}

@@ -13,6 +13,7 @@ use vlm_runtime::{AnswerReport, CommitTurn, Lag, Question, Sampling, Stream};
 // query pads, `ask`, captions, binding and answering) and the text pad's output task (answers,
 // JSON, `vlm-answer`). The ObjectSubclass, properties and state changes stay here.
 mod alerts;
+mod counters;
 mod intake;
 mod output;
 
@@ -258,6 +259,8 @@ pub struct VlmQuery {
     changed: Condvar,
     /// Standing questions (`alerts`).
     alerts: alerts::Alerts,
+    /// Question statistics (read-only properties).
+    counters: counters::Counters,
 }
 
 impl VlmQuery {
@@ -322,6 +325,10 @@ impl VlmQuery {
             *shared = Shared { flushing: true, ..Shared::default() };
             stats
         };
+        self.counters.reset();
+        for name in counters::NAMES {
+            self.obj().notify(name);
+        }
         self.notify_stats(stats, Stats::default());
     }
 
@@ -429,6 +436,7 @@ impl ObjectSubclass for VlmQuery {
             post_order: Mutex::new(()),
             changed: Condvar::new(),
             alerts: alerts::Alerts::default(),
+            counters: counters::Counters::default(),
         }
     }
 }
@@ -560,6 +568,7 @@ impl ObjectImpl for VlmQuery {
             ]
             .into_iter()
             .chain(alerts::properties())
+            .chain(counters::properties())
             .collect()
         });
         PROPS.as_ref()
@@ -610,7 +619,7 @@ impl ObjectImpl for VlmQuery {
         if pspec.name() == "answers" {
             return self.shared.lock().stats.answers.to_value();
         }
-        if let Some(value) = self.alert_property(pspec.name()) {
+        if let Some(value) = self.alert_property(pspec.name()).or_else(|| self.counters.value(pspec.name())) {
             return value;
         }
         let s = self.settings.lock();

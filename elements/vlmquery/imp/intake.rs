@@ -149,7 +149,10 @@ impl VlmQuery {
         let placement = self.settings.lock().placement.clone();
         let this = self.ref_counted();
         let p = Arc::clone(&pending);
+        self.counters.accepted();
         let thread = std::thread::Builder::new().name(format!("vlmquery-{id}")).spawn(move || {
+            // (Notified here, where no lock of the element is held.)
+            this.obj().notify("questions-accepted");
             // A panic fails this question (its one vlm-answer says so); the queue goes on.
             let generate = std::panic::AssertUnwindSafe(|| this.generate(&p, previous.as_deref(), &placement, ordered));
             let outcome = std::panic::catch_unwind(generate).unwrap_or_else(|panic| {
@@ -266,6 +269,8 @@ impl VlmQuery {
             Refusal::Full(n) => format!("{n} questions are already pending (max-questions)"),
             Refusal::Duplicate(id) => format!("id {id:?} was already taken by an earlier question"),
         };
+        self.counters.refused();
+        self.obj().notify("questions-refused");
         let message = format!("question {} {:?} refused: {why}", question.id, question.text);
         self.warn_question(gst::StreamError::Failed, Some(&question.id), &message);
     }

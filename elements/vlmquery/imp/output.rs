@@ -120,12 +120,14 @@ impl VlmQuery {
         let _order = self.post_order.lock();
         let queue: Vec<Arc<Pending>> = self.shared.lock().pending.iter().cloned().collect();
         let mut posted = false;
+        let mut changed: Vec<&str> = vec![];
         for p in queue {
             if p.posted.load(Ordering::Acquire) {
                 continue;
             }
             let Some(outcome) = p.outcome.lock().take() else { break };
             let cancelled = matches!(outcome, Outcome::Cancelled(_));
+            changed.extend(self.counters.ended(&outcome));
             let message = self.answer_message(&p, outcome);
             if !cancelled {
                 let mut shared = self.shared.lock();
@@ -141,6 +143,10 @@ impl VlmQuery {
         if posted {
             let _shared = self.shared.lock();
             self.changed.notify_all();
+        }
+        changed.dedup();
+        for name in changed {
+            self.obj().notify(name);
         }
     }
 
