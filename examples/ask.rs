@@ -4,6 +4,8 @@
 //!
 //!   cargo run -p gst-plugin-vlm --example ask -- [MODEL MMPROJ]
 //!
+//! MODEL and MMPROJ default to `$VLM_MODEL` and `$VLM_MMPROJ`, then to the test pair.
+//!
 //! The plugin is registered statically here; an application using the installed plugin only
 //! needs `gst::init()`. Exits with an error unless both questions are answered.
 
@@ -14,8 +16,10 @@ use gst_app::AppSink;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let model = args.next().unwrap_or_else(|| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into());
-    let mmproj = args.next().unwrap_or_else(|| "models/test-mmproj-mlp.gguf".into());
+    let mut arg =
+        |var: &str, default: &str| args.next().or_else(|| std::env::var(var).ok()).unwrap_or_else(|| default.into());
+    let model = arg("VLM_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let mmproj = arg("VLM_MMPROJ", "models/test-mmproj-mlp.gguf");
     gst::init()?;
     gstvlm::plugin_register_static()?;
     let pipeline = gst::parse::launch(&format!(
@@ -71,12 +75,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     // The bus: every accepted question ends in one vlm-answer.
-    pipeline.set_state(gst::State::Playing)?;
+    // A failed start says why on the bus (a missing file, a bad property): report that, not the
+    // bare state-change error.
+    if pipeline.set_state(gst::State::Playing).is_err() {
+        let why = pipeline
+            .bus()
+            .and_then(|bus| bus.timed_pop_filtered(gst::ClockTime::from_seconds(5), &[gst::MessageType::Error]))
+            .and_then(|m| match m.view() {
+                gst::MessageView::Error(e) => Some(format!("{} ({:?})", e.error(), e.debug())),
+                _ => None,
+            })
+            .unwrap_or_else(|| "no error on the bus".into());
+        let _ = pipeline.set_state(gst::State::Null);
+        return Err(format!("cannot start the pipeline: {why}").into());
+    }
     let mut answered = vec![];
+    let mut failed = None;
     for msg in pipeline.bus().unwrap().iter_timed(gst::ClockTime::from_seconds(120)) {
         match msg.view() {
             gst::MessageView::Eos(_) => break,
-            gst::MessageView::Error(e) => return Err(format!("{} ({:?})", e.error(), e.debug()).into()),
+            gst::MessageView::Error(e) => {
+                failed = Some(format!("{} ({:?})", e.error(), e.debug()));
+                break;
+            }
             gst::MessageView::Element(e) => {
                 if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer") {
                     let (id, text) = (s.get::<String>("id")?, s.get::<String>("text")?);
@@ -88,6 +109,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     pipeline.set_state(gst::State::Null)?;
+    if let Some(why) = failed {
+        return Err(why.into());
+    }
     let lines = lines.lock().unwrap();
     print!("[appsink] {} JSON lines:\n{}", lines.len(), lines.concat());
     let asked = asked.lock().unwrap();
