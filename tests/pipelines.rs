@@ -658,3 +658,35 @@ fn the_question_statistics_count_what_happened() {
     pipeline.set_state(gst::State::Null).unwrap();
     assert_eq!(q.property::<u64>("questions-accepted"), 0, "reset at PAUSED->READY");
 }
+
+/// `scripts/pipeline.sh` from another folder: the repository's files found, an output file
+/// (a filesink's, not there yet) written beside the caller, never into the checkout.
+#[test]
+fn pipeline_sh_resolves_inputs_to_their_files_and_outputs_to_the_callers_folder() {
+    let dir = std::env::temp_dir().join(format!("gst-vlm-pipeline-sh-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("mine.pipeline");
+    std::fs::write(
+        &file,
+        "# a user's pipeline\nvideotestsrc ! vlmencode mmproj=models/test-mmproj-mlp.gguf ! vlmcontext \
+         model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery ! filesink location=out/answers.txt\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(root().join("scripts/pipeline.sh"))
+        .arg(&file)
+        .current_dir(&dir)
+        .env_remove("VLM_MODEL")
+        .env_remove("VLM_MMPROJ")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let value = |key: &str| text.split_whitespace().find_map(|w| w.strip_prefix(key)).unwrap().to_owned();
+    let real = |p: &str| std::path::Path::new(p).canonicalize().unwrap();
+    assert_eq!(real(&value("mmproj=")), real(root().join("models/test-mmproj-mlp.gguf").to_str().unwrap()));
+    let location = std::path::PathBuf::from(value("location="));
+    assert_eq!(location.file_name().unwrap(), "answers.txt");
+    assert_eq!(real(location.parent().unwrap().parent().unwrap().to_str().unwrap()), real(dir.to_str().unwrap()));
+    assert!(!text.contains('#'), "comments dropped: {text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
