@@ -189,7 +189,8 @@ fn words(n: usize) -> String {
 fn a_huge_max_tokens_is_clamped_by_the_context() {
     let _s = serial();
     // exact-tokens: the answer goes on past end-of-generation, so only the context stops it.
-    let mut f = Fed::new("context-size=512", "exact-tokens=true", "");
+    // (Per sequence: an answer has the rest of its own context-size cells.)
+    let mut f = Fed::new("context-size=512 kv-layout=per-sequence", "exact-tokens=true", "");
     f.push_frames(1);
     let sink = f.q.static_pad("sink").unwrap();
     assert!(sink.send_event(QuestionEvent::event(&words(350), Some("huge"), Some(1_000_000))));
@@ -204,7 +205,7 @@ fn a_huge_max_tokens_is_clamped_by_the_context() {
 #[test]
 fn a_question_longer_than_the_context_fails_with_the_reason() {
     let _s = serial();
-    let mut f = Fed::new("context-size=512", "", "");
+    let mut f = Fed::new("context-size=512 kv-layout=per-sequence", "", "");
     f.push_frames(1);
     let id = f.ask(&words(600)).unwrap();
     let a = f.answer(&id, Duration::from_secs(60));

@@ -690,3 +690,32 @@ fn pipeline_sh_resolves_inputs_to_their_files_and_outputs_to_the_callers_folder(
     assert!(!text.contains('#'), "comments dropped: {text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `kv-layout=auto` (the default) loads the unified pool with flash attention; with
+/// `history-policy=slide` per-sequence; an explicit `flash-attention` is kept. The load says
+/// which in read-only properties.
+#[test]
+fn the_default_kv_layout_resolves_at_load_and_says_so() {
+    for (extra, layout, flash) in [
+        ("", "unified", true),
+        ("history-policy=slide", "per-sequence", false),
+        ("kv-layout=unified flash-attention=false", "unified", false),
+        ("kv-layout=per-sequence flash-attention=true", "per-sequence", true),
+    ] {
+        let pipeline = launch(&format!(
+            "videotestsrc pattern=ball num-buffers=10 ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+             ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 ! vlmcontext name=ctx \
+             model=models/SmolLM2-135M-Instruct.Q4_1.gguf {extra} ! fakesink"
+        ));
+        let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+        assert_eq!(ctx.property::<String>("active-kv-layout"), "", "nothing loaded yet");
+        let run = run_to_eos(&pipeline, 120);
+        assert!(run.errors.is_empty(), "{extra}: {:?}", run.errors);
+        assert_eq!(
+            (ctx.property::<String>("active-kv-layout").as_str(), ctx.property::<bool>("active-flash-attention")),
+            (layout, flash),
+            "{extra}"
+        );
+        pipeline.set_state(gst::State::Null).unwrap();
+    }
+}

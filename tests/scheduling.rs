@@ -482,13 +482,18 @@ fn streamed_answers_reach_textoverlay_as_growing_text_and_every_question_is_answ
     // at all.)
     let video_end = gst::ClockTime::from_seconds(5);
     for answer in &run.answers {
-        let (id, whole) = (answer.get::<String>("id").unwrap(), answer.get::<String>("text").unwrap());
+        let id = answer.get::<String>("id").unwrap();
+        // The text pad's lines: the answer with its line breaks folded (`output-format=text`).
+        let whole = gst_vlm_elements::text::one_line(&answer.get::<String>("text").unwrap()).into_owned();
         let mine: Vec<_> = buffers.iter().filter(|b| b.0 == id).collect();
         let done = mine.iter().position(|b| b.1 == "answered").unwrap_or(mine.len());
         let ended = mine.last().is_none_or(|b| b.3.is_some_and(|pts| pts >= video_end));
         assert!(done < mine.len() || ended, "{id}: its text stopped short while the video ran: {mine:?}");
         assert!(mine[..done].iter().all(|b| b.1 == "partial"), "{id}: {mine:?}");
-        assert!(mine[done..].iter().all(|b| b.1 == "answered" && b.2 == format!("{whole}\n")), "{id}: {mine:?}");
+        assert!(
+            mine[done..].iter().all(|b| b.1 == "answered" && b.2 == format!("{whole}\n")),
+            "{id}: {mine:?}, the answer {whole:?}"
+        );
         let mut so_far = "";
         for b in &mine[..done] {
             let text = b.2.strip_suffix('\n').expect("a line");

@@ -70,6 +70,11 @@ pub enum OverloadKind {
 #[enum_type(name = "GstVlmKvLayout")]
 pub enum KvLayoutKind {
     #[enum_value(
+        name = "Auto: unified, or per-sequence with history-policy=slide (resolved at load: active-kv-layout)",
+        nick = "auto"
+    )]
+    Auto,
+    #[enum_value(
         name = "Per sequence: context-size cells for every stream and answer, a branch copies its prefix; bit-identical to a re-prefill",
         nick = "per-sequence"
     )]
@@ -113,6 +118,8 @@ struct Settings {
     ingest_share: f64,
     max_answers: u32,
     flash_attention: bool,
+    /// `flash-attention` was set: `auto` layouts do not choose it.
+    flash_attention_set: bool,
     gpu_device: u32,
     /// -1: every layer.
     gpu_layers: i32,
@@ -141,9 +148,10 @@ impl Default for Settings {
             ingest_share: vlm_runtime::engine::DEFAULT_INGEST_SHARE,
             max_answers: DEFAULT_MAX_ANSWERS,
             flash_attention: false,
+            flash_attention_set: false,
             gpu_device: 0,
             gpu_layers: -1,
-            kv_layout: KvLayoutKind::PerSequence,
+            kv_layout: KvLayoutKind::Auto,
             kv_type: KvTypeKind::F16,
             prefix_cache_size: 0,
             prefix_cache_entries: DEFAULT_PREFIX_CACHE_ENTRIES,

@@ -12,7 +12,7 @@ use vlm_runtime::prompt::Prompt;
 use vlm_runtime::snapshot::PrefixCache;
 use vlm_runtime::{DEFAULT_ANSWER_RESERVE, Engine, EngineConfig, Error, Gpu, KvLayout, KvType, models};
 
-use super::{CAT, KvLayoutKind, KvTypeKind, Settings, State, VlmContext};
+use super::{CAT, HistoryPolicyKind, KvLayoutKind, KvTypeKind, Settings, State, VlmContext};
 
 /// A load of the engines running on its own thread (see `VlmContext::preload`).
 pub(super) struct Loading {
@@ -23,6 +23,23 @@ pub(super) struct Loading {
 
 /// Engines and prompt loaded for some settings.
 type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
+
+/// The KV layout and flash attention the engines get. `kv-layout=auto` is the unified pool (W1
+/// on the CPU: 230 MiB peak RSS against per-sequence's 612 and llama-server's 261-281, TTFT no
+/// worse: docs/benchmarks.md, "Defaults"), except with `history-policy=slide`, which shifts one
+/// stream's own sequence; `flash-attention` unset is on with the unified pool (its compute buffer
+/// is what keeps the pool small); a quantized `kv-type` needs it (llama.cpp quantizes V only with
+/// flash attention).
+fn resolved(s: &Settings) -> (KvLayout, bool) {
+    let layout = match s.kv_layout {
+        KvLayoutKind::PerSequence => KvLayout::PerSequence,
+        KvLayoutKind::Unified => KvLayout::Unified,
+        KvLayoutKind::Auto if s.history_policy == HistoryPolicyKind::Slide => KvLayout::PerSequence,
+        KvLayoutKind::Auto => KvLayout::Unified,
+    };
+    let flash = if s.flash_attention_set { s.flash_attention } else { layout == KvLayout::Unified };
+    (layout, flash || s.kv_type != KvTypeKind::F16)
+}
 
 impl VlmContext {
     /// Start loading the engines on a worker thread (at NULL→READY), so an application that
@@ -182,26 +199,23 @@ impl VlmContext {
             }
         };
         self.progress(gst::ProgressType::Start, &format!("loading {} ({} engines)", s.model, s.engines));
-        if s.kv_type != KvTypeKind::F16 && !s.flash_attention {
-            gst::info!(
-                CAT,
-                imp = self,
-                "kv-type {:?} quantizes V: flash attention on (as if flash-attention=true)",
-                s.kv_type
-            );
-        }
+        let (kv_layout, flash_attention) = resolved(s);
+        gst::info!(
+            CAT,
+            imp = self,
+            "KV layout {} (kv-layout={:?}), flash attention {}",
+            kv_layout.name(),
+            s.kv_layout,
+            if flash_attention { "on" } else { "off" }
+        );
         let base = EngineConfig {
             threads: s.threads as i32,
             context_per_sequence: s.context_size,
             max_streams: s.max_streams,
             max_branches: s.max_answers,
-            // Quantized V needs flash attention in llama.cpp: a quantized kv-type turns it on.
-            flash_attention: s.flash_attention || s.kv_type != KvTypeKind::F16,
+            flash_attention,
             gpu: Gpu { index: s.gpu_device as usize, layers: u32::try_from(s.gpu_layers).ok() },
-            kv_layout: match s.kv_layout {
-                KvLayoutKind::PerSequence => KvLayout::PerSequence,
-                KvLayoutKind::Unified => KvLayout::Unified,
-            },
+            kv_layout,
             kv_type: match s.kv_type {
                 KvTypeKind::F16 => KvType::F16,
                 KvTypeKind::Q8_0 => KvType::Q8_0,

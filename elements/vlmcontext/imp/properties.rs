@@ -29,6 +29,8 @@ pub(super) const PROP_FLASH_ATTENTION: &str = "flash-attention";
 pub(super) const PROP_GPU_DEVICE: &str = "gpu-device";
 pub(super) const PROP_GPU_LAYERS: &str = "gpu-layers";
 pub(super) const PROP_KV_LAYOUT: &str = "kv-layout";
+pub(super) const PROP_ACTIVE_KV_LAYOUT: &str = "active-kv-layout";
+pub(super) const PROP_ACTIVE_FLASH_ATTENTION: &str = "active-flash-attention";
 pub(super) const PROP_KV_TYPE: &str = "kv-type";
 pub(super) const PROP_KV_BYTES: &str = "kv-bytes";
 pub(super) const PROP_KV_BYTES_ALLOCATED: &str = "kv-bytes-allocated";
@@ -136,19 +138,29 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .default_value(-1)
             .mutable_ready()
             .build(),
-        glib::ParamSpecEnum::builder_with_default(PROP_KV_LAYOUT, KvLayoutKind::PerSequence)
+        glib::ParamSpecEnum::builder_with_default(PROP_KV_LAYOUT, KvLayoutKind::Auto)
             .nick("KV layout")
-            .blurb("per-sequence: context-size cells for every stream and every answer (max-streams + max-answers sequences), answers bit-identical to a re-prefill; unified: one pool of (max-streams + 1) x context-size + max-answers x 256 cells where an answer shares the cells of the version it reads (llama.cpp's kv_unified), greedy answers agreeing closely with a re-prefill")
+            .blurb("auto (unified, per-sequence with history-policy=slide), per-sequence (answers bit-identical to a re-prefill) or unified (one shared pool, far less memory); see docs/elements.md")
             .mutable_ready()
             .build(),
         glib::ParamSpecEnum::builder_with_default(PROP_KV_TYPE, KvTypeKind::F16)
             .nick("KV type")
-            .blurb("Element type of K and V (llama.cpp's --cache-type-k/-v): q8_0 and q4_0 need flash-attention=true; snapshots move only between engines of one type")
+            .blurb("Element type of K and V (llama.cpp's --cache-type-k/-v): q8_0 and q4_0 turn flash attention on; snapshots move only between engines of one type")
             .mutable_ready()
             .build(),
         glib::ParamSpecUInt64::builder(PROP_KV_BYTES)
             .nick("KV bytes in use")
             .blurb("Bytes of KV cells in use on every engine, a cell shared by several sequences counted once (refreshed every 50 ms while an engine works, and when it goes idle)")
+            .read_only()
+            .build(),
+        glib::ParamSpecString::builder(PROP_ACTIVE_KV_LAYOUT)
+            .nick("Active KV layout")
+            .blurb("The KV layout the engines use (kv-layout resolved at load), empty before it")
+            .read_only()
+            .build(),
+        glib::ParamSpecBoolean::builder(PROP_ACTIVE_FLASH_ATTENTION)
+            .nick("Active flash attention")
+            .blurb("Whether the engines use flash attention (flash-attention resolved at load)")
             .read_only()
             .build(),
         glib::ParamSpecUInt64::builder(PROP_KV_BYTES_ALLOCATED)
@@ -255,7 +267,7 @@ impl VlmContext {
             PROP_STEP_BUDGET_MS => s.step_budget_ms = value.get().unwrap(),
             PROP_INGEST_SHARE => s.ingest_share = value.get().unwrap(),
             PROP_MAX_ANSWERS => s.max_answers = value.get().unwrap(),
-            PROP_FLASH_ATTENTION => s.flash_attention = value.get().unwrap(),
+            PROP_FLASH_ATTENTION => (s.flash_attention, s.flash_attention_set) = (value.get().unwrap(), true),
             PROP_GPU_DEVICE => s.gpu_device = value.get().unwrap(),
             PROP_GPU_LAYERS => s.gpu_layers = value.get().unwrap(),
             PROP_PREFIX_CACHE_SIZE => s.prefix_cache_size = value.get().unwrap(),
@@ -292,6 +304,15 @@ impl VlmContext {
                     kv.map(|m| m.allocated_bytes()).sum()
                 };
                 return (bytes as u64).to_value();
+            }
+            PROP_ACTIVE_KV_LAYOUT | PROP_ACTIVE_FLASH_ATTENTION => {
+                let st = self.state.lock();
+                let config = st.engines.first().map(|e| e.config());
+                return if pspec.name() == PROP_ACTIVE_KV_LAYOUT {
+                    config.map_or("", |c| c.kv_layout.name()).to_value()
+                } else {
+                    config.is_some_and(|c| c.flash_attention).to_value()
+                };
             }
             PROP_PREFIX_CACHE_HITS => return cache(|s| s.hits),
             PROP_PREFIX_CACHE_MISSES => return cache(|s| s.misses),
