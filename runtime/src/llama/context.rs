@@ -321,7 +321,7 @@ impl Context {
         // returns null on malformed bytes. The helper only reads `encoded_embd` (it stores the
         // pointer in a view used for llama_decode), so passing the shared slice as *mut is sound,
         // and its length is rows*width as the chunk declares. The mtmd context is used without
-        // the projector's mutex (see [`DecodeView`]): an encode may run meanwhile.
+        // a lease from the projector's pool (see [`DecodeView`]): an encode may run meanwhile.
         let rc = unsafe {
             let chunk = sys::mtmd_input_chunk_load(chunk.as_ptr().cast(), chunk.len());
             if chunk.is_null() {

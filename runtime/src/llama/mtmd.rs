@@ -85,9 +85,10 @@ unsafe impl Sync for ChunkPtr {}
 /// The projector's mtmd context as `mtmd_helper_decode_image_chunk` uses it while a language
 /// context decodes an image: it reads only what `mtmd_init_from_file` fixed (the position type
 /// for M-RoPE, the projector type and width for the attention rule: `mtmd_decode_use_mrope`,
-/// `mtmd_decode_use_non_causal`) and never the encoder's state. So a decode does not take the
-/// projector's mutex, and an answer's decode steps never wait behind a vision encode that holds
-/// it for its whole run.
+/// `mtmd_decode_use_non_causal`) and never the encoder's state; `mtmd_tokenize` (a frame's
+/// preparation, a const function) reads the same. So a decode or a preparation leases no encoder
+/// context, and an answer's decode steps never wait behind a vision encode that holds one for
+/// its whole run.
 pub(super) struct DecodeView(pub(super) NonNull<sys::mtmd_context>);
 // SAFETY: only the load-time fields above are read through it, which nothing writes after
 // `mtmd_init_from_file`; the context outlives the view (both are the Projector's, freed in its
@@ -332,8 +333,8 @@ impl Projector {
         unsafe { sys::mtmd_decode_use_non_causal(self.decode_view.0.as_ptr(), std::ptr::null()) }
     }
 
-    /// Hold the vision encoder as an encode holds it for its whole run, until the guard drops:
-    /// stands in for a long encode in tests (decodes of this projector's images must go on).
+    /// Hold every encoder context as an encode holds one for its whole run, until the guard
+    /// drops: stands in for long encodes in tests (decodes of this projector's images must go on).
     #[doc(hidden)]
     pub fn hold_encoder(&self) -> impl Sized + '_ {
         let n = self.contexts();
