@@ -339,3 +339,20 @@ fn each_stream_reaching_vlmquery_gets_its_own_first_states() {
         ["ball", "dark"].iter().flat_map(|id| ["sink_0", "sink_1"].map(|s| (id.to_string(), s.to_string()))).collect();
     assert_eq!(keys, expected, "{alerts:?}");
 }
+
+#[test]
+fn alert_period_evaluates_frames_at_least_that_far_apart_in_running_time() {
+    // 5 frames/s: with a 0.6 s period, frames 1, 4, 7, ... (running time 0, 0.6, 1.2 s, ...).
+    let AlertRun { run, frames, evaluations, thinned, .. } =
+        alert_run("alerts=\"ball:Is there a ball?\" alert-period=600000000");
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(frames >= 4);
+    assert_eq!(
+        evaluations + thinned,
+        frames.div_ceil(3),
+        "{frames} frames: {evaluations} evaluations, {thinned} thinned"
+    );
+    let alerts = alerts_of(&run);
+    assert!(!alerts.is_empty());
+    assert!(alerts.iter().all(|a| a.get::<u64>("frame").unwrap() % 3 == 1), "{alerts:?}");
+}

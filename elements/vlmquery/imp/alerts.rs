@@ -49,6 +49,8 @@ struct StreamAlerts {
     next: Option<FrameAt>,
     /// Frames since the last one scheduled (`alert-interval`).
     since: u32,
+    /// The running time of the last frame scheduled (`alert-period`).
+    last_at: Option<gst::ClockTime>,
     /// Each alert's hysteresis, by id.
     machines: HashMap<String, Hysteresis>,
     /// Each alert's reported state, by id: (state, probability, frame that decided it).
@@ -65,6 +67,8 @@ struct State {
     text: String,
     specs: Arc<Vec<AlertSpec>>,
     interval: u32,
+    /// `alert-period` (ns of running time, 0 = none).
+    period: u64,
     hold: u32,
     streams: HashMap<u64, StreamAlerts>,
     /// Streams in the order they first came (their evaluations are posted in this order).
@@ -111,6 +115,11 @@ pub(super) fn properties() -> Vec<glib::ParamSpec> {
             .blurb("Evaluate the alerts on every Nth frame of a stream (1 = every frame)")
             .minimum(1)
             .default_value(1)
+            .mutable_playing()
+            .build(),
+        glib::ParamSpecUInt64::builder("alert-period")
+            .nick("Alert period")
+            .blurb("Evaluate the alerts on a stream's frames at least this far apart in running time (ns, 0 = every frame alert-interval allows)")
             .mutable_playing()
             .build(),
         glib::ParamSpecUInt::builder("alert-hold")
@@ -173,6 +182,7 @@ impl VlmQuery {
                 }
             }
             "alert-interval" => st.interval = value.get().unwrap(),
+            "alert-period" => st.period = value.get().unwrap(),
             "alert-hold" => {
                 st.hold = value.get().unwrap();
                 let hold = st.hold;
@@ -190,6 +200,7 @@ impl VlmQuery {
         Some(match name {
             "alerts" => st.text.to_value(),
             "alert-interval" => st.interval.to_value(),
+            "alert-period" => st.period.to_value(),
             "alert-hold" => st.hold.to_value(),
             "alert-evaluations" => st.evaluations.to_value(),
             "alerts-thinned" => st.thinned.to_value(),
@@ -211,7 +222,7 @@ impl VlmQuery {
         if st.specs.is_empty() || st.flushing || st.stopping {
             return;
         }
-        let (interval, id) = (st.interval, stream.id());
+        let (interval, period, id) = (st.interval, gst::ClockTime::from_nseconds(st.period), stream.id());
         if !st.streams.contains_key(&id) {
             st.order.push_back(id);
         }
@@ -219,6 +230,7 @@ impl VlmQuery {
             stream: Arc::clone(stream),
             next: None,
             since: 0,
+            last_at: None,
             machines: HashMap::new(),
             reported: HashMap::new(),
             thinned: 0,
@@ -226,10 +238,13 @@ impl VlmQuery {
             warned: false,
         });
         s.since += 1;
-        if s.since < interval {
+        // (Running time that went back, a new segment, starts the period again.)
+        let early = running_time.zip(s.last_at).is_some_and(|(now, last)| now >= last && now - last < period);
+        if s.since < interval || early {
             return;
         }
         s.since = 0;
+        s.last_at = running_time.or(s.last_at);
         let frame = FrameAt { number, pts, running_time, arrival: Instant::now() };
         let thinned = s.next.replace(frame);
         let overload = thinned.is_some().then(|| {
@@ -484,7 +499,7 @@ impl VlmQuery {
         st.flushing = flushing;
         if flushing {
             st.cancel.store(true, Ordering::Release);
-            st.streams.values_mut().for_each(|s| s.next = None);
+            st.streams.values_mut().for_each(|s| (s.next, s.last_at) = (None, None));
             st.waiting_on.iter().for_each(|s| s.wake());
         } else {
             st.cancel = Arc::new(AtomicBool::new(false));
