@@ -65,3 +65,21 @@ fn every_property_and_signal_is_in_docs_elements_md() {
         missing.join(", ")
     );
 }
+
+/// `gst-inspect-1.0` reads well: every property's blurb is at most 200 characters (the details
+/// live in docs/elements.md).
+#[test]
+fn every_property_blurb_is_short() {
+    init();
+    let mut long = vec![];
+    for factory in ["vlmencode", "vlmcontext", "vlmquery"] {
+        let element = gst::ElementFactory::make(factory).build().unwrap();
+        for p in element.list_properties() {
+            let blurb = p.blurb().unwrap_or_default();
+            if blurb.chars().count() > 200 {
+                long.push(format!("{factory}::{} ({} characters)", p.name(), blurb.chars().count()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "blurbs over 200 characters: {long:?}");
+}

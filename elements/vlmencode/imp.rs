@@ -618,9 +618,8 @@ impl ObjectImpl for VlmEncode {
                 glib::ParamSpecUInt::builder("encoder-contexts")
                     .nick("Encoder contexts")
                     .blurb(
-                        "libmtmd encoder contexts, shared by every vlmencode of the process with the same projector: \
-                         a frame's tiles and several streams' frames are encoded on them side by side, sharing \
-                         'threads' (0: 4 on a GPU, 1 on the CPU)",
+                        "libmtmd encoder contexts shared by the process's vlmencodes of one projector: tiles and \
+                         streams' frames encoded side by side (0: 4 on a GPU, 1 on the CPU)",
                     )
                     .maximum(vlm_runtime::llama::MAX_ENCODER_CONTEXTS as u32)
                     .default_value(0)

@@ -477,7 +477,7 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecBoolean::builder("stream-tokens")
                     .nick("Stream tokens")
-                    .blurb("Push each answer as it is generated (live captions): every buffer holds the answer so far (text: a line; json: an object with status \"partial\"), the last one the whole answer; drawn on video_src, each lasts until the next frame, the whole answer answer-duration; the oldest answer streams, later ones follow in question order")
+                    .blurb("Push each answer as it is generated (live captions): every buffer holds the answer so far (json: status \"partial\"), the last one the whole answer")
                     .default_value(false)
                     .mutable_ready()
                     .build(),
@@ -495,7 +495,7 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("display", DEFAULT_DISPLAY)
                     .nick("Display")
-                    .blurb("How answers closer together than answer-duration are drawn on video_src (text output): replace (default, what a live view wants: a newer answer replaces the one on screen as soon as it comes, cutting its display short, instead of waiting for it to end; the text pad then follows the video, one buffer per frame shown) or queue (each answer keeps its whole answer-duration and a newer one waits for it: one buffer per answer)")
+                    .blurb("Answers closer than answer-duration on video_src: replace (a newer one replaces the one shown at once; one buffer per frame) or queue (each keeps its answer-duration; one buffer each)")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecString::builder("caption-prompt")
@@ -520,7 +520,7 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("commit-answers", CommitAnswers::None)
                     .nick("Commit answers")
-                    .blurb("Whether each question and its answer become part of the stream's history (in question order), so later questions see the conversation: a question waits for the previous answer's commit and binds the newest version at or after it (which may hold frames newer than the question's own)")
+                    .blurb("Whether each question and its answer join the stream's history in question order, so later questions see the conversation (each waits for the previous answer's commit)")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecFloat::builder("temp")

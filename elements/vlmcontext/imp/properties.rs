@@ -92,7 +92,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecEnum::builder_with_default(PROP_OVERLOAD, OverloadKind::Auto)
             .nick("Overload policy")
-            .blurb("What happens to a new frame while max-pending frames of its stream still wait for ingestion: block upstream, or skip it (the stream's sampling rate falls to what the engine ingests, so questions never wait behind a queue of frames); auto skips for live sources and blocks otherwise")
+            .blurb("A new frame while max-pending frames of its stream wait for ingestion: block upstream or skip it; auto skips for live sources and blocks otherwise")
             .mutable_ready()
             .build(),
         glib::ParamSpecDouble::builder(PROP_STEP_BUDGET_MS)
@@ -105,7 +105,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecDouble::builder(PROP_INGEST_SHARE)
             .nick("Ingest share")
-            .blurb("Share of an engine's time that frame ingestion takes while answers are being generated (more while a question waits for a frame: then a step budget every step); answers keep the rest of their decode rate")
+            .blurb("Share of an engine's time that frame ingestion takes while answers are generated (more while a question waits for a frame); answers keep the rest")
             .minimum(0.0)
             .maximum(0.9)
             .default_value(vlm_runtime::engine::DEFAULT_INGEST_SHARE)
@@ -127,7 +127,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecUInt::builder(PROP_GPU_DEVICE)
             .nick("GPU device")
-            .blurb("Which GPU the gpu engines use (llama.cpp's --device): an index among llama.cpp's GPUs, discrete ones first, then integrated ones (0: the first); a GPU that is not there is an error naming the ones found")
+            .blurb("Which GPU the gpu engines use (llama.cpp's --device): an index among its GPUs, discrete ones first, then integrated ones")
             .default_value(0)
             .mutable_ready()
             .build(),
@@ -223,7 +223,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecString::builder(PROP_ENGINES)
             .nick("Engines")
-            .blurb("Language engines, NAME[:cpu|gpu[:THREADS[:CORES]]] or NAME:rpc:HOST:PORT[+HOST:PORT...] (llama.cpp rpc-servers: no authentication, reach them over SSH or a private network) separated by commas (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3 or cpu,far:rpc:127.0.0.1:50052); a stream lives on the engine where its frames are ingested soonest (measured prefill rate x streams already there), and vlmquery's placer may answer on any of them. A GPU engine on a machine without one needs GGML_VK_VISIBLE_DEVICES=0 for Mesa's lavapipe")
+            .blurb("Language engines, comma-separated: NAME[:cpu|gpu[:THREADS[:CORES]]] or NAME:rpc:HOST:PORT[+HOST:PORT...] (e.g. cpu,gpu or big:cpu:4:4-7,little:cpu:4:0-3); see docs/elements.md")
             .default_value(Some("cpu"))
             .mutable_ready()
             .build(),

@@ -107,7 +107,7 @@ pub(super) fn properties() -> Vec<glib::ParamSpec> {
     vec![
         glib::ParamSpecString::builder("alerts")
             .nick("Alerts")
-            .blurb("Standing yes/no questions evaluated on every new frame of every stream, as id:question;id:question (empty = none); each stream's first state and every change of an alert is posted as a vlm-alert message (and a JSON line with output-format=json). A malformed list (empty id, duplicate id, missing question) is refused with a warning and the previous list kept")
+            .blurb("Standing yes/no questions evaluated on new frames of every stream, id:question;id:question (empty = none); first states and changes posted as vlm-alert messages")
             .mutable_playing()
             .build(),
         glib::ParamSpecUInt::builder("alert-interval")
