@@ -142,11 +142,13 @@ impl VlmContext {
                 }
             }
         };
-        std::thread::Builder::new()
-            .name("vlmcontext-start".into())
-            .spawn(finish)
-            .map_err(|e| gst::error_msg!(gst::CoreError::StateChange, ["cannot start the loading thread: {}", e]))?;
+        // ASYNC_START goes out before the thread that posts ASYNC_DONE starts: a load that ends
+        // at once must not complete before the bin knows it is waiting for it.
         let _ = self.obj().post_message(gst::message::AsyncStart::builder().src(&*self.obj()).build());
+        if let Err(e) = std::thread::Builder::new().name("vlmcontext-start".into()).spawn(finish) {
+            let _ = self.obj().post_message(gst::message::AsyncDone::builder().src(&*self.obj()).build());
+            return Err(gst::error_msg!(gst::CoreError::StateChange, ["cannot start the loading thread: {}", e]));
+        }
         Ok(gst::StateChangeSuccess::Async)
     }
 
