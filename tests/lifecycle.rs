@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use common::*;
@@ -322,4 +322,35 @@ fn a_live_encoder_lets_frames_pass_while_its_projector_loads() {
     let skipped = bin.by_name("enc").unwrap().property::<u64>("frames-skipped");
     assert!(skipped >= 3, "frames passed while loading are counted as skipped: {skipped}");
     pipeline.set_state(gst::State::Null).unwrap();
+}
+
+/// READY→PAUSED in a bin never waits for the model: from a synchronous bus handler (which sees
+/// each message as it is posted, on the posting thread), `set_state` has returned before the
+/// load's Progress `Complete` is posted. (The element's ASYNC_START and ASYNC_DONE stay inside
+/// the bin, which reads them: not seen on the pipeline's bus.)
+#[test]
+fn set_state_returns_before_the_load_completes() {
+    let pipeline = launch(
+        "videotestsrc num-buffers=5 ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! fakesink",
+    );
+    let order = Arc::new(Mutex::new(Vec::<String>::new()));
+    let o = Arc::clone(&order);
+    pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
+        if let gst::MessageView::Progress(p) = msg.view()
+            && p.get().1 == "load-model"
+        {
+            o.lock().unwrap().push(format!("progress {:?}", p.get().0));
+        }
+        gst::BusSyncReply::Pass
+    });
+    let ret = pipeline.set_state(gst::State::Playing);
+    order.lock().unwrap().push(format!("set_state {ret:?}"));
+    let (reached, _, _) = pipeline.state(gst::ClockTime::from_seconds(120));
+    assert_eq!(reached, Ok(gst::StateChangeSuccess::Success));
+    pipeline.set_state(gst::State::Null).unwrap();
+    let order = order.lock().unwrap().clone();
+    let at = |what: &str| order.iter().position(|w| w == what).unwrap_or_else(|| panic!("no {what}: {order:?}"));
+    assert!(at("set_state Ok(Async)") < at("progress Complete"), "set_state waited for the load: {order:?}");
 }
