@@ -65,11 +65,7 @@ impl VlmContext {
     fn load_settings(&self) -> Settings {
         let mut s = self.settings.lock().clone();
         if !s.max_streams_set {
-            let pads = self.pads.lock().len() as u32;
-            if pads > s.max_streams {
-                gst::info!(CAT, imp = self, "max-streams unset: {pads} for the {pads} sink pads requested");
-                s.max_streams = pads.min(64);
-            }
+            s.max_streams = s.max_streams.max(self.pads.lock().len().min(64) as u32);
         }
         s
     }
@@ -205,10 +201,12 @@ impl VlmContext {
         gst::info!(
             CAT,
             imp = self,
-            "KV layout {} (kv-layout={:?}), flash attention {}",
+            "KV layout {} (kv-layout={:?}), flash attention {}, {} streams{}",
             kv_layout.name(),
             s.kv_layout,
-            if flash_attention { "on" } else { "off" }
+            if flash_attention { "on" } else { "off" },
+            s.max_streams,
+            if s.max_streams_set { "" } else { " (max-streams unset: the sink pads requested, at least 2)" }
         );
         let base = EngineConfig {
             threads: s.threads as i32,

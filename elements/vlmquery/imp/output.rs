@@ -144,6 +144,7 @@ impl VlmQuery {
             let _shared = self.shared.lock();
             self.changed.notify_all();
         }
+        changed.sort_unstable();
         changed.dedup();
         for name in changed {
             self.obj().notify(name);
