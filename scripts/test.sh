@@ -19,6 +19,13 @@ cargo build -q -p gst-plugin-vlm
 cargo run -q -p gst-plugin-vlm --example ask
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 GST_PLUGIN_PATH="$target_dir/debug" /usr/bin/python3 examples/ask.py
+# The README's first command, as a user runs it: the demo prints its three answers.
+demo=$(scripts/demo.sh)
+if [ "$(grep -c '^\[q[0-9]*\] Q:' <<<"$demo")" != 3 ]; then
+  printf '%s\n[test] the demo did not print its three answers\n' "$demo"
+  exit 1
+fi
+echo "[test] scripts/demo.sh: three answers"
 # meson drives cargo and installs the plugin where GStreamer finds it under its prefix.
 prefix=$(mktemp -d)
 meson setup --prefix="$prefix" --libdir=lib "$prefix/build" >/dev/null
