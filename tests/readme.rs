@@ -93,7 +93,8 @@ fn every_readme_command_runs() {
         let output = dir.join(format!("output-{i}"));
         let words: Vec<String> = shell_words(&runnable_here(args, &output)).into_iter().filter(|w| w != "-m").collect();
         let words: Vec<&str> = words.iter().map(String::as_str).collect();
-        let pipeline = gst::parse::launchv(&words).unwrap_or_else(|e| panic!("README.md's `{command}` does not parse: {e}"));
+        let pipeline =
+            gst::parse::launchv(&words).unwrap_or_else(|e| panic!("README.md's `{command}` does not parse: {e}"));
         eprintln!("[readme] {}", words.join(" "));
         let run = run(&pipeline);
         assert!(run.errors.is_empty(), "README.md's `{command}` failed: {:?}", run.errors);
@@ -108,7 +109,10 @@ fn every_readme_command_runs() {
         if command.contains("alerts=") {
             let alerts: Vec<_> = run.messages.iter().filter(|m| m.name() == "vlm-alert").collect();
             for id in ["door", "person"] {
-                assert!(alerts.iter().any(|a| a.get::<&str>("id").unwrap() == id), "`{command}`: no vlm-alert for {id}");
+                assert!(
+                    alerts.iter().any(|a| a.get::<&str>("id").unwrap() == id),
+                    "`{command}`: no vlm-alert for {id}"
+                );
             }
             let lines = std::fs::read_to_string(&output).unwrap();
             assert!(lines.lines().count() >= 2, "`{command}` wrote {lines:?}");
