@@ -1,13 +1,13 @@
 //! State changes that must always complete: shutdown after a start-up error with every pad
 //! linked (the query pad fed by `subparse` too), fast PLAYING⇄NULL cycles of one pipeline, and
 //! NULL after a stream's `sink_%u` pad was released during ingestion, the model loading in the
-//! background from READY, and NULL→PLAYING returning ASYNC while it loads. Each is repeated; a state
+//! background from READY, NULL→PLAYING returning ASYNC while it loads, and a stop racing its completion. Each is repeated; a state
 //! change that does not return within its bound fails the test instead of hanging it.
 
 mod common;
 
 use std::sync::{Arc, Mutex, mpsc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use gst::prelude::*;
@@ -353,4 +353,43 @@ fn set_state_returns_before_the_load_completes() {
     let order = order.lock().unwrap().clone();
     let at = |what: &str| order.iter().position(|w| w == what).unwrap_or_else(|| panic!("no {what}: {order:?}"));
     assert!(at("set_state Ok(Async)") < at("progress Complete"), "set_state waited for the load: {order:?}");
+}
+
+/// A stop racing the asynchronous start's completion (issue 32 item 4): the completion runs under
+/// the element's state lock with its abandon check made there, so a PAUSED→READY either comes
+/// first (nothing completes afterwards) or after it; either way READY holds, with nothing
+/// pending, and the next start loads and completes. The stops land before, around and after the
+/// load's end (spread over the measured load time); a stress test, as races are.
+#[test]
+fn a_stop_racing_the_asynchronous_completion_leaves_ready() {
+    let pipeline = launch(
+        "videotestsrc ! video/x-raw,width=64,height=48,framerate=30/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=1000000000 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! fakesink sync=true",
+    );
+    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let started = Instant::now();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    assert_eq!(pipeline.state(gst::ClockTime::from_seconds(120)).0, Ok(gst::StateChangeSuccess::Success));
+    let load = started.elapsed();
+    for i in 0..10u32 {
+        set_state_within(&pipeline, gst::State::Null, Duration::from_secs(30), &format!("cycle {i}"));
+        assert!(pipeline.set_state(gst::State::Playing).is_ok(), "cycle {i}");
+        std::thread::sleep(load * (5 + i) / 10);
+        set_state_within(&pipeline, gst::State::Ready, Duration::from_secs(30), &format!("cycle {i}"));
+        std::thread::sleep(load / 2);
+        let (ret, current, pending) = ctx.state(gst::ClockTime::ZERO);
+        assert_eq!(
+            (ret, current, pending),
+            (Ok(gst::StateChangeSuccess::Success), gst::State::Ready, gst::State::VoidPending),
+            "cycle {i}"
+        );
+    }
+    pipeline.set_state(gst::State::Playing).unwrap();
+    assert_eq!(
+        pipeline.state(gst::ClockTime::from_seconds(120)).0,
+        Ok(gst::StateChangeSuccess::Success),
+        "the last start"
+    );
+    set_state_within(&pipeline, gst::State::Null, Duration::from_secs(30), "the end");
 }

@@ -116,20 +116,25 @@ impl VlmContext {
             let obj = this.obj();
             // The waiting streams wake when `loading` ends: the engines installed, or the error
             // posted first (theirs, "not started", must not come before it).
+            if loaded.is_ok() {
+                this.ensure_prefix_cache();
+            }
+            // The completion runs under the element's state lock, as continue_state and
+            // abort_state require, with the abandon check made under it: an application's
+            // PAUSED→READY either ran before (abandoned: nothing to complete) or waits for it.
+            let _state_lock = StateLock::new(obj.upcast_ref());
+            if abandon.load(Ordering::Acquire) {
+                return; // stopped meanwhile: `stop` has reset the state
+            }
             match loaded {
                 Ok((engines, prompt)) => {
-                    this.ensure_prefix_cache();
                     let mut st = this.state.lock();
-                    if abandon.load(Ordering::Acquire) {
-                        return; // stopped meanwhile: `stop` has reset the state
-                    }
                     (st.engines, st.prompt, st.loading) = (engines, Some(prompt), false);
                     drop(st);
                     this.loaded.notify_all();
                     let _ = obj.continue_state(gst::StateChangeSuccess::Success);
                     let _ = obj.post_message(gst::message::AsyncDone::builder().src(&*obj).build());
                 }
-                Err(_) if abandon.load(Ordering::Acquire) => {}
                 Err(e) => {
                     this.post_error_message(e);
                     this.state.lock().loading = false;
@@ -274,5 +279,29 @@ impl VlmContext {
         *st = State::default();
         drop(st);
         self.loaded.notify_all();
+    }
+}
+
+/// The element's state lock (`GST_STATE_LOCK`, a recursive mutex that `gst_element_set_state`
+/// holds through a state change), held while this guard lives; gstreamer-rs has no safe call.
+struct StateLock<'a>(&'a gst::Element);
+
+impl<'a> StateLock<'a> {
+    fn new(element: &'a gst::Element) -> Self {
+        use glib::translate::ToGlibPtr;
+        let ptr: *mut gst::ffi::GstElement = element.to_glib_none().0;
+        // SAFETY: `state_lock` is the GRecMutex GstElement initialises for each instance, and
+        // `element` is alive for the guard's lifetime; the guard unlocks it once, on this thread.
+        unsafe { glib::ffi::g_rec_mutex_lock(std::ptr::addr_of_mut!((*ptr).state_lock)) };
+        Self(element)
+    }
+}
+
+impl Drop for StateLock<'_> {
+    fn drop(&mut self) {
+        use glib::translate::ToGlibPtr;
+        let ptr: *mut gst::ffi::GstElement = self.0.to_glib_none().0;
+        // SAFETY: locked by `new` on this thread and not yet unlocked.
+        unsafe { glib::ffi::g_rec_mutex_unlock(std::ptr::addr_of_mut!((*ptr).state_lock)) };
     }
 }
