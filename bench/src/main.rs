@@ -339,6 +339,11 @@ fn machine() -> serde_json::Value {
         "cpu": cpu,
         "memory_gib": mem_kib.map(|k| (k as f64 / 1048576.0 * 10.0).round() / 10.0),
         "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
+        // Transparent huge pages (the bracketed mode of `always [madvise] never`): memory figures
+        // depend on it.
+        "transparent_hugepages": std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .ok()
+            .and_then(|s| Some(s.split_once('[')?.1.split_once(']')?.0.to_owned())),
     })
 }
 

@@ -35,14 +35,20 @@ fn kv_pages_are_resident_only_where_cells_were_written() {
     let enc = encoder();
     for layout in [KvLayout::Unified, KvLayout::PerSequence] {
         let before = rss_mib();
+        reset_peak_rss();
         let engine = start(layout, 4096);
         let allocated = engine.kv_memory().allocated_bytes() as f64 / MIB;
-        let started = rss_mib() - before;
-        // llama.cpp clears the whole KV at creation; that must not make it resident.
+        let (started, peak) = (rss_mib() - before, peak_rss_mib() - before);
+        // llama.cpp clears the whole KV at creation; that must not make it resident, not even
+        // until the engine's calibration run has ended and its cells are given back (the peak).
         assert!(allocated >= 150.0, "{layout:?}: only {allocated:.0} MiB of KV allocated");
         assert!(
             started < allocated / 4.0,
             "{layout:?}: starting the engine made {started:.0} MiB resident for {allocated:.0} MiB of KV"
+        );
+        assert!(
+            peak < allocated / 2.0,
+            "{layout:?}: the engine's start peaked at +{peak:.0} MiB for {allocated:.0} MiB of KV"
         );
 
         let stream = open(&engine, "s", true);
@@ -67,7 +73,9 @@ fn kv_pages_are_resident_only_where_cells_were_written() {
                 "an answer left {after_answer:.0} MiB resident (a block is {block:.0} MiB)"
             ),
         }
-        println!("{layout:?}: KV {allocated:.0} MiB, start +{started:.1} MiB, after an answer +{after_answer:.1} MiB");
+        println!(
+            "{layout:?}: KV {allocated:.0} MiB, start +{started:.1} MiB (peak +{peak:.1}), after an answer +{after_answer:.1} MiB"
+        );
         drop(stream);
         engine.stop();
     }

@@ -118,4 +118,4 @@ pub use rpc_server::RpcServer;
 #[path = "../../runtime/tests/common/rss.rs"]
 mod rss;
 #[allow(unused_imports)] // only the memory tests read it
-pub use rss::rss_mib;
+pub use rss::{peak_rss_mib, reset_peak_rss, rss_mib};

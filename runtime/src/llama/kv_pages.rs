@@ -25,9 +25,18 @@
 //! backend's own type (never a mapped file, pinned memory or a device buffer).
 //!
 //! The clear needs two structs of ggml's private header (`ggml-backend-impl.h`) of the llama.cpp
-//! release that `llama-cpp-sys-2` pins (`=0.1.160` in the workspace); the layout is checked
-//! against the public API before anything is changed, and a mismatch leaves llama.cpp's own
-//! clear in place (the KV is then resident from the start, as before).
+//! release that `llama-cpp-sys-2` pins (`=0.1.160` in the workspace). Their offsets are checked
+//! at build time against that header (`runtime/layout/kv_pages.c`, compiled by the build
+//! script: a header that disagrees fails the build; one not found leaves the hook out, as
+//! `cfg(kv_pages_layout)`), the Rust structs against the same offsets below, and at run time
+//! the values against the public API before anything is changed; a mismatch leaves llama.cpp's
+//! own clear in place (the KV is then resident from the start, until the engine's first release).
+//!
+//! The peak is what the hook saves: the release after the engine's calibration run uses public
+//! API only, but without the hook the whole KV is resident between the context's creation and
+//! that release (`runtime/tests/kv_pages.rs` checks the peak). Transparent huge pages do not
+//! undo it: a KV buffer's pages are only faulted in where cells are written, and
+//! `MADV_DONTNEED` splits a huge page it covers in part.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::OnceLock;
@@ -141,6 +150,17 @@ struct Buffer {
     usage: c_int,
 }
 
+/// The offsets `runtime/layout/kv_pages.c` checks in the C header, in pointers.
+const P: usize = std::mem::size_of::<usize>();
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(offset_of!(BufferType, alloc_buffer) == P && offset_of!(BufferType, is_host) == 7 * P);
+    assert!(offset_of!(BufferType, device) == 8 * P && size_of::<BufferType>() == 10 * P);
+    assert!(offset_of!(Buffer, clear) == 9 * P && offset_of!(Buffer, buft) == 11 * P);
+    assert!(offset_of!(Buffer, context) == 12 * P && offset_of!(Buffer, size) == 13 * P);
+    assert!(offset_of!(Buffer, usage) == 14 * P);
+};
+
 /// The CPU buffer type's own allocation, and its buffers' own clear (set once each).
 static ORIGINAL_ALLOC: OnceLock<AllocFn> = OnceLock::new();
 static ORIGINAL_CLEAR: OnceLock<ClearFn> = OnceLock::new();
@@ -152,6 +172,9 @@ const LAZY_FROM: usize = 1 << 20;
 /// module doc). Call once, before any llama.cpp buffer exists (`init_backend`). Returns whether
 /// it is in place (false when the layout check fails).
 pub(super) fn lazy_zero_cpu_buffers() -> bool {
+    if cfg!(not(kv_pages_layout)) {
+        return false; // the header was not there to check the layout against
+    }
     // SAFETY: the CPU buffer type is a static struct of ggml's that lives as long as the
     // process; its layout is checked against the public API (name, host) before its
     // allocation function is replaced, which happens before any other thread allocates
