@@ -70,6 +70,11 @@ struct Args {
     /// `--encoder cpu:N`).
     #[arg(long, default_value_t = 1)]
     encoder_threads: u32,
+    /// vlmencode's change gate at its default (`min-change` unset): an unchanged frame (the
+    /// still smpte stream) is neither encoded nor ingested. Off (`min-change=0`, every frame
+    /// encoded as the runtime level does) unless given.
+    #[arg(long)]
+    gate: bool,
     /// The runtime benchmark's binary (default: `vlm-bench` beside this example's folder).
     #[arg(long)]
     vlm_bench: Option<PathBuf>,
@@ -96,6 +101,8 @@ struct Round {
     feed: Option<(u64, f64, f64)>,
     /// Frames encoded and the encoders' time (ms).
     encoder: Option<(u64, f64)>,
+    /// Frames the change gate held (not encoded, not ingested).
+    unchanged: u64,
 }
 
 impl Round {
@@ -114,6 +121,8 @@ impl Round {
             "feed_late_mean_ms": self.feed.filter(|f| f.0 > 0).map(|(n, sum, _)| sum / n as f64),
             "feed_late_max_ms": self.feed.filter(|f| f.0 > 0).map(|f| f.2),
             "encoder_fps": self.encoder.filter(|e| e.0 > 0 && e.1 > 0.0).map(|(n, ms)| 1e3 * n as f64 / ms),
+            "frames_encoded": self.encoder.map(|e| e.0),
+            "frames_unchanged": self.unchanged,
         })
     }
 }
@@ -160,12 +169,13 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
     for (s, pattern) in [(0, "ball"), (1, "smpte")] {
         description += &format!(
             "videotestsrc is-live=true pattern={pattern} num-buffers={} ! video/x-raw,width={width},height={height},framerate={} \
-             ! videoconvert ! vlmencode name=enc{s} mmproj={} model={} interval=0 min-change=0 threads={} ! ctx.sink_{s} \
+             ! videoconvert ! vlmencode name=enc{s} mmproj={} model={} interval=0 {}threads={} ! ctx.sink_{s} \
              ctx.src_{s} ! vlmquery name=q{s} max-tokens={} exact-tokens=true ! fakesink sync=false async=false ",
             a.frames,
             framerate(a.fps),
             a.mmproj,
             a.model,
+            if a.gate { "" } else { "min-change=0 " },
             a.encoder_threads,
             a.tokens
         );
@@ -261,6 +271,7 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
             let n = enc.property_value("frames-encoded").get::<u64>().unwrap_or(0);
             let mean = enc.property::<f64>("mean-encode-ms");
             encoded = (encoded.0 + n, encoded.1 + n as f64 * mean);
+            round.unchanged += enc.property_value("frames-unchanged").get::<u64>().unwrap_or(0);
         }
     }
     round.encoder = Some(encoded);
@@ -320,6 +331,7 @@ fn runtime_round(a: &Args, bench: &PathBuf) -> Result<Vec<Round>, BoxError> {
                 .as_u64()
                 .map(|n| (n, feed["late_sum_ms"].as_f64().unwrap_or(0.0), feed["late_max_ms"].as_f64().unwrap_or(0.0))),
             encoder: feed["encoded"].as_u64().map(|n| (n, feed["encode_ms"].as_f64().unwrap_or(0.0))),
+            unchanged: 0,
         })
     };
     let levels = if a.peer { &BENCH_LEVELS[..] } else { &BENCH_LEVELS[..1] };
@@ -396,6 +408,8 @@ fn main() -> Result<(), BoxError> {
             "feed_late_mean_ms": (feed.0 > 0).then(|| feed.1 / feed.0 as f64),
             "feed_late_max_ms": (feed.0 > 0).then_some(feed.2),
             "encoder_fps": (encoder.0 > 0 && encoder.1 > 0.0).then(|| 1e3 * encoder.0 as f64 / encoder.1),
+            "frames_encoded": encoder.0,
+            "frames_unchanged": rounds.iter().map(|r| r.unchanged).sum::<u64>(),
             "wait_mean_ms": (!wait.is_empty()).then(|| mean(&wait)),
             "throughput": mean(&rounds.iter().map(Round::throughput).collect::<Vec<_>>()),
             "ttft_from_capture_mean_rounds": rounds.iter().map(|r| mean(&r.ttft_from_capture_ms)).collect::<Vec<_>>(),
@@ -408,8 +422,8 @@ fn main() -> Result<(), BoxError> {
     };
     let ratio = |key: &str| over(&p, &rt, key);
     let mut table = String::from(
-        "| level | answers | answers/s | TTFT from capture mean | p50 | p95 | TTFT from question mean | p95 | staleness mean | feed lateness mean / max | encoder frames/s | wait mean |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| level | answers | answers/s | TTFT from capture mean | p50 | p95 | TTFT from question mean | p95 | staleness mean | feed lateness mean / max | encoder frames/s | frames encoded / held | wait mean |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut levels = vec![("pipeline (vlmencode ! vlmcontext ! vlmquery)", &p), ("runtime alone (vlm-bench B1)", &rt)];
     if a.peer {
@@ -420,7 +434,7 @@ fn main() -> Result<(), BoxError> {
         |v: &serde_json::Value| v.as_f64().filter(|v| v.is_finite()).map_or("-".into(), |v| format!("{v:.0} ms"));
     for (name, s) in levels {
         table += &format!(
-            "| {name} | {}/{} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {name} | {}/{} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             s["answered"],
             s["expected"],
             s["throughput"].as_f64().unwrap_or(0.0),
@@ -435,6 +449,10 @@ fn main() -> Result<(), BoxError> {
                 _ => "-".into(),
             },
             s["encoder_fps"].as_f64().map_or("-".into(), |v| format!("{v:.2}")),
+            match (s["frames_encoded"].as_u64(), s["frames_unchanged"].as_u64()) {
+                (Some(e), Some(u)) => format!("{e} / {u}"),
+                _ => "-".into(),
+            },
             cell(&s["wait_mean_ms"]),
         );
     }
@@ -458,7 +476,8 @@ fn main() -> Result<(), BoxError> {
         "date": std::process::Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"]).output().ok()
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()),
         "workload": { "streams": 2, "fps": a.fps, "frames": a.frames, "ask_after": a.ask_after, "tokens": a.tokens,
-                      "frame_size": a.frame_size, "model": a.model, "mmproj": a.mmproj, "rounds": a.rounds },
+                      "frame_size": a.frame_size, "model": a.model, "mmproj": a.mmproj, "rounds": a.rounds,
+                      "gate": a.gate },
         "clocks": "ttft_from_capture: from the question's frame's timestamp (running time on the live source) to \
             the first token, encoding included (the headline); ttft_from_question: from the ask (pipeline), the \
             registration (runtime) or the frame's due time (peers)",
