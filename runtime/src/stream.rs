@@ -329,7 +329,8 @@ impl Stream {
         (Arc::clone(&home.engine), home.seq)
     }
 
-    pub(crate) fn prompt(&self) -> &Prompt {
+    /// The stream's prompt (system text, chat template).
+    pub fn prompt(&self) -> &Prompt {
         &self.prompt
     }
 

@@ -1,6 +1,7 @@
 //! Standing questions against real llama.cpp: the forced choice of an alert read on the
 //! stream's branch equals the same two tokens' logits on a branch that re-prefills the whole
-//! history (bit for bit, on the CPU backend), and cancelled evaluations end.
+//! history (bit for bit, on the CPU backend), evaluations queued together share one decode, and
+//! cancelled evaluations end.
 
 mod common;
 
@@ -159,4 +160,77 @@ fn yes_and_no_are_found_in_each_vocabulary_or_refused_by_name() {
     }
     // (The generated pairs' small vocabularies: both cases occur.)
     assert!(found > 0 && refused > 0, "{found} found, {refused} refused");
+}
+
+/// Alerts on one frame share one decode: four evaluations queued together prefill their
+/// question suffixes in one batch, each on its own branch (counted by the engine), and each
+/// choice is the one the same alert gets evaluated alone, bit for bit (per-sequence KV: a
+/// unified pool sums attention over the other branches' masked cells in another order).
+#[test]
+fn evaluations_queued_together_share_one_decode() {
+    let config = vlm_runtime::EngineConfig {
+        name: "cpu".into(),
+        context_per_sequence: 1024,
+        max_streams: 1,
+        max_branches: 4,
+        kv_layout: vlm_runtime::KvLayout::PerSequence,
+        ..vlm_runtime::EngineConfig::default()
+    };
+    let engine = vlm_runtime::Engine::start(&model_path(), config).expect("engine");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    let never = Arc::new(AtomicBool::new(false));
+    stream.register(frame(&enc, 0), &never).unwrap();
+    let version = stream.wait_version(1, &never).unwrap();
+    let yes_no = YesNo::find(engine.model()).unwrap();
+    let alerts = alert::parse_alerts("a:Is the door open?;b:Is there a person?;c:Is it red?;d:Is it night?").unwrap();
+    let alone: Vec<_> = alerts
+        .iter()
+        .map(|a| alert::evaluate(&version, std::slice::from_ref(a), yes_no, &never).unwrap().remove(0).unwrap())
+        .collect();
+    assert_eq!(engine.widest_start(), 0, "one at a time shares nothing");
+    // Hold the engine thread until the four are queued, so that they start together.
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (entered, holding) = std::sync::mpsc::channel::<()>();
+    let holder = {
+        let engine = Arc::clone(&engine);
+        std::thread::spawn(move || {
+            engine
+                .call(move |_| {
+                    let _ = entered.send(());
+                    held.recv().ok()
+                })
+                .unwrap()
+        })
+    };
+    holding.recv().unwrap();
+    let together = std::thread::scope(|scope| {
+        let evaluations = scope.spawn(|| alert::evaluate(&version, &alerts, yes_no, &never).unwrap());
+        // Queued: the engine's start backlog holds each one's suffix at the prefill rate.
+        let rate = engine.rates().prefill_ms_per_token;
+        let suffix = |a: &AlertSpec| {
+            version.stream.prompt().question_tokens(engine.model(), &alert::alert_prompt(&a.question)).unwrap().len()
+        };
+        let suffixes: usize = alerts.iter().map(suffix).sum();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while engine.start_backlog_ms() < suffixes as f64 * rate * (1.0 - 1e-9) {
+            assert!(std::time::Instant::now() < deadline, "the evaluations were not queued");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        release.send(()).unwrap();
+        evaluations.join().unwrap()
+    });
+    holder.join().unwrap();
+    assert_eq!(engine.widest_start(), alerts.len(), "the four suffixes were not prefilled in one decode");
+    for (t, a) in together.into_iter().zip(&alone) {
+        let t = t.unwrap();
+        assert_eq!(
+            (t.choice.yes_logit.to_bits(), t.choice.no_logit.to_bits()),
+            (a.choice.yes_logit.to_bits(), a.choice.no_logit.to_bits()),
+            "alert {}: together {:?}, alone {:?}",
+            t.id,
+            t.choice,
+            a.choice
+        );
+    }
 }

@@ -76,6 +76,8 @@ struct Shared {
     /// The thread count computations use now.
     threads: std::sync::atomic::AtomicI32,
     widest: AtomicUsize,
+    /// Most answer starts prefilled together in one decode (`Scheduler::prefill_together`).
+    widest_start: AtomicUsize,
     rates: Arc<Mutex<StageRates>>,
     /// Estimated milliseconds of queued ingestion (and other ordered work).
     /// (ingestions queued, their estimated milliseconds): the count says whether any is waiting,
@@ -199,6 +201,7 @@ impl Engine {
             stopping: AtomicBool::new(false),
             threads: std::sync::atomic::AtomicI32::new(config.threads),
             widest: AtomicUsize::new(0),
+            widest_start: AtomicUsize::new(0),
             rates,
             ingest_backlog: Mutex::new((0, 0.0)),
             start_backlog: Mutex::new(0.0),
@@ -422,6 +425,12 @@ impl Engine {
     /// Most answers decoded together in one step so far.
     pub fn widest_step(&self) -> usize {
         self.shared.widest.load(Ordering::Relaxed)
+    }
+
+    /// Most background evaluations (alerts) whose question suffixes were prefilled together in
+    /// one decode so far.
+    pub fn widest_start(&self) -> usize {
+        self.shared.widest_start.load(Ordering::Relaxed)
     }
 
     fn send(&self, job: Job) -> Result<()> {
