@@ -208,11 +208,6 @@ impl Context {
         self.n_batch
     }
 
-    /// Whether every sequence shares one KV pool (`kv_unified`).
-    pub fn unified(&self) -> bool {
-        self.unified
-    }
-
     /// KV cells of the context, all sequences together.
     pub fn n_ctx(&self) -> usize {
         // SAFETY: valid context pointer.
