@@ -3,6 +3,7 @@
 # given as "NAME=ENV..." words (docs/benchmarks.md, "Sharing the cores"). Prints one line a run:
 #   round load setting answered answers/s mean-TTFT-ms load-ms decode-tok/s
 #   scripts/contention.sh "t2=" "t1=VLM_ENGINE=cpu:cpu:1" "passive=OMP_WAIT_POLICY=passive"
+# ROUNDS (default 2) rounds; each prints busy/quiet per setting, and the last line the minimum.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # The persistent target directory of .ci/run (llama.cpp takes 10 minutes to build into a new one).
@@ -11,7 +12,7 @@ cargo build -q -p vlm-bench
 bench="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/vlm-bench"
 out=$(mktemp -d)
 cores=$(nproc)
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   for load in quiet busy; do
     pids=()
     if [ "$load" = busy ]; then
@@ -29,4 +30,19 @@ for round in 1 2; do
     [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}"
   done
 done
+# busy / quiet throughput per round and setting, and each setting's minimum over the rounds.
+python3 - "$out" "$@" <<'PY'
+import json, sys
+out, settings = sys.argv[1], [s.split("=", 1)[0] for s in sys.argv[2:]]
+tput = lambda n, l, r: json.load(open(f"{out}/{n}-{l}-{r}.json"))["summaries"][0]["throughput"]
+for n in settings:
+    rounds, ratios = 1, []
+    while True:
+        try:
+            ratios.append(tput(n, "busy", rounds) / tput(n, "quiet", rounds))
+        except FileNotFoundError:
+            break
+        rounds += 1
+    print(f"{n}: busy/quiet by round {' '.join(f'{r:.2f}' for r in ratios)}; minimum {min(ratios):.2f}")
+PY
 echo "JSON in $out"
