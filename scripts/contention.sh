@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # W1 (vlm-bench B1) quiet and with one busy process per core, alternating, under thread settings
 # given as "NAME=ENV..." words (docs/benchmarks.md, "Sharing the cores"). Prints one line a run:
-#   round load setting answered answers/s mean-TTFT-ms load-ms decode-tok/s
+#   round load setting answered answers/s mean-TTFT-from-capture-ms load-ms decode-tok/s
 #   scripts/contention.sh "t2=" "t1=VLM_ENGINE=cpu:cpu:1" "passive=OMP_WAIT_POLICY=passive"
 # ROUNDS (default 2) rounds; each prints busy/quiet per setting, and the last line the minimum.
 set -euo pipefail
@@ -25,7 +25,7 @@ for round in $(seq "${ROUNDS:-2}"); do
       engine=()
       for e in "${envs[@]}"; do [[ $e == VLM_ENGINE=* ]] && engine=(--engine "${e#VLM_ENGINE=}"); done
       env "${envs[@]}" "$bench" --configs B1 --rounds 1 "${engine[@]}" --json "$json" >"$json.log" 2>&1
-      python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['summaries'][0]; print(sys.argv[2], s['answered'], round(s['throughput'], 3), round(s['ttft_mean_ms']), round(s['load_ms']), round(s['decode_tok_s'], 1))" "$json" "$round $load $name"
+      python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['summaries'][0]; print(sys.argv[2], s['answered'], round(s['throughput'], 3), round(s['ttft_from_capture_mean_ms']), round(s['load_ms']), round(s['decode_tok_s'], 1))" "$json" "$round $load $name"
     done
     [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}"
   done
