@@ -15,6 +15,18 @@
 //! apart, each computation run with its own kind's count: contention hurts the wide prefill
 //! chunks most, and their cost per token is not a decode step's.
 
+//!
+//! Timing alone can be fooled: under contention the cost of spinning threads is heavy-tailed,
+//! and a lucky window (both threads on a core at once) makes the wider count look good
+//! (measured: 1 round in 2 of `scripts/contention.sh` collapsed to 0.13-0.18x of the quiet
+//! throughput). So a [`CoreMeter`] also reads what the cores deliver: the share of wall time
+//! the engine's computing thread was on a core during its computations, and the machine's idle
+//! cores (`/proc/stat`). Threads that get only part of a core, with no core idle, are
+//! contended: the count is capped to the cores they get (`threads x share + idle cores`), and the
+//! tuner neither uses nor probes a wider count until the cores come back.
+
+use std::time::{Duration, Instant};
+
 /// Most a losing probe's period grows (see `ThreadTuner::probe_every`).
 const MAX_BACKOFF: u32 = 8;
 
@@ -60,6 +72,8 @@ pub(crate) struct ThreadTuner {
     cost: Vec<f64>,
     since_probe: u32,
     probe: Option<Probe>,
+    /// Most threads the cores deliver now ([`CoreMeter`]).
+    cap: i32,
 }
 
 impl ThreadTuner {
@@ -78,11 +92,20 @@ impl ThreadTuner {
             cost,
             since_probe: 0,
             probe: None,
+            cap: i32::MAX,
         }
     }
 
     pub(crate) fn threads(&self) -> i32 {
-        self.candidates[self.current]
+        self.candidates[self.current].min(self.cap)
+    }
+
+    /// At most `cap` threads from now on (a probe of a wider count ends, lost).
+    pub(crate) fn set_cap(&mut self, cap: i32) {
+        self.cap = cap;
+        if let Some(p) = self.probe.take_if(|p| self.candidates[p.index] > cap) {
+            self.current = p.back_to;
+        }
     }
 
     pub(crate) fn candidates(&self) -> &[i32] {
@@ -108,7 +131,8 @@ impl ThreadTuner {
     /// A computation of `tokens` took `ms` with the current thread count. Returns the count to
     /// use from the next one on when it changes (a probe starts or ends).
     pub(crate) fn observe(&mut self, ms: f64, tokens: usize) -> Option<i32> {
-        if self.candidates.len() < 2 || tokens == 0 {
+        // Capped below the current candidate: what ran says nothing about it.
+        if self.candidates.len() < 2 || tokens == 0 || self.candidates[self.current] > self.cap {
             return None;
         }
         if let Some(p) = &mut self.probe {
@@ -136,10 +160,105 @@ impl ThreadTuner {
         }
         self.since_probe = 0;
         let other = (self.current + 1) % self.candidates.len();
+        if self.candidates[other] > self.cap {
+            return None; // the cores do not deliver that many now
+        }
         self.probe = Some(Probe { index: other, back_to: self.current, steps: 0, ms: 0.0, tokens: 0 });
         self.current = other;
         Some(self.threads())
     }
+}
+
+/// Least time a [`CoreMeter`] reading spans (wall time, computations and gaps between them).
+const METER_WINDOW: Duration = Duration::from_millis(500);
+/// Least computation in a reading (ms): the share of a few short steps says little.
+const METER_MIN_COMPUTE_MS: f64 = 100.0;
+
+/// What the cores deliver to an engine's computations now (see the module doc).
+pub(crate) struct CoreMeter {
+    configured: i32,
+    /// Sums over the reading: computation wall time, the computing thread's CPU time, and
+    /// threads x wall time (ms).
+    wall_ms: f64,
+    cpu_ms: f64,
+    thread_ms: f64,
+    started: Instant,
+    /// `/proc/stat` at the reading's start: (idle, total) jiffies and the CPUs counted.
+    stat: Option<(u64, u64, usize)>,
+    cap: i32,
+}
+
+impl CoreMeter {
+    /// A meter for up to `configured` threads; `tune` false (a GPU engine) never caps.
+    pub(crate) fn new(configured: i32, tune: bool) -> CoreMeter {
+        let stat = if tune && configured > 1 { proc_stat() } else { None };
+        CoreMeter {
+            configured,
+            wall_ms: 0.0,
+            cpu_ms: 0.0,
+            thread_ms: 0.0,
+            started: Instant::now(),
+            stat,
+            cap: configured,
+        }
+    }
+
+    pub(crate) fn cap(&self) -> i32 {
+        self.cap
+    }
+
+    /// A computation on `threads` threads took `wall_ms`, its calling thread on a core for
+    /// `cpu_ms` of it. Returns the new cap when a reading changed it.
+    pub(crate) fn observe(&mut self, threads: i32, wall_ms: f64, cpu_ms: f64) -> Option<i32> {
+        self.stat?;
+        self.wall_ms += wall_ms;
+        self.cpu_ms += cpu_ms.min(wall_ms);
+        self.thread_ms += f64::from(threads) * wall_ms;
+        (self.started.elapsed() >= METER_WINDOW && self.wall_ms >= METER_MIN_COMPUTE_MS).then(|| self.read()).flatten()
+    }
+
+    /// End the reading now (the calibration's, shorter than a window); returns the new cap
+    /// when it changed.
+    pub(crate) fn read(&mut self) -> Option<i32> {
+        let (idle0, total0, cpus) = self.stat?;
+        let now = proc_stat()?;
+        let (idle, total) = (now.0.saturating_sub(idle0), now.1.saturating_sub(total0));
+        let idle_cores = if total > 0 { idle as f64 / total as f64 * cpus as f64 } else { 0.0 };
+        let cap = (self.wall_ms > 0.0)
+            .then(|| cap_for(self.configured, self.thread_ms / self.wall_ms, self.cpu_ms / self.wall_ms, idle_cores));
+        (self.wall_ms, self.cpu_ms, self.thread_ms, self.started, self.stat) =
+            (0.0, 0.0, 0.0, Instant::now(), Some(now));
+        let cap = cap?;
+        (cap != self.cap).then(|| {
+            self.cap = cap;
+            cap
+        })
+    }
+}
+
+/// The threads the cores deliver: `threads` threads each on a core `share` of the time, plus
+/// the cores nobody used, rounded, within 1..=`configured`.
+fn cap_for(configured: i32, threads: f64, share: f64, idle_cores: f64) -> i32 {
+    ((threads * share.min(1.0) + idle_cores).round() as i32).clamp(1, configured)
+}
+
+/// The CPU time of the calling thread (ms).
+pub(crate) fn thread_cpu_ms() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec; CLOCK_THREAD_CPUTIME_ID is always valid.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 * 1e3 + ts.tv_nsec as f64 / 1e6
+}
+
+/// `/proc/stat`'s idle (idle + iowait) and total jiffies over every CPU, and the CPUs counted.
+fn proc_stat() -> Option<(u64, u64, usize)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let mut lines = stat.lines();
+    let fields: Vec<u64> =
+        lines.next()?.strip_prefix("cpu ")?.split_whitespace().map_while(|f| f.parse().ok()).collect();
+    let cpus = lines.filter(|l| l.starts_with("cpu")).count();
+    // user nice system idle iowait irq softirq steal (guest time is in user already).
+    (fields.len() >= 8 && cpus > 0).then(|| (fields[3] + fields[4], fields[..8].iter().sum(), cpus))
 }
 
 #[cfg(test)]
@@ -224,6 +343,60 @@ mod tests {
         let busy = |n: i32| if n == 2 { 40.0 } else { 15.0 };
         assert_eq!(run(&mut t, 8 * every + steps, busy), [1]);
         assert_eq!(run(&mut t, every + steps, busy), [2, 1], "probed again after {every} steps");
+    }
+
+    #[test]
+    fn threads_that_get_part_of_a_core_with_none_idle_are_capped_to_what_they_get() {
+        // Quiet: each thread on its core, or a core idle beside one thread.
+        assert_eq!(cap_for(2, 2.0, 1.0, 0.0), 2);
+        assert_eq!(cap_for(2, 1.0, 1.0, 1.0), 2);
+        // One busy process per core: 2 threads get half a core each, 1 thread two thirds.
+        assert_eq!(cap_for(2, 2.0, 0.5, 0.0), 1);
+        assert_eq!(cap_for(2, 1.0, 0.67, 0.0), 1);
+        // An 8-core box whose camera takes two cores: 4 threads keep their cores.
+        assert_eq!(cap_for(4, 4.0, 1.0, 2.0), 4);
+        assert_eq!(cap_for(8, 8.0, 0.5, 0.0), 4);
+    }
+
+    #[test]
+    fn a_capped_tuner_neither_uses_nor_probes_the_wider_count() {
+        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
+        t.seed(0, 8.0); // a lucky window made 2 threads look faster
+        t.seed(1, 13.0);
+        assert_eq!(t.choose_best(), 2);
+        t.set_cap(1);
+        assert_eq!(t.threads(), 1);
+        assert!(run(&mut t, 10 * period(), |_| 40.0).is_empty(), "no probe of 2 threads while capped");
+        // The cores come back: 2 threads again, tuned as before.
+        t.set_cap(2);
+        assert_eq!(t.threads(), 2);
+        assert_eq!(run(&mut t, period(), |n| if n == 2 { 8.0 } else { 13.0 }), [1, 2]);
+        // A probe of 2 threads in progress when the cap drops ends there.
+        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
+        t.seed(0, 20.0);
+        t.seed(1, 13.0);
+        assert_eq!(t.choose_best(), 1);
+        assert_eq!(run(&mut t, Kind::Decode.probing().0, |_| 13.0), [2]);
+        t.set_cap(1);
+        assert_eq!(t.threads(), 1);
+        assert!(run(&mut t, period(), |_| 13.0).is_empty());
+    }
+
+    #[test]
+    fn the_meter_reads_this_machine() {
+        let mut m = CoreMeter::new(2, true);
+        assert!(proc_stat().is_some(), "/proc/stat");
+        let start = (Instant::now(), thread_cpu_ms());
+        let mut x = 0u64;
+        while start.0.elapsed() < METER_WINDOW {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1); // computing: on a core
+        }
+        std::hint::black_box(x);
+        let (wall, cpu) = (start.0.elapsed().as_secs_f64() * 1e3, thread_cpu_ms() - start.1);
+        assert!(cpu > 0.0 && cpu <= wall * 1.05, "thread CPU {cpu} ms in {wall} ms");
+        m.observe(1, wall, cpu);
+        assert!((1..=2).contains(&m.cap()));
+        assert_eq!(CoreMeter::new(4, false).observe(4, 1e3, 1.0), None, "a GPU engine is never capped");
     }
 
     #[test]

@@ -15,19 +15,30 @@ pub(super) fn calibrate(w: &mut Worker, merge_frames: bool, cancelled: &dyn Fn()
     // candidate, one thread first, so the rest (and the first prefill, which took seconds with
     // spinning threads under contention) runs with the faster. A candidate whose fastest of
     // two steps is three times slower than the best so far stops there: under contention a
-    // step with spinning threads can take a second.
+    // step with spinning threads can take a second. One thread's steps run for at least
+    // `METER_MS`, and the core meter's reading of them decides whether wider counts are timed
+    // at all: with the cores taken by others, a lucky fast step would pick them.
     let candidates = w.tuner.candidates().to_vec();
     if candidates.len() > 1 {
         let mut best = f64::INFINITY;
         for (i, &threads) in candidates.iter().enumerate().rev() {
-            w.use_threads(threads);
+            if threads > w.meter.cap() {
+                continue;
+            }
             w.ctx.seq_clear(seq);
             if cancelled() {
                 return;
             }
-            let fastest = fastest_step(w, seq, 0..4, &|steps, ms| cancelled() || (steps >= 2 && ms > 3.0 * best));
+            let at_least = if threads == 1 { METER_MS } else { 0.0 };
+            let stop = |steps: usize, ms: f64| cancelled() || (steps >= 2 && ms > 3.0 * best);
+            let fastest = fastest_step(w, threads, seq, 0..64, at_least, &stop);
             w.tuner.seed(i, fastest);
             best = best.min(fastest);
+            if threads == 1
+                && let Some(cap) = w.meter.read()
+            {
+                w.set_thread_cap(cap);
+            }
         }
         w.tuner.choose_best();
     }
@@ -37,6 +48,9 @@ pub(super) fn calibrate(w: &mut Worker, merge_frames: bool, cancelled: &dyn Fn()
     let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
     let mut by_candidate = vec![f64::INFINITY; candidates.len()];
     for (i, &threads) in candidates.iter().enumerate().rev() {
+        if threads > w.meter.cap() {
+            continue;
+        }
         w.use_threads(threads);
         let best = by_candidate.iter().copied().fold(f64::INFINITY, f64::min);
         for _ in 0..2 {
@@ -61,7 +75,7 @@ pub(super) fn calibrate(w: &mut Worker, merge_frames: bool, cancelled: &dyn Fn()
     w.use_threads(w.tuner.threads());
     // The fastest of 6 steps: the first builds its graph, and engines starting together slow
     // each other's first steps; a slow seed would make an idle engine look busy to the placer.
-    let fastest = fastest_step(w, seq, 32..38, &|_, _| cancelled());
+    let fastest = fastest_step(w, w.tuner.threads(), seq, 32..38, 0.0, &|_, _| cancelled());
     if fastest.is_finite() {
         w.seed(Stage::DecodeStep, 1, fastest);
     }
@@ -90,19 +104,31 @@ pub(super) fn calibrate(w: &mut Worker, merge_frames: bool, cancelled: &dyn Fn()
     w.ctx.release_all_pages();
 }
 
-/// The fastest (ms) of one-token decode steps of `seq` at `positions` (infinite when none ran);
-/// `stop` is asked before each step with the steps run and their fastest so far.
-fn fastest_step(w: &mut Worker, seq: i32, positions: std::ops::Range<i32>, stop: &dyn Fn(usize, f64) -> bool) -> f64 {
-    let mut fastest = f64::INFINITY;
+/// How long one thread's calibration steps run at least (ms): long enough for a reading of
+/// the machine's idle cores (`/proc/stat` counts in 10 ms ticks).
+const METER_MS: f64 = 150.0;
+
+/// The fastest (ms) of one-token decode steps of `seq` on `threads` threads (infinite when none
+/// ran): 4 steps, or more at the next of `positions` until they took `at_least_ms`; `stop` is
+/// asked before each step with the steps run and their fastest so far.
+fn fastest_step(
+    w: &mut Worker,
+    threads: i32,
+    seq: i32,
+    positions: std::ops::Range<i32>,
+    at_least_ms: f64,
+    stop: &dyn Fn(usize, f64) -> bool,
+) -> f64 {
+    let (mut fastest, mut spent) = (f64::INFINITY, 0.0);
     for (steps, pos) in positions.enumerate() {
-        if stop(steps, fastest) {
+        if stop(steps, fastest) || (steps >= 4 && spent >= at_least_ms) {
             break;
         }
-        let t = Instant::now();
-        if w.ctx.decode_tokens(&[100], pos, seq, true).is_err() {
+        let (decoded, ms) = w.compute(threads, |ctx| ctx.decode_tokens(&[100], pos, seq, true));
+        if decoded.is_err() {
             break;
         }
-        fastest = fastest.min(t.elapsed().as_secs_f64() * 1e3);
+        (fastest, spent) = (fastest.min(ms), spent + ms);
     }
     fastest
 }

@@ -50,7 +50,7 @@ use crate::error::{Error, Result};
 use crate::llama::{Context, ContextParams, Device, Model};
 use crate::models;
 use crate::prefix::CompatTag;
-use crate::threads::{Kind, ThreadTuner};
+use crate::threads::{CoreMeter, Kind, ThreadTuner};
 
 pub struct Engine {
     config: EngineConfig,
@@ -191,6 +191,7 @@ impl Engine {
             seeded: std::cell::Cell::new(0),
             tuner: ThreadTuner::new(Kind::Decode, config.threads, config.device == Device::Cpu),
             prefill_tuner: ThreadTuner::new(Kind::Prefill, config.threads, config.device == Device::Cpu),
+            meter: CoreMeter::new(config.threads, config.device == Device::Cpu),
             threads_set: config.threads,
             cell_bytes: 0,
             merge_frames: false,

@@ -100,14 +100,10 @@ impl Scheduler {
             batch.push_token(a.next.0, a.next.1, a.branch, true);
         }
         shared.widest.fetch_max(self.active.len(), Ordering::Relaxed);
-        w.use_threads(w.tuner.threads());
-        let started = Instant::now();
-        let step = w.ctx.decode(&batch);
-        let ms = started.elapsed().as_secs_f64() * 1e3;
+        let (step, ms) = w.compute(w.tuner.threads(), |ctx| ctx.decode(&batch));
         w.record(Stage::DecodeStep, 1, ms);
-        if let Some(threads) = w.tuner.observe(ms, self.active.len()) {
-            shared.threads.store(threads, Ordering::Relaxed);
-        }
+        w.tuner.observe(ms, self.active.len());
+        shared.threads.store(w.tuner.threads(), Ordering::Relaxed);
         let steps = if self.ordered.is_empty() { &shared.idle_steps } else { &shared.busy_steps };
         let mut steps = steps.lock();
         steps.0 += 1;
@@ -169,10 +165,7 @@ impl Scheduler {
         for (s, &tail) in self.starting.iter().zip(&tails) {
             s.prefill.push(&mut batch, tail);
         }
-        w.use_threads(w.prefill_tuner.threads());
-        let started = Instant::now();
-        let decoded = w.ctx.decode(&batch);
-        let ms = started.elapsed().as_secs_f64() * 1e3;
+        let (decoded, ms) = w.compute(w.prefill_tuner.threads(), |ctx| ctx.decode(&batch));
         w.record(Stage::Prefill, total, ms);
         w.prefill_tuner.observe(ms, total);
         shared.widest_start.fetch_max(tails.len(), Ordering::Relaxed);
@@ -358,23 +351,21 @@ const MIN_CHUNK: usize = 8;
 /// that must go whole.
 fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result<()> {
     let Some(next) = prefill.next() else { return Ok(()) };
-    w.use_threads(w.prefill_tuner.threads());
-    let started = Instant::now();
     let before = prefill.remaining();
-    match next {
-        Next::Whole => prefill.decode_whole(&mut w.ctx)?,
+    let (decoded, ms) = w.compute(w.prefill_tuner.threads(), |ctx| match next {
+        Next::Whole => prefill.decode_whole(ctx),
         Next::Tokens(available) | Next::Rows(available) => {
-            let n = chunk_len(available, tokens.min(w.ctx.n_batch() as usize));
+            let n = chunk_len(available, tokens.min(ctx.n_batch() as usize));
             let mut batch = match next {
                 Next::Tokens(_) => Batch::tokens(n),
-                _ => Batch::embeddings(n, w.ctx.model().n_embd()),
+                _ => Batch::embeddings(n, ctx.model().n_embd()),
             };
             prefill.push(&mut batch, n);
-            w.ctx.decode(&batch)?;
-            prefill.advance(n);
+            ctx.decode(&batch).map(|()| prefill.advance(n))
         }
-    }
-    let (inputs, ms) = (before - prefill.remaining(), started.elapsed().as_secs_f64() * 1e3);
+    });
+    decoded?;
+    let inputs = before - prefill.remaining();
     w.record(Stage::Prefill, inputs, ms);
     w.prefill_tuner.observe(ms, inputs);
     Ok(())

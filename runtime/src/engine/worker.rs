@@ -2,11 +2,12 @@
 //! the thread tuner and the KV accounting).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
 use crate::llama::Context;
-use crate::threads::ThreadTuner;
+use crate::threads::{CoreMeter, ThreadTuner, thread_cpu_ms};
 
 /// A stage of work whose cost the placer estimates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +62,8 @@ pub struct Worker {
     /// The thread counts decode steps and prefill chunks use (see `crate::threads`).
     pub(super) tuner: ThreadTuner,
     pub(super) prefill_tuner: ThreadTuner,
+    /// What the cores deliver to the computations: caps both tuners (see `crate::threads`).
+    pub(super) meter: CoreMeter,
     /// The thread count the context was last set to.
     pub(super) threads_set: i32,
     /// Bytes one KV cell takes (K and V rows of every layer), measured by the calibration run.
@@ -97,6 +100,26 @@ impl Worker {
             self.ctx.set_threads(threads);
             self.threads_set = threads;
         }
+    }
+
+    /// Run computation `f` on `threads` threads; returns its result and wall time (ms). The
+    /// meter reads the share of it this thread was on a core, and caps the thread counts of
+    /// both tuners when a reading says the cores deliver fewer (or more again).
+    pub(super) fn compute<T>(&mut self, threads: i32, f: impl FnOnce(&mut Context) -> T) -> (T, f64) {
+        self.use_threads(threads);
+        let (started, cpu) = (Instant::now(), thread_cpu_ms());
+        let out = f(&mut self.ctx);
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        if let Some(cap) = self.meter.observe(threads, ms, thread_cpu_ms() - cpu) {
+            self.set_thread_cap(cap);
+        }
+        (out, ms)
+    }
+
+    /// At most `cap` threads for every computation from now on.
+    pub(super) fn set_thread_cap(&mut self, cap: i32) {
+        self.tuner.set_cap(cap);
+        self.prefill_tuner.set_cap(cap);
     }
 
     pub fn kv_memory(&mut self) -> KvMemory {
