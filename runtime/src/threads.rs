@@ -14,14 +14,13 @@
 //! count and keeps whichever costs less per token. Decode steps and prefill chunks are tuned
 //! apart, each computation run with its own kind's count: contention hurts the wide prefill
 //! chunks most, and their cost per token is not a decode step's.
-
 //!
 //! Timing alone can be fooled: under contention the cost of spinning threads is heavy-tailed,
 //! and a lucky window (both threads on a core at once) makes the wider count look good
-//! (measured: 1 round in 2 of `scripts/contention.sh` collapsed to 0.13-0.18x of the quiet
-//! throughput). So a [`CoreMeter`] also reads what the cores deliver: the share of wall time
-//! the engine's computing thread was on a core during its computations, and the machine's idle
-//! cores (`/proc/stat`). Threads that get only part of a core, with no core idle, are
+//! (measured: 4 rounds in 5 of `scripts/contention.sh` fell below 0.4x of the quiet
+//! throughput, down to 0.11x). So a [`CoreMeter`] also reads what the cores deliver: the share
+//! of wall time the engine's computing thread was on a core during its computations, and the
+//! machine's idle cores (`/proc/stat`). Threads that get only part of a core, with no core idle, are
 //! contended: the count is capped to the cores they get (`threads x share + idle cores`), and the
 //! tuner neither uses nor probes a wider count until the cores come back.
 
