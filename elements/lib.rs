@@ -1,4 +1,5 @@
-//! gst-vlm's GStreamer glue: the three elements, the meta they share and their typed events.
+//! gst-vlm's GStreamer glue: the elements (vlmencode, vlmcontext, vlmquery and the MQTT sink
+//! vlmpublish), the meta they share and their typed events.
 //! The heavy work is in `vlm_runtime`; the elements stay thin.
 
 use std::sync::LazyLock;
@@ -8,6 +9,7 @@ pub mod meta;
 pub mod text;
 pub mod vlmcontext;
 pub mod vlmencode;
+pub mod vlmpublish;
 pub mod vlmquery;
 
 static LLAMA_CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
@@ -51,5 +53,6 @@ pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     vlmencode::register(plugin)?;
     vlmcontext::register(plugin)?;
     vlmquery::register(plugin)?;
+    vlmpublish::register(plugin)?;
     Ok(())
 }

@@ -17,6 +17,9 @@ packages=(
   gstreamer1.0-plugins-good gstreamer1.0-tools gstreamer1.0-x
   cmake clang libclang-dev pkg-config glslc spirv-headers libvulkan-dev mesa-vulkan-drivers
   python3-venv meson ninja-build unzip fonts-dejavu-core python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
+  # vlmpublish's tests start their own Mosquitto broker (and make TLS certificates with openssl);
+  # mosquitto_sub watches what a pipeline publishes.
+  mosquitto mosquitto-clients openssl
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -25,7 +28,18 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]}"
   sudo_ apt-get update -qq
+  # No service is started by the install (mosquitto's would take port 1883, and in a container
+  # without an init system its start can fail the install): a policy-rc.d that denies starts,
+  # for this install only, unless the machine already has one.
+  policy=/usr/sbin/policy-rc.d made_policy=
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\n# scripts/setup.sh: no service starts during its install\nexit 101\n' | sudo_ tee "$policy" >/dev/null
+    sudo_ chmod 755 "$policy"
+    made_policy=1
+    trap 'sudo_ rm -f "$policy"' EXIT
+  fi
   sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ -n "$made_policy" ]; then sudo_ rm -f "$policy"; trap - EXIT; fi
 fi
 
 # 2. Vulkan headers >= 1.4 (Debian 12's 1.3.239 lack vk::LayerSettingEXT used by ggml-vulkan).

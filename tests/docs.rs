@@ -1,7 +1,8 @@
 //! docs/elements.md cannot drift from the plugin: every property and signal of `vlmencode`,
-//! `vlmcontext` and `vlmquery`, as the registered elements report them (what gst-inspect-1.0
-//! prints), is named in backticks in that element's section of docs/elements.md (from its
-//! "## `vlmencode`" heading to the next "## " heading).
+//! `vlmcontext`, `vlmquery` and `vlmpublish` (its base class's properties included), as the
+//! registered elements report them (what gst-inspect-1.0 prints), is named in backticks in that
+//! element's section of docs/elements.md (from its "## `vlmencode`" heading to the next "## "
+//! heading).
 
 mod common;
 
@@ -9,6 +10,9 @@ use common::*;
 use gst::glib;
 use gst::glib::translate::IntoGlib;
 use gst::prelude::*;
+
+/// The plugin's elements.
+const ELEMENTS: [&str; 4] = ["vlmencode", "vlmcontext", "vlmquery", "vlmpublish"];
 
 /// Property names of `factory` (GObject's `name` and `parent` left out) and the signals its own
 /// type defines (`GstElement`'s are GStreamer's, documented there).
@@ -46,7 +50,7 @@ fn every_property_and_signal_is_in_docs_elements_md() {
     let path = root().join("docs/elements.md");
     let docs = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut missing = Vec::new();
-    for factory in ["vlmencode", "vlmcontext", "vlmquery"] {
+    for factory in ELEMENTS {
         let heading = format!("\n## `{factory}`\n");
         let start = docs.find(&heading).unwrap_or_else(|| panic!("docs/elements.md has no {heading:?} section"));
         let section = &docs[start + heading.len()..];
@@ -72,7 +76,7 @@ fn every_property_and_signal_is_in_docs_elements_md() {
 fn every_property_blurb_is_short() {
     init();
     let mut long = vec![];
-    for factory in ["vlmencode", "vlmcontext", "vlmquery"] {
+    for factory in ELEMENTS {
         let element = gst::ElementFactory::make(factory).build().unwrap();
         for p in element.list_properties() {
             let blurb = p.blurb().unwrap_or_default();

@@ -1,4 +1,4 @@
-//! The `vlm` GStreamer plugin (`libgstvlm.so`): `vlmencode`, `vlmcontext`, `vlmquery`.
+//! The `vlm` GStreamer plugin (`libgstvlm.so`): `vlmencode`, `vlmcontext`, `vlmquery`, `vlmpublish`.
 #![allow(clippy::non_send_fields_in_send_ty, unused_doc_comments)]
 
 use gst::glib;
