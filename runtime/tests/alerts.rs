@@ -12,6 +12,23 @@ use common::*;
 use vlm_runtime::PreparePath;
 use vlm_runtime::alert::{self, AlertSpec, YesNo};
 
+/// Hold `engine`'s thread in a call (it is inside when this returns) until the sender is used.
+fn hold(engine: &Arc<vlm_runtime::Engine>) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<Option<()>>) {
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (entered, holding) = std::sync::mpsc::channel::<()>();
+    let engine = Arc::clone(engine);
+    let holder = std::thread::spawn(move || {
+        engine
+            .call(move |_| {
+                let _ = entered.send(());
+                held.recv().ok()
+            })
+            .unwrap()
+    });
+    holding.recv().unwrap();
+    (release, holder)
+}
+
 fn alerts() -> Vec<AlertSpec> {
     alert::parse_alerts("door:Is the door open?;person:Is there a person in the picture?;red:Is it red?").unwrap()
 }
@@ -86,21 +103,7 @@ fn a_users_question_goes_before_waiting_evaluations() {
     let list = (0..8).map(|i| format!("a{i}:Is there a thing number {i}?")).collect::<Vec<_>>().join(";");
     let alerts = alert::parse_alerts(&list).unwrap();
     // Hold the engine thread until everything is queued.
-    let (release, held) = std::sync::mpsc::channel::<()>();
-    let (entered, holding) = std::sync::mpsc::channel::<()>();
-    let holder = {
-        let engine = Arc::clone(&engine);
-        std::thread::spawn(move || {
-            engine
-                .call(move |_| {
-                    let _ = entered.send(());
-                    held.recv().ok()
-                })
-                .unwrap()
-        })
-    };
-    // The engine thread is inside the call before anything else is queued.
-    holding.recv().unwrap();
+    let (release, holder) = hold(&engine);
     let backlog = |above: f64| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while engine.start_backlog_ms() <= above {
@@ -190,20 +193,7 @@ fn evaluations_queued_together_share_one_decode() {
         .collect();
     assert_eq!(engine.widest_start(), 0, "one at a time shares nothing");
     // Hold the engine thread until the four are queued, so that they start together.
-    let (release, held) = std::sync::mpsc::channel::<()>();
-    let (entered, holding) = std::sync::mpsc::channel::<()>();
-    let holder = {
-        let engine = Arc::clone(&engine);
-        std::thread::spawn(move || {
-            engine
-                .call(move |_| {
-                    let _ = entered.send(());
-                    held.recv().ok()
-                })
-                .unwrap()
-        })
-    };
-    holding.recv().unwrap();
+    let (release, holder) = hold(&engine);
     let together = std::thread::scope(|scope| {
         let evaluations = scope.spawn(|| alert::evaluate(&version, &alerts, yes_no, &never).unwrap());
         // Queued: the engine's start backlog holds each one's suffix at the prefill rate.
