@@ -137,16 +137,26 @@ fn report(what: &str, start: f64, end: f64, detail: &str) {
     );
 }
 
-const LIVE: &str = "videotestsrc is-live=true pattern=ball ! video/x-raw,width=64,height=48,framerate=FPS ! videoconvert \
-    ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
-    ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=4 ! fakesink async=false";
+/// `streams` live 64x48 cameras at `fps` into one `vlmcontext` (with `context` added to its
+/// properties), each with its own `vlmquery` named `q0`, `q1`, ...
+fn live(streams: usize, fps: &str, context: &str) -> String {
+    let mut description = format!("vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf {context} ");
+    for i in 0..streams {
+        description += &format!(
+            "videotestsrc is-live=true pattern=ball ! video/x-raw,width=64,height=48,framerate={fps} ! videoconvert \
+             ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 ! ctx.sink_{i} \
+             ctx.src_{i} ! vlmquery name=q{i} max-tokens=4 ! fakesink async=false "
+        );
+    }
+    description
+}
 
 #[test]
 fn null_playing_null_cycles_keep_memory_bounded() {
     let _alone = alone();
     let cycles = size("VLM_ENDURANCE_CYCLES", 30, 1000) as usize;
-    let pipeline = launch(&LIVE.replace("FPS", "10/1"));
-    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    let pipeline = launch(&live(1, "10/1", ""));
+    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q0").unwrap();
     let frames = count_frames(&q.static_pad("sink").unwrap());
     let bus = pipeline.bus().unwrap();
     let mut answers = Answers::default();
@@ -240,37 +250,45 @@ struct LiveRun {
     ttft_last: Vec<f64>,
 }
 
-/// A live run at one frame a second with a question every 3 s (`VLM_ENDURANCE_SECS`, 20 s or 30
-/// minutes), `context` added to vlmcontext's properties: every question answered once, RSS
-/// growth bounded.
+/// A live run at one frame a second with a question every 3 s on each of `VLM_ENDURANCE_STREAMS`
+/// streams (1) for `VLM_ENDURANCE_SECS` (20 s, or 30 minutes), `context` added to vlmcontext's
+/// properties: every question answered once, RSS growth bounded.
 fn live_run(context: &str) -> LiveRun {
     let _alone = alone();
     let seconds = size("VLM_ENDURANCE_SECS", 20, 1800);
-    let pipeline = launch(&LIVE.replace("FPS", "1/1").replace("name=ctx", &format!("name=ctx {context}")));
-    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
-    let frames = count_frames(&q.static_pad("sink").unwrap());
+    let streams = size("VLM_ENDURANCE_STREAMS", 1, 1) as usize;
+    let pipeline = launch(&live(streams, "1/1", context));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let qs: Vec<gst::Element> = (0..streams).map(|i| bin.by_name(&format!("q{i}")).unwrap()).collect();
+    let counted: Vec<_> = qs.iter().map(|q| count_frames(&q.static_pad("sink").unwrap())).collect();
+    let frames = || counted.iter().map(|c| c.load(Ordering::Relaxed)).sum::<u64>();
     let bus = pipeline.bus().unwrap();
     let mut answers = Answers::default();
     set_state(&pipeline, gst::State::Playing, Duration::from_secs(60), "start");
     // Questions bind to frames: the first is asked once one has reached vlmquery.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while frames.load(Ordering::Relaxed) == 0 {
+    while counted.iter().any(|c| c.load(Ordering::Relaxed) == 0) {
         assert!(Instant::now() < deadline, "no frame joined the history");
         pump(&bus, &mut answers, Duration::from_millis(20), |_| false);
     }
     let began = Instant::now();
     let mut ids = vec![];
     let mut start = None;
-    // A question every 3 s; the first answer ends the warm-up.
+    // RSS every 3 s: the means of the run's first and last tenth are reported.
+    let mut rss = vec![];
+    // A question every 3 s; the warm-up ends with the first answer after the run's first tenth
+    // (long runs: the KV pages the first history filled are resident by then).
+    let warm_up = Duration::from_secs(seconds / 10);
     while began.elapsed() < Duration::from_secs(seconds) {
-        if let Some(id) = q.emit_by_name::<Option<String>>("ask", &[&"What is moving?"]) {
-            ids.push(id);
+        for q in &qs {
+            ids.extend(q.emit_by_name::<Option<String>>("ask", &[&"What is moving?"]));
         }
         let tick = Instant::now();
         pump(&bus, &mut answers, Duration::from_secs(3), |_| false);
         std::thread::sleep(Duration::from_secs(3).saturating_sub(tick.elapsed()));
-        if start.is_none() && !answers.status.is_empty() {
-            start = Some(rss_mib());
+        rss.push((began.elapsed(), rss_mib()));
+        if start.is_none() && !answers.status.is_empty() && began.elapsed() >= warm_up {
+            start = Some(rss.last().unwrap().1);
         }
     }
     let all = pump(&bus, &mut answers, Duration::from_secs(60), |a| ids.iter().all(|id| a.contains_key(id)));
@@ -285,23 +303,34 @@ fn live_run(context: &str) -> LiveRun {
     );
     set_state(&pipeline, gst::State::Null, Duration::from_secs(30), "stop");
     assert!(all, "{} of {} questions answered", answers.status.len(), ids.len());
-    assert!(ids.len() as u64 >= seconds / 3 - 1, "questions refused: {} asked", ids.len());
+    assert!(ids.len() as u64 >= streams as u64 * (seconds / 3 - 1), "questions refused: {} asked", ids.len());
     for id in &ids {
         assert_eq!(answers.status[id], ["answered"], "{id}");
     }
     // Every frame joined the history or was counted: skipped under overload (a history restart
     // replays its kept frames, and a live stream does not wait for that) or dropped.
-    let frames = frames.load(Ordering::Relaxed);
+    let frames = frames();
+    let due = streams as u64 * seconds;
     assert!(
-        frames + skipped + dropped + 2 >= seconds,
-        "{frames} frames joined the history, {skipped} skipped, {dropped} dropped in {seconds} s at 1 frame/s"
+        frames + skipped + dropped + 2 * streams as u64 >= due,
+        "{frames} frames joined the histories, {skipped} skipped, {dropped} dropped in {seconds} s at 1 frame/s x {streams}"
     );
+    let tenth = |from: Duration, to: Duration| {
+        let inside: Vec<f64> = rss.iter().filter(|(at, _)| *at >= from && *at < to).map(|(_, r)| *r).collect();
+        inside.iter().sum::<f64>() / inside.len().max(1) as f64
+    };
+    // (A tenth of a short run holds no sample: then its first 3 s.)
+    let tick = warm_up.max(Duration::from_secs(4));
+    let (first, last) =
+        (tenth(Duration::ZERO, tick), tenth(Duration::from_secs(seconds).saturating_sub(tick), Duration::MAX));
     report(
         "live-run",
         start.expect("no answer in the whole run"),
         end,
         &format!(
-            "\"context\":{context:?},\"seconds\":{seconds},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
+            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
+            first,
+            last,
             ids.len()
         ),
     );
