@@ -243,6 +243,7 @@ impl Context {
         // SAFETY: the batch's arrays are filled for its first n_tokens entries (Batch's
         // invariant); llama_decode only reads them. GPU backends compute asynchronously:
         // synchronise, so that stage timings are real.
+        super::clear_last_error();
         let rc = unsafe {
             let rc = sys::llama_decode(self.ptr.as_ptr(), batch.raw);
             sys::llama_synchronize(self.ptr.as_ptr());
@@ -259,8 +260,9 @@ impl Context {
         if rc != 0 {
             let (first, seq) = batch.first();
             return Err(Error::Engine(format!(
-                "llama_decode of {} inputs failed ({rc}) at position {first} of sequence {seq}",
-                batch.len()
+                "llama_decode of {} inputs failed ({rc}) at position {first} of sequence {seq}{}",
+                batch.len(),
+                super::last_error()
             )));
         }
         self.decoded();
@@ -322,6 +324,7 @@ impl Context {
         // pointer in a view used for llama_decode), so passing the shared slice as *mut is sound,
         // and its length is rows*width as the chunk declares. The mtmd context is used without
         // a lease from the projector's pool (see [`DecodeView`]): an encode may run meanwhile.
+        super::clear_last_error();
         let rc = unsafe {
             let chunk = sys::mtmd_input_chunk_load(chunk.as_ptr().cast(), chunk.len());
             if chunk.is_null() {
@@ -345,7 +348,8 @@ impl Context {
         };
         if rc != 0 {
             return Err(Error::Engine(format!(
-                "decoding image embeddings failed ({rc}) at position {pos} of sequence {seq}"
+                "decoding image embeddings failed ({rc}) at position {pos} of sequence {seq}{}",
+                super::last_error()
             )));
         }
         self.decoded();

@@ -80,9 +80,30 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
         sys::GGML_LOG_LEVEL_INFO => LogLevel::Info,
         _ => LogLevel::Debug,
     };
+    if level == LogLevel::Error {
+        LAST_ERROR.set(Some(text.split_whitespace().collect::<Vec<_>>().join(" ")));
+    }
     if let Some(sink) = LOG_SINK.read().as_ref() {
         sink(level, text.trim_end());
     }
+}
+
+thread_local! {
+    /// The last error line llama.cpp logged on this thread: its reason for a failed call, which
+    /// it logs rather than returns.
+    static LAST_ERROR: std::cell::Cell<Option<String>> = const { std::cell::Cell::new(None) };
+}
+
+/// Forget the error llama.cpp last logged on this thread (before a call whose failure should
+/// name its own reason).
+pub(crate) fn clear_last_error() {
+    LAST_ERROR.set(None);
+}
+
+/// What llama.cpp logged as an error on this thread since [`clear_last_error`], as `": why"`,
+/// or nothing.
+pub(crate) fn last_error() -> String {
+    LAST_ERROR.take().map(|why| format!(": {why}")).unwrap_or_default()
 }
 
 /// Threads that run llama.cpp work (engine threads), and whether the process is exiting.
