@@ -428,11 +428,15 @@ impl VlmQuery {
         self.srcpad.push_event(gst::event::Segment::new(&segment));
     }
 
-    /// Post the question's one `vlm-answer` message (and return it).
-    pub(super) fn post_answer(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
+    /// Post the one `vlm-answer` of a question that ends outside the answer queue (a flush),
+    /// counted like the others.
+    pub(super) fn post_answer(&self, p: &Pending, outcome: Outcome) {
+        let changed = self.counters.ended(&outcome);
         let message = self.answer_message(p, outcome);
         self.post_message(&message);
-        message
+        for name in changed {
+            self.obj().notify(name);
+        }
     }
 
     fn post_message(&self, message: &gst::Structure) {
