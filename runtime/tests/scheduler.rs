@@ -275,6 +275,38 @@ fn a_waited_for_frame_goes_before_another_streams_backlog() {
     assert_eq!(busy.wait_version(BACKLOG, &never).unwrap().frames(), BACKLOG);
 }
 
+/// Questions raise and drop a stream's demand from their own threads at any moment (each
+/// `wait_version` counts while it runs); the scheduler reads it while it orders the stream's
+/// queued frames. However the demand flickers, the frames are ingested in their order: a frame
+/// moved before the one it follows had its positions refused by llama.cpp, and the stream failed
+/// (seen once in CI under alert evaluations). A race: without the fix it fails only sometimes.
+#[test]
+fn a_flickering_demand_never_reorders_a_streams_frames() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let stream = open_pending(&engine, "flicker", 16, Overload::Block);
+    stream.wait_version(0, &never).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flicker = {
+        let (stream, stop, never) = (Arc::clone(&stream), Arc::clone(&stop), Arc::clone(&never));
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                stream.wait_version(0, &never).unwrap();
+            }
+        })
+    };
+    const FRAMES: u64 = 24;
+    for v in 0..FRAMES {
+        stream.register(frame(&enc, v as u32 % 5), &never).unwrap();
+    }
+    let last = stream.wait_version(FRAMES, &never);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    flicker.join().unwrap();
+    assert_eq!(last.expect("every frame ingested in order").frames(), FRAMES);
+}
+
 /// A chunk of prefill is as long as the step budget allows at the engine's measured rate, but
 /// never longer than one `llama_decode` takes (`n_batch`, 512): with a rate as fast as a GPU's
 /// set in the rate table, a question of ~800 tokens is prefilled in pieces and answered (a

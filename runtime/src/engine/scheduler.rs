@@ -293,13 +293,26 @@ impl Scheduler {
 
     /// Earliest deadline first among the ingestions at the front: the first ingestion of a stream
     /// whose frames a question waits for goes before those of streams nobody waits on. A stream's
-    /// own ingestions keep their order (demand is per stream, so the first demanded one is that
-    /// stream's earliest), and nothing passes a plain job.
+    /// own ingestions keep their order, and nothing passes a plain job.
+    ///
+    /// Questions change a stream's demand from other threads at any moment, so the first
+    /// ingestion read as demanded only names the stream (its demand counter): what moves is that
+    /// stream's earliest ingestion. (Moving the one read, when the demand rose between reading an
+    /// earlier frame of the same stream and it, put a frame before the one it follows: llama.cpp
+    /// refused its positions and the stream failed.)
     fn promote_demanded(&mut self) {
-        let demanded = |o: &Ordered| matches!(o, Ordered::Ingest(i) if i.demand.load(Ordering::Acquire) > 0);
-        let mut leading = self.ordered.iter().take_while(|o| matches!(o, Ordered::Ingest(_)));
-        if let Some(index) = leading.position(demanded).filter(|&i| i > 0) {
-            let ingestion = self.ordered.remove(index).expect("in range");
+        let leading: Vec<&Ingestion> = self
+            .ordered
+            .iter()
+            .map_while(|o| match o {
+                Ordered::Ingest(i) => Some(i),
+                Ordered::Run(_) => None,
+            })
+            .collect();
+        let Some(demanded) = leading.iter().find(|i| i.demand.load(Ordering::Acquire) > 0) else { return };
+        let earliest = leading.iter().position(|i| Arc::ptr_eq(&i.demand, &demanded.demand)).expect("found above");
+        if earliest > 0 {
+            let ingestion = self.ordered.remove(earliest).expect("in range");
             self.ordered.push_front(ingestion);
         }
     }

@@ -81,7 +81,9 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
         _ => LogLevel::Debug,
     };
     if level == LogLevel::Error {
-        LAST_ERROR.set(Some(text.split_whitespace().collect::<Vec<_>>().join(" ")));
+        // The first line is the cause; what follows reports the failure up the stack.
+        let first = LAST_ERROR.take().unwrap_or_else(|| text.split_whitespace().collect::<Vec<_>>().join(" "));
+        LAST_ERROR.set(Some(first));
     }
     if let Some(sink) = LOG_SINK.read().as_ref() {
         sink(level, text.trim_end());
@@ -89,8 +91,8 @@ unsafe extern "C" fn log_callback(level: sys::ggml_log_level, text: *const c_cha
 }
 
 thread_local! {
-    /// The last error line llama.cpp logged on this thread: its reason for a failed call, which
-    /// it logs rather than returns.
+    /// The first error llama.cpp logged on this thread since [`clear_last_error`]: its reason for
+    /// a failed call, which it logs rather than returns.
     static LAST_ERROR: std::cell::Cell<Option<String>> = const { std::cell::Cell::new(None) };
 }
 
@@ -100,7 +102,7 @@ pub(crate) fn clear_last_error() {
     LAST_ERROR.set(None);
 }
 
-/// What llama.cpp logged as an error on this thread since [`clear_last_error`], as `": why"`,
+/// The first error llama.cpp logged on this thread since [`clear_last_error`], as `": why"`,
 /// or nothing.
 pub(crate) fn last_error() -> String {
     LAST_ERROR.take().map(|why| format!(": {why}")).unwrap_or_default()
