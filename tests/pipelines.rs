@@ -691,14 +691,14 @@ fn pipeline_sh_resolves_inputs_to_their_files_and_outputs_to_the_callers_folder(
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `kv-layout=auto` (the default) loads the unified pool with flash attention; with
-/// `history-policy=slide` per-sequence; an explicit `flash-attention` is kept. The load says
-/// which in read-only properties.
+/// `kv-layout=auto` (the default) loads the unified pool with flash attention, with
+/// `history-policy=slide` too (the pool slides); an explicit `flash-attention` is kept. The
+/// load says which in read-only properties.
 #[test]
 fn the_default_kv_layout_resolves_at_load_and_says_so() {
     for (extra, layout, flash) in [
         ("", "unified", true),
-        ("history-policy=slide", "per-sequence", false),
+        ("history-policy=slide", "unified", true),
         ("kv-layout=unified flash-attention=false", "unified", false),
         ("kv-layout=per-sequence flash-attention=true", "per-sequence", true),
     ] {

@@ -46,7 +46,7 @@ pub enum HistoryPolicyKind {
     )]
     Stop,
     #[enum_value(
-        name = "Slide: drop the oldest frames until a quarter of context-size is free and shift the rest in place (llama.cpp's K-shift); M-RoPE models and kv-layout=unified prefill the kept frames again",
+        name = "Slide: drop the oldest frames until a quarter of context-size is free and shift the rest in place (llama.cpp's K-shift); M-RoPE models prefill the kept frames again, and so does a unified pool while an answer reads the stream's cells",
         nick = "slide"
     )]
     Slide,
@@ -69,10 +69,7 @@ pub enum OverloadKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
 #[enum_type(name = "GstVlmKvLayout")]
 pub enum KvLayoutKind {
-    #[enum_value(
-        name = "Auto: unified, or per-sequence with history-policy=slide (resolved at load: active-kv-layout)",
-        nick = "auto"
-    )]
+    #[enum_value(name = "Auto: unified (resolved at load: active-kv-layout)", nick = "auto")]
     Auto,
     #[enum_value(
         name = "Per sequence: context-size cells for every stream and answer, a branch copies its prefix; bit-identical to a re-prefill",

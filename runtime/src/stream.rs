@@ -44,8 +44,9 @@ pub enum HistoryPolicy {
     /// Drop the oldest frames until a quarter of the cells is free, keep the prompt, and shift
     /// the remaining cells' positions in place (llama.cpp's K-shift) instead of prefilling them
     /// again. A new epoch as a restart is: readers of older versions replay theirs. Where the
-    /// engine cannot shift ([`Engine::shift_refusal`]: M-RoPE models, a unified KV pool), the
-    /// same frames are kept and prefilled again, as a restart.
+    /// engine cannot shift ([`Engine::shift_refusal`]: M-RoPE models), the same frames are kept
+    /// and prefilled again, as a restart; so they are in a unified pool when the slide begins
+    /// while a branch shares the stream's cells ([`Stream::slides_prefilled`]).
     Slide,
 }
 
@@ -222,6 +223,9 @@ pub struct Stream {
     prompt: Arc<Prompt>,
     /// Epoch whose KV the stream's sequence holds now (changed only on the engine thread).
     resident_epoch: AtomicU32,
+    /// Slides that prefilled the kept history instead of shifting it (a reader's branch held
+    /// the cells in a unified pool).
+    slides_prefilled: AtomicU64,
     /// Set when the stream closes: queued ingestion is dropped.
     closing: Arc<AtomicBool>,
     /// Questions waiting for frames not yet published (the engine gives their ingestion more
@@ -266,6 +270,7 @@ impl Stream {
             home: Mutex::new(Home { engine: Arc::clone(engine), seq }),
             prompt,
             resident_epoch: AtomicU32::new(0),
+            slides_prefilled: AtomicU64::new(0),
             closing: Arc::new(AtomicBool::new(false)),
             demand: Arc::new(AtomicUsize::new(0)),
             timeline: Mutex::new(Timeline {
@@ -369,9 +374,16 @@ impl Stream {
         self.timeline.lock().restarts
     }
 
-    /// Times `HistoryPolicy::Slide` shifted the history in place.
+    /// Times `HistoryPolicy::Slide` dropped the oldest frames (shifting the rest in place, or
+    /// prefilling them: [`Stream::slides_prefilled`]).
     pub fn slides(&self) -> u64 {
         self.timeline.lock().slides
+    }
+
+    /// Slides that prefilled the kept frames because a reader's branch shared the stream's cells
+    /// (a unified pool) when the slide began.
+    pub fn slides_prefilled(&self) -> u64 {
+        self.slides_prefilled.load(Ordering::Relaxed)
     }
 
     /// Plan the version that appends `entry` to `tail` (a new frame when `new_frame`),

@@ -8,7 +8,20 @@ use std::sync::atomic::AtomicBool;
 
 use common::*;
 use vlm_runtime::stream::Entry;
-use vlm_runtime::{Error, PreparePath, answer};
+use vlm_runtime::{Engine, EngineConfig, Error, KvLayout, PreparePath, answer};
+
+/// A CPU engine of `cells` per sequence with `kv_layout`.
+fn engine_laid_out(cells: u32, kv_layout: KvLayout) -> Arc<Engine> {
+    let config = EngineConfig {
+        name: "cpu".into(),
+        context_per_sequence: cells,
+        max_streams: 2,
+        max_branches: 2,
+        kv_layout,
+        ..EngineConfig::default()
+    };
+    Engine::start(&model_path(), config).expect("engine")
+}
 
 fn ask(stream: &Arc<vlm_runtime::Stream>, frames: u64, text: &str) -> vlm_runtime::AnswerReport {
     let never = Arc::new(AtomicBool::new(false));
@@ -364,9 +377,20 @@ fn a_model_file_replaced_while_running_keeps_its_token_rows() {
 
 #[test]
 fn a_slid_history_shifts_in_place_keeps_old_versions_and_agrees_with_a_reprefill() {
+    slide_in_place(KvLayout::PerSequence);
+}
+
+/// The same in a unified pool, where a branch shares the stream's cells: with no reader holding
+/// them when the slide begins, the cells are shifted in place there too.
+#[test]
+fn a_slid_history_shifts_in_place_in_a_unified_pool() {
+    slide_in_place(KvLayout::Unified);
+}
+
+fn slide_in_place(kv_layout: KvLayout) {
     // 512 cells - 128 reserved: the prompt and 9 frames of 36; a slide keeps what leaves a
     // quarter of the 384 free.
-    let engine = engine_with("cpu", 512);
+    let engine = engine_laid_out(512, kv_layout);
     let enc = encoder();
     let cache = Arc::new(vlm_runtime::snapshot::PrefixCache::new(64, 1 << 30));
     let stream = open_cached(&engine, "s", true, vlm_runtime::HistoryPolicy::Slide, Some(Arc::clone(&cache)));
@@ -382,7 +406,7 @@ fn a_slid_history_shifts_in_place_keeps_old_versions_and_agrees_with_a_reprefill
     let registrations: Vec<_> = frames[5..].iter().map(|f| stream.register(Arc::clone(f), &never).unwrap()).collect();
     let slide = registrations.iter().find(|r| r.restart.is_some()).expect("the history slid");
     assert!(slide.slid, "the model shifts: the history must slide, not restart");
-    assert_eq!((stream.restarts(), stream.slides()), (0, 1));
+    assert_eq!((stream.restarts(), stream.slides(), stream.slides_prefilled()), (0, 1, 0));
     let (kept, dropped) = slide.restart.unwrap();
     assert_eq!(slide.number as usize, dropped + kept + 1, "a slide drops the oldest frames");
 
@@ -406,4 +430,62 @@ fn a_slid_history_shifts_in_place_keeps_old_versions_and_agrees_with_a_reprefill
     let agree = slid.token_ids.iter().zip(&fresh.token_ids).take_while(|(a, b)| a == b).count();
     eprintln!("slid vs re-prefilled: the first {agree} of 16 greedy tokens agree");
     assert!(agree >= 1, "the slid history's first token differs from a re-prefill's");
+}
+
+/// In a unified pool a reader's branch shares the stream's cells, so shifting them would move
+/// the reader's positions under it: a slide that begins while an answer reads the stream's
+/// cells prefills the kept frames instead (counted in `slides_prefilled`), the answer ends as it
+/// would have, and the slid history is a prefill of its kept frames.
+#[test]
+fn a_slide_while_a_reader_shares_the_cells_prefills_instead() {
+    let engine = engine_laid_out(512, KvLayout::Unified);
+    let enc = encoder();
+    let stream = open_with(&engine, "s", true, vlm_runtime::HistoryPolicy::Slide);
+    let never = Arc::new(AtomicBool::new(false));
+    // Frames until the next one slides (every frame takes the same cells; the stream keeps
+    // `answer_reserve` of the engine's cells for answers).
+    let capacity = engine.n_ctx_per_seq() as i32 - vlm_runtime::StreamConfig::new("s").answer_reserve;
+    let mut n = 0;
+    let (before, v) = loop {
+        n += 1;
+        stream.register(frame(&enc, n as u32), &never).unwrap();
+        let v = stream.wait_version(n, &never).unwrap();
+        let per_frame = v.cells - stream.wait_version(n - 1, &never).unwrap().cells;
+        if v.cells + per_frame > capacity {
+            break (n, v);
+        }
+    };
+    // A long answer on the stream's cells; the frame that slides is registered once it decodes.
+    // Its ingestion begins within a few decode steps (the ingestion share), long before the
+    // answer's last token.
+    let q = vlm_runtime::Question { ignore_eos: true, ..question("Tell me about the picture.", 100) };
+    let (started, decoding) = std::sync::mpsc::channel::<()>();
+    let reader = {
+        let (v, q, never) = (v.clone(), q.clone(), Arc::clone(&never));
+        std::thread::spawn(move || {
+            let mut first = Some(started);
+            answer(&v, &q, &never, |_| drop(first.take())).unwrap()
+        })
+    };
+    let _ = decoding.recv();
+    let slide = stream.register(frame(&enc, before as u32 + 1), &never).unwrap();
+    assert!(slide.slid, "the frame that does not fit slides the history");
+    let slid = stream.wait_version(before + 1, &never).unwrap();
+    let read = reader.join().unwrap();
+    assert_eq!((read.path, read.tokens), (PreparePath::Resident, 100));
+    assert_eq!(stream.slides_prefilled(), 1, "the shift would have moved the reader's cells");
+    // The reader read its own version whole, and the slid history is a prefill of its frames:
+    // each agrees with a replay (in a unified pool cells sit elsewhere and sums round apart, so
+    // the first greedy token is asserted, the agreement reported). A shift under the reader
+    // would have failed the engine (`Context::seq_shift_out` asserts that no branch shares).
+    let replayed = vlm_runtime::answer_on(&v, &q, &engine, PreparePath::Replay, &never, |_| {}).unwrap();
+    let q = vlm_runtime::Question { ignore_eos: true, ..question("What is in the picture?", 16) };
+    let resident = answer(&slid, &q, &never, |_| {}).unwrap();
+    assert_eq!(resident.path, PreparePath::Resident);
+    let fresh = vlm_runtime::answer_on(&slid, &q, &engine, PreparePath::Replay, &never, |_| {}).unwrap();
+    for (what, a, b) in [("reader", &read, &replayed), ("slid history", &resident, &fresh)] {
+        let agree = a.token_ids.iter().zip(&b.token_ids).take_while(|(x, y)| x == y).count();
+        eprintln!("{what} vs a replay: the first {agree} of {} greedy tokens agree", a.tokens);
+        assert!(agree >= 1, "the {what}'s first token differs from a replay's");
+    }
 }

@@ -12,7 +12,7 @@ use vlm_runtime::prompt::Prompt;
 use vlm_runtime::snapshot::PrefixCache;
 use vlm_runtime::{DEFAULT_ANSWER_RESERVE, Engine, EngineConfig, Error, Gpu, KvLayout, KvType, models};
 
-use super::{CAT, HistoryPolicyKind, KvLayoutKind, KvTypeKind, Settings, State, VlmContext};
+use super::{CAT, KvLayoutKind, KvTypeKind, Settings, State, VlmContext};
 
 /// A load of the engines running on its own thread (see `VlmContext::preload`).
 pub(super) struct Loading {
@@ -26,15 +26,13 @@ type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
 
 /// The KV layout and flash attention the engines get. `kv-layout=auto` is the unified pool (W1
 /// on the CPU: 230 MiB peak RSS against per-sequence's 612 and llama-server's 261-281, TTFT no
-/// worse: docs/benchmarks.md, "Defaults"), except with `history-policy=slide`, which shifts one
-/// stream's own sequence; `flash-attention` unset is on with the unified pool (its compute buffer
-/// is what keeps the pool small); a quantized `kv-type` needs it (llama.cpp quantizes V only with
-/// flash attention).
+/// worse: docs/benchmarks.md, "Defaults"; a slide shifts its cells there too); `flash-attention`
+/// unset is on with the unified pool (its compute buffer is what keeps the pool small); a
+/// quantized `kv-type` needs it (llama.cpp quantizes V only with flash attention).
 fn resolved(s: &Settings) -> (KvLayout, bool) {
     let layout = match s.kv_layout {
         KvLayoutKind::PerSequence => KvLayout::PerSequence,
         KvLayoutKind::Unified => KvLayout::Unified,
-        KvLayoutKind::Auto if s.history_policy == HistoryPolicyKind::Slide => KvLayout::PerSequence,
         KvLayoutKind::Auto => KvLayout::Unified,
     };
     let flash = if s.flash_attention_set { s.flash_attention } else { layout == KvLayout::Unified };

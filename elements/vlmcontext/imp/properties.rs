@@ -140,7 +140,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecEnum::builder_with_default(PROP_KV_LAYOUT, KvLayoutKind::Auto)
             .nick("KV layout")
-            .blurb("auto (unified, per-sequence with history-policy=slide), per-sequence (answers bit-identical to a re-prefill) or unified (one shared pool, far less memory); see docs/elements.md")
+            .blurb("auto (unified), per-sequence (answers bit-identical to a re-prefill) or unified (one shared pool, far less memory); see docs/elements.md")
             .mutable_ready()
             .build(),
         glib::ParamSpecEnum::builder_with_default(PROP_KV_TYPE, KvTypeKind::F16)
@@ -197,7 +197,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecUInt64::builder(PROP_HISTORY_SLIDES)
             .nick("History slides")
-            .blurb("Times history-policy=slide shifted a stream's history in place")
+            .blurb("Times history-policy=slide dropped a stream's oldest frames (shifting the rest in place where it can)")
             .read_only()
             .build(),
         glib::ParamSpecUInt64::builder(PROP_PREFIX_CACHE_SIZE)

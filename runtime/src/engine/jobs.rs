@@ -39,7 +39,7 @@ pub(crate) trait Generation: Send {
 }
 
 pub(super) type Work = Box<dyn FnOnce(&mut Worker) + Send>;
-pub(crate) type Begin = Box<dyn FnOnce(&mut Worker) -> Option<Result<i32>> + Send>;
+pub(crate) type Begin = Box<dyn FnOnce(&mut Worker, &mut Prefill) -> Option<Result<i32>> + Send>;
 /// Gets the worker unless the engine is gone (then the result is an error).
 pub(crate) type Done = Box<dyn FnOnce(Option<&mut Worker>, Result<i32>) + Send>;
 
@@ -47,8 +47,9 @@ pub(crate) type Done = Box<dyn FnOnce(Option<&mut Worker>, Result<i32>) + Send>;
 /// order it was submitted.
 pub(crate) struct Ingestion {
     pub prefill: Prefill,
-    /// Runs before the first chunk (e.g. clearing the sequence for a new epoch); returning a
-    /// result ends the ingestion without prefill (a prefix-cache hit).
+    /// Runs before the first chunk (e.g. clearing the sequence for a new epoch, or replacing the
+    /// prefill when the sequence cannot be shifted now); returning a result ends the ingestion
+    /// without prefill (a prefix-cache hit).
     pub begin: Option<Begin>,
     /// Runs with the end position once everything is prefilled, or with the error; also when
     /// the ingestion is dropped unfinished (the engine stopped or failed), so nobody waits on it.

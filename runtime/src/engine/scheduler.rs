@@ -255,7 +255,7 @@ impl Scheduler {
             Some(Ordered::Ingest(ing)) => ing
                 .begin
                 .take()
-                .and_then(|begin| begin(w))
+                .and_then(|begin| begin(w, &mut ing.prefill))
                 .or_else(|| ing.cancel.load(Ordering::Acquire).then_some(Err(Error::Cancelled)))
                 .or_else(|| ing.prefill.is_done().then_some(Ok(ing.prefill.pos))),
         };

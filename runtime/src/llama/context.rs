@@ -84,6 +84,9 @@ pub struct Context {
     copy_pending: bool,
     /// No decode since the whole KV's pages were given back.
     pages_released: bool,
+    /// In a unified pool, the branches holding a prefix of another sequence's cells (branch,
+    /// source): a shift of the source would move their positions too.
+    sharing: Vec<(i32, i32)>,
 }
 
 // SAFETY: a llama_context may move between threads; it is only used through &mut self.
@@ -169,6 +172,7 @@ impl Context {
             plain_rows_refused,
             host_kv,
             copy_pending: false,
+            sharing: Vec::new(),
             pages_released: false,
         })
     }
@@ -402,6 +406,10 @@ impl Context {
 
     /// Make `dst` hold the first `end` positions of `src` (a branch of a pinned version).
     pub fn seq_copy_prefix(&mut self, src: i32, dst: i32, end: i32) {
+        self.forget_sharing(dst);
+        if self.unified {
+            self.sharing.push((dst, src));
+        }
         // SAFETY: valid memory handle; sequence ids are < n_seq (checked by callers' allocators).
         unsafe {
             sys::llama_memory_seq_rm(self.memory(), dst, -1, -1);
@@ -445,6 +453,7 @@ impl Context {
     /// Replace the KV state of `seq` with a snapshot taken by [`Context::seq_snapshot`] from a
     /// compatible context. llama.cpp validates the layout and refuses a mismatch.
     pub fn seq_restore(&mut self, seq: i32, snapshot: &[u8]) -> Result<()> {
+        self.forget_sharing(seq);
         // SAFETY: the slice is valid for its length; llama.cpp reads at most that much and
         // returns 0 on malformed or incompatible input.
         let read = unsafe { sys::llama_state_seq_set_data(self.ptr.as_ptr(), snapshot.as_ptr(), snapshot.len(), seq) };
@@ -460,6 +469,16 @@ impl Context {
         unsafe { sys::llama_memory_seq_pos_max(self.memory(), seq) }
     }
 
+    /// Whether a branch holds a prefix of `seq`'s cells (a unified pool shares them): moving
+    /// `seq`'s positions would move the branch's too.
+    pub fn shares_cells(&self, seq: i32) -> bool {
+        self.sharing.iter().any(|&(_, src)| src == seq)
+    }
+
+    fn forget_sharing(&mut self, dst: i32) {
+        self.sharing.retain(|&(d, _)| d != dst);
+    }
+
     /// Forget the cells of `seq` from position `end` on.
     pub fn seq_truncate(&mut self, seq: i32, end: i32) {
         // SAFETY: valid memory handle.
@@ -471,6 +490,7 @@ impl Context {
     /// Forget the positions `from..to` of `seq` and move its later cells down by `to - from`
     /// (llama.cpp applies the K-shift, re-rotating their keys, at the next decode).
     pub fn seq_shift_out(&mut self, seq: i32, from: i32, to: i32) {
+        debug_assert!(!self.shares_cells(seq), "a shift would move a branch's positions");
         // SAFETY: valid memory handle.
         unsafe {
             sys::llama_memory_seq_rm(self.memory(), seq, from, to);
@@ -479,8 +499,8 @@ impl Context {
     }
 
     /// Why this context cannot shift positions in place, if it cannot: M-RoPE positions are
-    /// not one number a cell, and a cell of a unified pool may be shared with a reader whose
-    /// positions must not move.
+    /// not one number a cell. (In a unified pool a shift also needs no branch to share the
+    /// sequence's cells: [`Context::shares_cells`].)
     pub fn shift_refusal(&self) -> Option<String> {
         // SAFETY: valid model and memory handles.
         let (rope, can_shift) =
@@ -488,15 +508,13 @@ impl Context {
         if rope == sys::LLAMA_ROPE_TYPE_MROPE || rope == sys::LLAMA_ROPE_TYPE_IMROPE {
             return Some(format!("{} uses M-RoPE", self.model.path().display()));
         }
-        if self.unified {
-            return Some("the KV pool is unified (kv-layout=unified)".into());
-        }
         (!can_shift).then(|| "llama.cpp cannot shift this model's KV cache".into())
     }
 
     /// Forget every cell of `seq`; with per-sequence KV, give its block's pages back (an
     /// answer's branch holds a whole copy of its stream's block while it lives).
     pub fn seq_clear(&mut self, seq: i32) {
+        self.forget_sharing(seq);
         // SAFETY: valid memory handle.
         unsafe {
             sys::llama_memory_seq_rm(self.memory(), seq, -1, -1);

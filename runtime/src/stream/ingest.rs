@@ -67,14 +67,23 @@ impl Stream {
         let cost_ms = prefill.remaining() as f64 * engine.rates().prefill_ms_per_token;
         let cache_key = (record.key, tag.clone());
         let (s, key, lookup) = (Arc::clone(self), cache_key.clone(), cache.clone());
-        let epoch = record.epoch;
+        let (epoch, history) = (record.epoch, Arc::clone(&record.history));
         // A prefix-cache hit imports the history instead of prefilling; a miss stores it after.
         let missed = Arc::new(AtomicBool::new(false));
         let missed_too = Arc::clone(&missed);
-        let begin = move |w: &mut Worker| -> Option<Result<i32>> {
+        let begin = move |w: &mut Worker, prefill: &mut Prefill| -> Option<Result<i32>> {
             s.resident_epoch.store(epoch, Ordering::Release);
             match rebuild {
                 Rebuild::Whole => w.ctx.seq_clear(seq),
+                // In a unified pool a reader's branch may hold the stream's cells, and a shift
+                // would move its positions too: the kept history is prefilled instead.
+                Rebuild::Shift { .. } if w.ctx.shares_cells(seq) => {
+                    w.ctx.seq_clear(seq);
+                    *prefill = Prefill::new(seq, 0, s.replay_entries(&history), false, w.frame_rows());
+                    s.slides_prefilled.fetch_add(1, Ordering::Relaxed);
+                    let why = "an answer reads its cells in the unified pool: the kept frames are prefilled";
+                    crate::llama::log(crate::llama::LogLevel::Info, &format!("stream {} slides: {why}", s.name()));
+                }
                 Rebuild::Shift { from, to } => w.ctx.seq_shift_out(seq, from, to),
                 Rebuild::Append => (),
             }
