@@ -96,10 +96,12 @@
 //!   0.25): share of an engine's time ingestion takes while answers are generated.
 //! - `history-policy` (`restart`/`stop`/`slide`, `restart`), `history-keep` (8): `slide` drops the
 //!   oldest frames until a quarter of `context-size` is free and shifts the rest in place
-//!   (llama.cpp's K-shift) instead of prefilling them again; M-RoPE models (Qwen2-VL) cannot shift, so
-//!   there `slide` prefills the kept frames again and says so in the debug log; in the unified
-//!   pool a slide that begins while an answer reads the stream's cells (which it shares)
-//!   prefills them too.
+//!   (llama.cpp's K-shift) instead of prefilling them again; M-RoPE models (Qwen2-VL) cannot shift, but
+//!   their positions may jump forward: there a slide drops the oldest frames' cells and leaves a
+//!   gap of positions, until the positions would pass the model's trained context, where the
+//!   kept frames are prefilled from position 0 (as a restart, said in the debug log); in the
+//!   unified pool a shift that begins while an answer reads the stream's cells (which it
+//!   shares) prefills them too.
 //! - `prefix-cache-size` (bytes, 0 = off), `prefix-cache-entries` (16): KV snapshots that let a
 //!   stream or a new session with an identical history import it instead of prefilling.
 //! - Pad property `stream-name` on each `sink_%u` (`vlmcontext name=ctx sink_0::stream-name=door`

@@ -381,9 +381,12 @@ impl Answer {
         if suffix.is_empty() {
             return Err(Error::BadInput("the question has no tokens".into()));
         }
-        self.next_pos = version.end + suffix.len() as i32;
-        self.next_cell = version.cells + suffix.len() as i32;
+        let (n_suffix, n_cells) = (suffix.len() as i32, version.cells);
         let (path, prefill) = self.preparation.prepare(w, version, branch, suffix)?;
+        // A replay rebuilds the history from position 0, without a gap a slide may have left.
+        let end = if path == PreparePath::Replay { version.stream.replay_end(&version.history) } else { version.end };
+        self.next_pos = end + n_suffix;
+        self.next_cell = n_cells + n_suffix;
         self.report = Some(self.new_report(path));
         Ok(prefill)
     }

@@ -43,10 +43,13 @@ pub enum HistoryPolicy {
     Restart { keep: usize },
     /// Drop the oldest frames until a quarter of the cells is free, keep the prompt, and shift
     /// the remaining cells' positions in place (llama.cpp's K-shift) instead of prefilling them
-    /// again. A new epoch as a restart is: readers of older versions replay theirs. Where the
-    /// engine cannot shift ([`Engine::shift_refusal`]: M-RoPE models), the same frames are kept
-    /// and prefilled again, as a restart; so they are in a unified pool when the slide begins
-    /// while a branch shares the stream's cells ([`Stream::slides_prefilled`]).
+    /// again. A new epoch as a restart is: readers of older versions replay theirs. An M-RoPE
+    /// model cannot shift ([`Engine::shift_refusal`]) but takes a gap: the oldest frames' cells
+    /// are dropped and the rest stay where they are, until the positions would pass the model's
+    /// trained context ([`Engine::position_gap_limit`]); then, as where neither is possible, the
+    /// kept frames are prefilled from position 0, as a restart. In a unified pool a shift that
+    /// begins while a branch shares the stream's cells prefills them too
+    /// ([`Stream::slides_prefilled`]).
     Slide,
 }
 
@@ -430,17 +433,25 @@ impl Stream {
         }
         let root = PrefixKey::root(self.engine().model().identity(), &self.prompt.prefix);
         let key = kept.iter().chain([&entry]).fold(root, |key, e| e.extend(key));
-        let end = prefix_len + kept.iter().map(Entry::n_pos).sum::<i32>() + n_pos;
         let cells = prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells;
         let dropped = frames(&tail.history) - frames(kept);
-        // The dropped entries were at positions prefix_len.. of this epoch's sequence.
+        // The history's entries follow one another; the dropped ones start it.
+        let first = tail.end - tail.history.iter().map(Entry::n_pos).sum::<i32>();
         let gone: i32 = tail.history[..tail.history.len() - kept.len()].iter().map(Entry::n_pos).sum();
-        let rebuild = if self.config.history_policy == HistoryPolicy::Slide && self.engine().shift_refusal().is_none() {
-            Rebuild::Shift { from: prefix_len, to: prefix_len + gone }
-        } else {
-            Rebuild::Whole
+        let (from, to) = (first, first + gone);
+        let engine = self.engine();
+        let rebuild = match self.config.history_policy {
+            HistoryPolicy::Slide if engine.shift_refusal().is_none() => Rebuild::Shift { from, to },
+            HistoryPolicy::Slide if engine.position_gap_limit().is_some_and(|limit| tail.end + n_pos <= limit) => {
+                Rebuild::Drop { from, to }
+            }
+            _ => Rebuild::Whole,
         };
-        let shifted = matches!(rebuild, Rebuild::Shift { .. });
+        let end = match rebuild {
+            Rebuild::Drop { .. } => tail.end + n_pos,
+            _ => self.replay_end(kept) + n_pos,
+        };
+        let shifted = matches!(rebuild, Rebuild::Shift { .. } | Rebuild::Drop { .. });
         let record = Record { number, serial, epoch: tail.epoch + 1, end, cells, key, history: with(kept), shifted };
         Ok(Plan { record, rebuild, restart: Some((frames(kept), dropped)) })
     }
@@ -525,7 +536,7 @@ impl Stream {
         }
         match rebuild {
             Rebuild::Whole => t.restarts += 1,
-            Rebuild::Shift { .. } => t.slides += 1,
+            Rebuild::Shift { .. } | Rebuild::Drop { .. } => t.slides += 1,
             Rebuild::Append => (),
         }
         // Hand the work to the engine before the next append can plan: entries reach it in the
@@ -537,7 +548,7 @@ impl Stream {
         Ok(Registration {
             number: record.number,
             restart,
-            slid: matches!(rebuild, Rebuild::Shift { .. }),
+            slid: matches!(rebuild, Rebuild::Shift { .. } | Rebuild::Drop { .. }),
             skipped: false,
         })
     }

@@ -354,6 +354,47 @@ fn a_qwen2vl_stream_fills_its_cells_and_then_stops_or_restarts() {
     assert!(answer(&newest, &q, &never(), |_| {}).unwrap().tokens > 0);
 }
 
+/// `history-policy=slide` on an M-RoPE model: llama.cpp cannot shift its positions, but they may
+/// jump forward, so a slide drops the oldest frames' cells and leaves the rest where they are (a
+/// gap of positions; the frames after it continue from the old end), up to the model's trained
+/// context (then the kept frames are prefilled from position 0 again, as a restart). The slid
+/// history answers; its agreement with a replay of the same frames (positions from 0, no gap) is
+/// reported.
+#[test]
+fn a_qwen2vl_history_slides_by_leaving_a_gap_of_positions() {
+    let (lm, mmproj) = pair("qwen2vl");
+    let _serial = serial();
+    let (_, enc) = encoder(&lm, &mmproj);
+    let e = engine(&lm, "slide", 256);
+    let limit = e.position_gap_limit().expect("an M-RoPE model takes gaps of positions");
+    let s = stream_with(&e, &[], "slide", true, 32, HistoryPolicy::Slide);
+    let q = vlm_runtime::Question { ignore_eos: true, ..question(QUESTION, 8) };
+    let mut previous = s.wait_version(0, &never()).unwrap();
+    let mut agreement = vec![];
+    for v in 0..40u32 {
+        let f = frame(&enc, v % 5);
+        let r = s.register(Arc::clone(&f), &never()).unwrap();
+        let version = s.wait_version(r.number, &never()).expect("every frame is published");
+        if r.slid {
+            // Positions continue from the old end; the oldest frames' cells are gone.
+            assert_eq!(version.end, previous.end + f.n_pos(), "a gap slide moves no position");
+            assert!(version.cells < previous.cells + f.cells());
+            let resident = answer(&version, &q, &never(), |_| {}).unwrap();
+            let replay = answer_on(&version, &q, &e, PreparePath::Replay, &never(), |_| {}).unwrap();
+            assert_eq!((resident.path, resident.tokens, replay.tokens), (PreparePath::Resident, 8, 8));
+            agreement.push(resident.token_ids.iter().zip(&replay.token_ids).take_while(|(a, b)| a == b).count());
+        }
+        previous = version;
+    }
+    eprintln!(
+        "{} slides, {} restarts (positions up to {limit}); greedy tokens agreeing with a replay, of 8: {agreement:?}",
+        s.slides(),
+        s.restarts()
+    );
+    assert!(s.slides() >= 2, "the history slid {} times", s.slides());
+    assert_eq!(s.restarts(), 0, "the positions stayed far below {limit}");
+}
+
 /// Decoding an image whole (M-RoPE positions, non-causal attention: libmtmd's helper) does not
 /// take the projector's lock, which a vision encode holds for its whole run: with the encoder
 /// held, a frame is still ingested and an answer over it generated on the same model.

@@ -191,11 +191,19 @@ impl VlmContext {
             obj = pads.sink,
             "history full at frame {frame}: {how}, keeping the newest {kept} frames ({dropped} dropped)"
         );
+        let engine = stream.engine();
         if !slid
             && self.settings.lock().history_policy == HistoryPolicyKind::Slide
-            && let Some(why) = stream.engine().shift_refusal()
+            && let Some(why) = engine.shift_refusal()
         {
-            gst::info!(CAT, obj = pads.sink, "history-policy=slide restarts instead: {why}");
+            match engine.position_gap_limit() {
+                Some(limit) => gst::info!(
+                    CAT,
+                    obj = pads.sink,
+                    "history-policy=slide restarts: the positions reached the model's trained context ({limit})"
+                ),
+                None => gst::info!(CAT, obj = pads.sink, "history-policy=slide restarts instead: {why}"),
+            }
         }
         let s = gst::Structure::builder("vlm-history")
             .field("stream", stream.name())

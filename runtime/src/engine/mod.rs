@@ -61,6 +61,8 @@ pub struct Engine {
     n_ctx_per_seq: u32,
     /// Why a history cannot slide (`HistoryPolicy::Slide`) by shifting in place here, if it cannot.
     shift_refusal: Option<String>,
+    /// Where a slide may leave a gap of positions instead, the largest position (M-RoPE).
+    position_gap_limit: Option<i32>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Releases the engine thread's registration (`llama::WorkerThread`) when the thread is
     /// abandoned (failed for good).
@@ -176,7 +178,7 @@ impl Engine {
             }
         };
         let n_ctx_per_seq = ctx.n_ctx_per_seq();
-        let shift_refusal = ctx.shift_refusal();
+        let (shift_refusal, position_gap_limit) = (ctx.shift_refusal(), ctx.position_gap_limit());
         let streams = config.max_streams as i32;
         let rates = Arc::new(Mutex::new(StageRates {
             prefill_ms_per_token: 0.0,
@@ -240,6 +242,7 @@ impl Engine {
             shared,
             n_ctx_per_seq,
             shift_refusal,
+            position_gap_limit,
             thread: Mutex::new(Some(thread)),
             release_thread: Box::new(release),
         });
@@ -308,6 +311,13 @@ impl Engine {
     /// Why a history cannot slide (shift its positions in place) on this engine, if it cannot.
     pub fn shift_refusal(&self) -> Option<&str> {
         self.shift_refusal.as_deref()
+    }
+
+    /// Where a history that cannot shift may slide by dropping its oldest frames and leaving a
+    /// gap of positions (M-RoPE models), the largest position it may reach (the model's trained
+    /// context): past it, the kept frames are prefilled from position 0 again.
+    pub fn position_gap_limit(&self) -> Option<i32> {
+        self.position_gap_limit
     }
 
     /// Cells an answer reading a version of `version_cells` may reach (its question and tokens

@@ -469,6 +469,26 @@ impl Context {
         unsafe { sys::llama_memory_seq_pos_max(self.memory(), seq) }
     }
 
+    /// The largest position a history may reach when a slide drops its oldest frames without
+    /// moving the rest (leaving a gap of positions), if the model takes such gaps: M-RoPE
+    /// models, whose positions may jump forward (llama.cpp cannot shift them), up to the
+    /// context the model was trained on.
+    pub fn position_gap_limit(&self) -> Option<i32> {
+        // SAFETY: valid model handle.
+        let (rope, trained) = unsafe {
+            (sys::llama_model_rope_type(self.model.as_ptr()), sys::llama_model_n_ctx_train(self.model.as_ptr()))
+        };
+        (rope == sys::LLAMA_ROPE_TYPE_MROPE || rope == sys::LLAMA_ROPE_TYPE_IMROPE).then_some(trained)
+    }
+
+    /// Forget the positions `from..to` of `seq`, leaving the later cells where they are.
+    pub fn seq_drop(&mut self, seq: i32, from: i32, to: i32) {
+        // SAFETY: valid memory handle.
+        unsafe {
+            sys::llama_memory_seq_rm(self.memory(), seq, from, to);
+        }
+    }
+
     /// Whether a branch holds a prefix of `seq`'s cells (a unified pool shares them): moving
     /// `seq`'s positions would move the branch's too.
     pub fn shares_cells(&self, seq: i32) -> bool {

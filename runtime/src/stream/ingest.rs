@@ -22,6 +22,9 @@ pub(super) enum Rebuild {
     /// A new epoch: positions `from..to` dropped and the later ones moved down, then the last
     /// entry appended.
     Shift { from: i32, to: i32 },
+    /// A new epoch: positions `from..to` dropped, the later ones left where they are (a gap of
+    /// positions, which M-RoPE models take), then the last entry appended.
+    Drop { from: i32, to: i32 },
 }
 
 /// Move every stream resident on `engine`, which failed for good, to the cheapest other engine
@@ -43,6 +46,12 @@ impl Stream {
     /// The inputs that rebuild `history` after the prompt from position 0.
     pub(crate) fn replay_entries(&self, history: &[Entry]) -> Vec<Entry> {
         std::iter::once(Entry::Text(Arc::clone(&self.prompt.prefix))).chain(history.iter().cloned()).collect()
+    }
+
+    /// The position after `history` rebuilt after the prompt from position 0 (a version's own
+    /// end is later where a slide left a gap).
+    pub(crate) fn replay_end(&self, history: &[Entry]) -> i32 {
+        self.prompt.prefix.len() as i32 + history.iter().map(Entry::n_pos).sum::<i32>()
     }
 
     /// Make `record` usable on the engine (prefill its last entry, or its whole history when it
@@ -85,6 +94,7 @@ impl Stream {
                     crate::llama::log(crate::llama::LogLevel::Info, &format!("stream {} slides: {why}", s.name()));
                 }
                 Rebuild::Shift { from, to } => w.ctx.seq_shift_out(seq, from, to),
+                Rebuild::Drop { from, to } => w.ctx.seq_drop(seq, from, to),
                 Rebuild::Append => (),
             }
             let Some(snapshot) = lookup.as_ref()?.get(&key) else {
@@ -154,6 +164,9 @@ impl Stream {
                 Rebuild::Whole
             };
             previous = Some(record.epoch);
+            if rebuild == Rebuild::Whole {
+                record.end = self.replay_end(&record.history);
+            }
             record.epoch = epoch;
             record.shifted = false;
             t.tail = record.clone();
