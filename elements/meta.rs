@@ -61,7 +61,8 @@ impl VlmFrameMeta {
     }
 
     /// Stream id (see `vlm_runtime::stream::lookup`) and frame number, once `vlmcontext` has
-    /// registered the frame; `None` before.
+    /// registered the frame; `None` before. On a held frame ([`VlmFrameMeta::held`]), the
+    /// position of the registered frame that stands for it.
     pub fn position(&self) -> Option<(u64, u64)> {
         (self.number > 0).then_some((self.stream, self.number))
     }

@@ -54,7 +54,13 @@ fn alert_run(props: &str) -> AlertRun {
     let f2 = Arc::clone(&frames);
     let q = bin.by_name("q").unwrap();
     q.static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-        if info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).is_some() {
+        if info
+            .buffer()
+            .and_then(|b| b.meta::<VlmFrameMeta>())
+            .filter(|m| !m.held())
+            .and_then(|m| m.position())
+            .is_some()
+        {
             *f2.lock().unwrap() += 1;
         }
         gst::PadProbeReturn::Ok

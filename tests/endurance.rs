@@ -78,7 +78,13 @@ fn count_frames(pad: &gst::Pad) -> Arc<AtomicU64> {
     let count = Arc::new(AtomicU64::new(0));
     let c = Arc::clone(&count);
     pad.add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-        if info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).is_some() {
+        if info
+            .buffer()
+            .and_then(|b| b.meta::<VlmFrameMeta>())
+            .filter(|m| !m.held())
+            .and_then(|m| m.position())
+            .is_some()
+        {
             c.fetch_add(1, Ordering::Relaxed);
         }
         gst::PadProbeReturn::Ok

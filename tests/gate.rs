@@ -95,8 +95,9 @@ fn new_caps_and_a_flush_start_the_gate_afresh() {
 }
 
 /// Frames (gray level, second) through the three elements, then a question timed at 4.5 s;
-/// returns its `vlm-answer` and vlmencode's frames-unchanged.
-fn answer(frames: &[(u8, u64)], settings: &str) -> (gst::Structure, u64) {
+/// returns its `vlm-answer`, vlmencode's frames-unchanged and, for each video buffer reaching
+/// vlmquery, whether it was held and the frame number it carries.
+fn answer(frames: &[(u8, u64)], settings: &str) -> (gst::Structure, u64, Vec<(bool, Option<u64>)>) {
     let srt = std::env::temp_dir().join(format!("vlm-gate-{}-{}.srt", std::process::id(), frames.len()));
     std::fs::write(&srt, "1\n00:00:04,500 --> 00:00:05,000\nWhat changed?\n").unwrap();
     let pipeline = launch(&format!(
@@ -106,8 +107,16 @@ fn answer(frames: &[(u8, u64)], settings: &str) -> (gst::Structure, u64) {
          filesrc location={} ! subparse ! q.query",
         srt.display()
     ));
-    let src = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("src").unwrap();
-    let src = src.downcast::<gst_app::AppSrc>().unwrap();
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+    let seen_too = std::sync::Arc::clone(&seen);
+    bin.by_name("q").unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        if let Some(m) = info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()) {
+            seen_too.lock().unwrap().push((m.held(), m.position().map(|p| p.1)));
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
     for &(level, secs) in frames {
         let mut b = gray(level);
         b.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(secs));
@@ -122,16 +131,20 @@ fn answer(frames: &[(u8, u64)], settings: &str) -> (gst::Structure, u64) {
     let enc = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
     let unchanged = enc.property::<u64>("frames-unchanged");
     pipeline.set_state(gst::State::Null).unwrap();
-    (run.answers[0].clone(), unchanged)
+    let seen = seen.lock().unwrap().clone();
+    (run.answers[0].clone(), unchanged, seen)
 }
 
 #[test]
 fn held_duplicates_answer_as_the_changed_frames_alone_with_the_pictures_age() {
     // With the gate (default), the repeated pictures are held: the history is A, B, C as if
     // only the changes had been sent; the question at 4.5 s binds to B (captured at 3 s).
-    let (gated, unchanged) = answer(&[(60, 0), (60, 1), (60, 2), (120, 3), (120, 4), (180, 5)], "");
+    let (gated, unchanged, seen) = answer(&[(60, 0), (60, 1), (60, 2), (120, 3), (120, 4), (180, 5)], "");
     assert_eq!(unchanged, 3);
-    let (plain, none) = answer(&[(60, 0), (120, 3), (180, 5)], "min-change=0");
+    // Each held buffer carries the number of the frame that stands for it.
+    let (frame, held) = (|n| (false, Some(n)), |n| (true, Some(n)));
+    assert_eq!(seen, [frame(1), held(1), held(1), frame(2), held(2), frame(3)]);
+    let (plain, none, _) = answer(&[(60, 0), (120, 3), (180, 5)], "min-change=0");
     assert_eq!(none, 0);
     for a in [&gated, &plain] {
         assert_eq!(a.get::<&str>("status").unwrap(), "answered", "{a}");

@@ -47,7 +47,12 @@ fn ask_to_eos(
     let ids = Arc::new(Mutex::new(vec![]));
     let ids2 = Arc::clone(&ids);
     bin.by_name("ctx").unwrap().static_pad("src_0").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-        let number = info.buffer().and_then(|b| b.meta::<VlmFrameMeta>()).and_then(|m| m.position()).map(|p| p.1);
+        let number = info
+            .buffer()
+            .and_then(|b| b.meta::<VlmFrameMeta>())
+            .filter(|m| !m.held())
+            .and_then(|m| m.position())
+            .map(|p| p.1);
         for text in number.map(&ask).unwrap_or_default() {
             let id = q.emit_by_name::<Option<String>>("ask", &[&text]);
             ids2.lock().unwrap().push(id);

@@ -145,6 +145,12 @@ impl VlmContext {
                     return Err(gst::FlowError::Error);
                 }
             }
+        } else if buffer.meta::<VlmFrameMeta>().is_some_and(|m| m.held()) {
+            // A frame the gate held: the last registered one stands for it, and says so.
+            let standing = pads.stream.lock().as_ref().map(|s| (s.id(), s.registered())).filter(|s| s.1 > 0);
+            if let (Some((stream, number)), Some(mut m)) = (standing, buffer.make_mut().meta_mut::<VlmFrameMeta>()) {
+                m.set_position(stream, number);
+            }
         }
         pads.src.push(buffer)
     }

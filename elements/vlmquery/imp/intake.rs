@@ -320,7 +320,8 @@ impl VlmQuery {
     pub(super) fn sink_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
         let mut shared = self.shared.lock();
         let rt = buffer.pts().and_then(|pts| shared.video.segment.as_ref().and_then(|s| s.to_running_time(pts)));
-        if let Some((stream, number)) = buffer.meta::<VlmFrameMeta>().and_then(|m| m.position()) {
+        // (A held frame carries the position of the frame that stands for it: not a new frame.)
+        if let Some((stream, number)) = buffer.meta::<VlmFrameMeta>().filter(|m| !m.held()).and_then(|m| m.position()) {
             if shared.video.stream.as_ref().is_none_or(|s| s.id() != stream) {
                 shared.video.stream = vlm_runtime::stream::lookup(stream);
             }
