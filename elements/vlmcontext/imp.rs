@@ -46,7 +46,7 @@ pub enum HistoryPolicyKind {
     )]
     Stop,
     #[enum_value(
-        name = "Slide: drop the oldest frames until a quarter of context-size is free and shift the rest in place (llama.cpp's K-shift; M-RoPE models leave a gap of positions instead, up to their trained context); a unified pool prefills the kept frames while an answer reads the stream's cells",
+        name = "Slide: drop the oldest frames until a quarter of context-size is free and shift the rest in place (llama.cpp's K-shift; M-RoPE models leave a gap of positions instead, up to their trained context); in a unified pool it waits up to 2 s for the answers reading the stream's cells",
         nick = "slide"
     )]
     Slide,

@@ -100,8 +100,8 @@
 //!   their positions may jump forward: there a slide drops the oldest frames' cells and leaves a
 //!   gap of positions, until the positions would pass the model's trained context, where the
 //!   kept frames are prefilled from position 0 (as a restart, said in the debug log); in the
-//!   unified pool a shift that begins while an answer reads the stream's cells (which it
-//!   shares) prefills them too.
+//!   unified pool, where an answer shares the stream's cells, a shift waits up to 2 s for the
+//!   answers reading them to end, then prefills the kept frames instead.
 //! - `prefix-cache-size` (bytes, 0 = off), `prefix-cache-entries` (16): KV snapshots that let a
 //!   stream or a new session with an identical history import it instead of prefilling.
 //! - Pad property `stream-name` on each `sink_%u` (`vlmcontext name=ctx sink_0::stream-name=door`

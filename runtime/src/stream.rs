@@ -15,7 +15,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -47,9 +47,9 @@ pub enum HistoryPolicy {
     /// model cannot shift ([`Engine::shift_refusal`]) but takes a gap: the oldest frames' cells
     /// are dropped and the rest stay where they are, until the positions would pass the model's
     /// trained context ([`Engine::position_gap_limit`]); then, as where neither is possible, the
-    /// kept frames are prefilled from position 0, as a restart. In a unified pool a shift that
-    /// begins while a branch shares the stream's cells prefills them too
-    /// ([`Stream::slides_prefilled`]).
+    /// kept frames are prefilled from position 0, as a restart. In a unified pool a shift waits
+    /// for the branches sharing the stream's cells to end, up to [`StreamConfig::slide_wait`],
+    /// then prefills the kept frames instead ([`Stream::slides_prefilled`]).
     Slide,
 }
 
@@ -110,7 +110,14 @@ pub struct StreamConfig {
     /// Every engine that may answer this stream's questions (the resident one included); the
     /// placer chooses among them. Empty: the resident engine only.
     pub peers: Vec<Arc<Engine>>,
+    /// In a unified pool, how long a slide waits for the answers reading the stream's cells
+    /// to end before it prefills the kept frames instead of shifting them.
+    pub slide_wait: Duration,
 }
+
+/// [`StreamConfig::slide_wait`] by default: about two answers of 64 tokens on a small CPU
+/// (a slide's prefill of three quarters of the context costs far more).
+pub const DEFAULT_SLIDE_WAIT: Duration = Duration::from_secs(2);
 
 impl StreamConfig {
     /// A retained stream with a small pending budget (blocking past it), room for a 128-token
@@ -125,6 +132,7 @@ impl StreamConfig {
             history_policy: HistoryPolicy::Stop,
             prefix_cache: None,
             peers: Vec::new(),
+            slide_wait: DEFAULT_SLIDE_WAIT,
         }
     }
 }

@@ -5,10 +5,12 @@ mod common;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use common::*;
+use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::stream::Entry;
-use vlm_runtime::{Engine, EngineConfig, Error, KvLayout, PreparePath, answer};
+use vlm_runtime::{Engine, EngineConfig, Error, HistoryPolicy, KvLayout, PreparePath, Stream, StreamConfig, answer};
 
 /// A CPU engine of `cells` per sequence with `kv_layout`.
 fn engine_laid_out(cells: u32, kv_layout: KvLayout) -> Arc<Engine> {
@@ -434,17 +436,30 @@ fn slide_in_place(kv_layout: KvLayout) {
 
 /// In a unified pool a reader's branch shares the stream's cells, so shifting them would move
 /// the reader's positions under it: a slide that begins while an answer reads the stream's
-/// cells prefills the kept frames instead (counted in `slides_prefilled`), the answer ends as it
-/// would have, and the slid history is a prefill of its kept frames.
+/// cells waits for it to end (`slide_wait`) and then shifts in place; past that wait it prefills
+/// the kept frames instead (counted in `slides_prefilled`). Either way the answer ends as it
+/// would have, and the slid history answers as a prefill of its kept frames does.
 #[test]
-fn a_slide_while_a_reader_shares_the_cells_prefills_instead() {
+fn a_slide_while_a_reader_shares_the_cells_waits_for_it_then_shifts() {
+    assert_eq!(slide_under_a_reader(Duration::from_secs(600)), 0, "the slide shifted after the reader");
+}
+
+#[test]
+fn a_slide_that_waited_its_time_for_a_reader_prefills_instead() {
+    assert_eq!(slide_under_a_reader(Duration::ZERO), 1, "the shift would have moved the reader's cells");
+}
+
+/// The slides that prefilled, for a slide registered while a 100-token answer reads the cells.
+fn slide_under_a_reader(slide_wait: Duration) -> u64 {
     let engine = engine_laid_out(512, KvLayout::Unified);
     let enc = encoder();
-    let stream = open_with(&engine, "s", true, vlm_runtime::HistoryPolicy::Slide);
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let config = StreamConfig { history_policy: HistoryPolicy::Slide, slide_wait, ..StreamConfig::new("s") };
+    let stream = Stream::open(&engine, prompt, config).unwrap();
     let never = Arc::new(AtomicBool::new(false));
     // Frames until the next one slides (every frame takes the same cells; the stream keeps
     // `answer_reserve` of the engine's cells for answers).
-    let capacity = engine.n_ctx_per_seq() as i32 - vlm_runtime::StreamConfig::new("s").answer_reserve;
+    let capacity = engine.n_ctx_per_seq() as i32 - StreamConfig::new("s").answer_reserve;
     let mut n = 0;
     let (before, v) = loop {
         n += 1;
@@ -473,7 +488,6 @@ fn a_slide_while_a_reader_shares_the_cells_prefills_instead() {
     let slid = stream.wait_version(before + 1, &never).unwrap();
     let read = reader.join().unwrap();
     assert_eq!((read.path, read.tokens), (PreparePath::Resident, 100));
-    assert_eq!(stream.slides_prefilled(), 1, "the shift would have moved the reader's cells");
     // The reader read its own version whole, and the slid history is a prefill of its frames:
     // each agrees with a replay (in a unified pool cells sit elsewhere and sums round apart, so
     // the first greedy token is asserted, the agreement reported). A shift under the reader
@@ -488,4 +502,5 @@ fn a_slide_while_a_reader_shares_the_cells_prefills_instead() {
         eprintln!("{what} vs a replay: the first {agree} of {} greedy tokens agree", a.tokens);
         assert!(agree >= 1, "the {what}'s first token differs from a replay's");
     }
+    stream.slides_prefilled()
 }

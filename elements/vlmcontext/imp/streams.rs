@@ -73,6 +73,7 @@ impl VlmContext {
             },
             prefix_cache: self.prefix_cache.lock().clone(),
             peers: engines,
+            slide_wait: vlm_runtime::DEFAULT_SLIDE_WAIT,
         };
         let stream = Stream::open(&engine, prompt, config).map_err(|e| {
             gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])

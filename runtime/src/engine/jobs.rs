@@ -39,7 +39,18 @@ pub(crate) trait Generation: Send {
 }
 
 pub(super) type Work = Box<dyn FnOnce(&mut Worker) + Send>;
-pub(crate) type Begin = Box<dyn FnOnce(&mut Worker, &mut Prefill) -> Option<Result<i32>> + Send>;
+pub(crate) type Begin = Box<dyn FnMut(&mut Worker, &mut Prefill) -> Begun + Send>;
+
+/// What an ingestion's [`Begin`] decided.
+pub(crate) enum Begun {
+    /// Prefill now.
+    Prefill,
+    /// Nothing to prefill: the ingestion ended (a prefix-cache hit, or a failure).
+    Ended(Result<i32>),
+    /// Not yet (a slide waiting for readers of the stream's cells): asked again at the next
+    /// step; later ingestion waits behind it.
+    NotYet,
+}
 /// Gets the worker unless the engine is gone (then the result is an error).
 pub(crate) type Done = Box<dyn FnOnce(Option<&mut Worker>, Result<i32>) + Send>;
 
@@ -48,8 +59,8 @@ pub(crate) type Done = Box<dyn FnOnce(Option<&mut Worker>, Result<i32>) + Send>;
 pub(crate) struct Ingestion {
     pub prefill: Prefill,
     /// Runs before the first chunk (e.g. clearing the sequence for a new epoch, or replacing the
-    /// prefill when the sequence cannot be shifted now); returning a result ends the ingestion
-    /// without prefill (a prefix-cache hit).
+    /// prefill when the sequence cannot be shifted); it may end the ingestion without prefill
+    /// (a prefix-cache hit) or ask to be run again later.
     pub begin: Option<Begin>,
     /// Runs with the end position once everything is prefilled, or with the error; also when
     /// the ingestion is dropped unfinished (the engine stopped or failed), so nobody waits on it.

@@ -42,7 +42,7 @@ use parking_lot::Mutex;
 
 pub use config::{DEFAULT_INGEST_SHARE, DEFAULT_STEP_BUDGET_MS, EngineConfig, KvLayout};
 use jobs::Job;
-pub(crate) use jobs::{Generation, Ingestion, Progress};
+pub(crate) use jobs::{Begun, Generation, Ingestion, Progress};
 use scheduler::run;
 pub use worker::{KvMemory, Stage, StageRates, Worker};
 

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use super::calibrate::calibrate;
-use super::jobs::{Generation, Ingestion, Job, Progress, Work};
+use super::jobs::{Begun, Generation, Ingestion, Job, Progress, Work};
 use super::{EngineConfig, Shared, Stage, Worker};
 use crate::error::{Error, Result};
 use crate::llama::{Batch, Token};
@@ -251,13 +251,25 @@ impl Scheduler {
                 }
                 return elapsed();
             }
-            // Begin it: a cache hit, a cancellation or nothing left to prefill ends it at once.
-            Some(Ordered::Ingest(ing)) => ing
-                .begin
-                .take()
-                .and_then(|begin| begin(w, &mut ing.prefill))
-                .or_else(|| ing.cancel.load(Ordering::Acquire).then_some(Err(Error::Cancelled)))
-                .or_else(|| ing.prefill.is_done().then_some(Ok(ing.prefill.pos))),
+            // Begin it: a cache hit, a cancellation or nothing left to prefill ends it at once;
+            // one that cannot begin yet stays in front, asked again at the next step.
+            Some(Ordered::Ingest(ing)) => {
+                let cancelled = ing.cancel.load(Ordering::Acquire);
+                let begun = match ing.begin.as_mut() {
+                    Some(_) if cancelled => Begun::Ended(Err(Error::Cancelled)),
+                    Some(begin) => begin(w, &mut ing.prefill),
+                    None => Begun::Prefill,
+                };
+                match begun {
+                    Begun::NotYet => return elapsed(),
+                    Begun::Ended(result) => Some(result),
+                    Begun::Prefill => {
+                        ing.begin = None;
+                        (cancelled.then_some(Err(Error::Cancelled)))
+                            .or_else(|| ing.prefill.is_done().then_some(Ok(ing.prefill.pos)))
+                    }
+                }
+            }
         };
         if let Some(result) = ended {
             self.finish(w, shared, 0, result);

@@ -5,9 +5,10 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Instant;
 
 use super::{Entry, Home, Record, STREAMS, Stream, Timeline};
-use crate::engine::{Engine, Ingestion, Worker};
+use crate::engine::{Begun, Engine, Ingestion, Worker};
 use crate::error::{Error, Result};
 use crate::prefill::Prefill;
 use crate::snapshot::Snapshot;
@@ -80,28 +81,39 @@ impl Stream {
         // A prefix-cache hit imports the history instead of prefilling; a miss stores it after.
         let missed = Arc::new(AtomicBool::new(false));
         let missed_too = Arc::clone(&missed);
-        let begin = move |w: &mut Worker, prefill: &mut Prefill| -> Option<Result<i32>> {
+        // In a unified pool a reader's branch may hold the stream's cells, and a shift would move
+        // its positions too: the shift waits up to `slide_wait` for the readers to end, then
+        // the kept history is prefilled instead.
+        let slide_wait = self.config.slide_wait;
+        let mut waiting_since: Option<Instant> = None;
+        let begin = move |w: &mut Worker, prefill: &mut Prefill| -> Begun {
+            let shared = matches!(rebuild, Rebuild::Shift { .. }) && w.ctx.shares_cells(seq);
+            if shared && waiting_since.get_or_insert_with(Instant::now).elapsed() < slide_wait {
+                return Begun::NotYet;
+            }
             s.resident_epoch.store(epoch, Ordering::Release);
             match rebuild {
                 Rebuild::Whole => w.ctx.seq_clear(seq),
-                // In a unified pool a reader's branch may hold the stream's cells, and a shift
-                // would move its positions too: the kept history is prefilled instead.
-                Rebuild::Shift { .. } if w.ctx.shares_cells(seq) => {
+                Rebuild::Shift { .. } if shared => {
                     w.ctx.seq_clear(seq);
                     *prefill = Prefill::new(seq, 0, s.replay_entries(&history), false, w.frame_rows());
                     s.slides_prefilled.fetch_add(1, Ordering::Relaxed);
-                    let why = "an answer reads its cells in the unified pool: the kept frames are prefilled";
-                    crate::llama::log(crate::llama::LogLevel::Info, &format!("stream {} slides: {why}", s.name()));
+                    let why = format!("answers read its cells in the unified pool for {slide_wait:?}");
+                    crate::llama::log(
+                        crate::llama::LogLevel::Info,
+                        &format!("stream {} slides by prefilling its kept frames: {why}", s.name()),
+                    );
                 }
                 Rebuild::Shift { from, to } => w.ctx.seq_shift_out(seq, from, to),
                 Rebuild::Drop { from, to } => w.ctx.seq_drop(seq, from, to),
                 Rebuild::Append => (),
             }
-            let Some(snapshot) = lookup.as_ref()?.get(&key) else {
+            let Some(cache) = lookup.as_ref() else { return Begun::Prefill };
+            let Some(snapshot) = cache.get(&key) else {
                 missed_too.store(true, Ordering::Release);
-                return None;
+                return Begun::Prefill;
             };
-            Some(w.ctx.seq_restore(seq, &snapshot.bytes).map(|()| snapshot.end))
+            Begun::Ended(w.ctx.seq_restore(seq, &snapshot.bytes).map(|()| snapshot.end))
         };
         let s = Arc::clone(self);
         let done = move |w: Option<&mut Worker>, end: Result<i32>| {
