@@ -2,7 +2,7 @@
 //! of its alert evaluations (p50/p95) and evaluations per second, for streams x alerts at a
 //! frame rate, through the runtime alone (no GStreamer): what `vlmquery alerts` runs.
 //!
-//!   cargo run --release -p vlm-runtime --example alerts -- [--streams 1,2] [--alerts 1,4] [--fps 1] [--frames 10] [--json FILE]
+//!   cargo run --release -p vlm-runtime --example alerts -- [--streams 1,2] [--alerts 1,4] [--fps 1] [--frames 10] [--peer] [--json FILE]
 //!
 //! Each stream has a capture thread: at each due time (its clock: the capture) it encodes a new
 //! picture (libmtmd, CPU) and registers it (overload `skip`: the history never falls behind,
@@ -10,7 +10,9 @@
 //! evaluator thread per stream takes the newest frame (an older one still in the slot is thinned,
 //! counted), waits for its version and evaluates every alert on it (`alert::evaluate`: one forced
 //! choice each, all queued at once). An alert's latency is capture to its choice, encode,
-//! ingestion and queueing included. Prints a table and one JSON object.
+//! ingestion and queueing included. With `--peer`, the same streams, frames and alerts through
+//! llama-server after each level (`peer.rs`: its strongest client, one slot a stream, prompt
+//! cache), on the same clock. Prints a table and one JSON object.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -19,8 +21,9 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use parking_lot::{Condvar, Mutex};
 
-#[path = "common/mod.rs"]
+#[path = "../common/mod.rs"]
 mod common;
+mod peer;
 use vlm_runtime::alert::{self, AlertSpec, YesNo};
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
@@ -43,6 +46,9 @@ struct Args {
     /// Also write the JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Run each level through llama-server too (`VLM_LLAMA_SERVER`, else the build script's).
+    #[arg(long)]
+    peer: bool,
     #[command(flatten)]
     files: common::ModelArgs,
 }
@@ -78,18 +84,101 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
+/// One measured level: print its row and add it to `rows`.
+struct Level<'a> {
+    config: &'a str,
+    streams: usize,
+    alerts: usize,
+    latencies: Vec<f64>,
+    thinned: u64,
+    skipped: u64,
+    wall_s: f64,
+}
+
+fn report(args: &Args, level: Level, rows: &mut Vec<serde_json::Value>) {
+    let Level { config, streams, alerts, mut latencies, thinned, skipped, wall_s } = level;
+    let evaluations = latencies.len();
+    let (p50, p95) = (percentile(&mut latencies, 0.5), percentile(&mut latencies, 0.95));
+    let rate = evaluations as f64 / wall_s;
+    println!(
+        "{config:>12} {streams:>7} {alerts:>6} {:>5} {evaluations:>8} {rate:>9.1} {p50:>8.1} {p95:>8.1} {thinned:>8} {skipped:>8}",
+        args.fps
+    );
+    rows.push(serde_json::json!({
+        "config": config, "streams": streams, "alerts": alerts, "fps": args.fps, "frames_per_stream": args.frames,
+        "evaluations": evaluations, "evaluations_per_s": rate, "p50_ms": p50, "p95_ms": p95,
+        "thinned": thinned, "skipped": skipped, "all_evaluated": thinned == 0 && skipped == 0,
+        "latency_ms": latencies,
+    }));
+}
+
+/// The peer's level: each stream a thread that, at each due time, adds the frame's picture and
+/// sends every alert on the stream's slot, one after the other; a frame whose successor is
+/// already due when its turn comes is thinned (its picture goes with the next one's alerts), as
+/// the runtime thins.
+fn peer_level(args: &Args, server: &peer::Server, n_streams: usize, specs: &[AlertSpec]) -> Level<'static> {
+    let latencies = Mutex::new(Vec::<f64>::new());
+    let thinned = std::sync::atomic::AtomicU64::new(0);
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for s in 0..n_streams {
+            let (latencies, thinned) = (&latencies, &thinned);
+            scope.spawn(move || {
+                let period = Duration::from_secs_f64(1.0 / args.fps);
+                let first = Instant::now() + period.mul_f64(s as f64 / n_streams as f64);
+                let mut images = vec![];
+                for f in 0..args.frames {
+                    let due = first + period * f as u32;
+                    std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                    images.push(peer::png_url(&picture(f + 100 * s), 64, 48).expect("a PNG"));
+                    if f + 1 < args.frames && Instant::now() >= due + period {
+                        thinned.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        continue;
+                    }
+                    for spec in specs {
+                        server.evaluate(&images, &alert::alert_prompt(&spec.question), s).expect("llama-server");
+                        latencies.lock().push(due.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+            });
+        }
+    });
+    let thinned = thinned.into_inner();
+    Level {
+        config: "llama-server",
+        streams: n_streams,
+        alerts: specs.len(),
+        latencies: latencies.into_inner(),
+        thinned,
+        skipped: 0,
+        wall_s: started.elapsed().as_secs_f64(),
+    }
+}
+
+fn specs(n_alerts: usize) -> Vec<AlertSpec> {
+    (0..n_alerts).map(|i| AlertSpec { id: format!("a{i}"), question: QUESTIONS[i % QUESTIONS.len()].into() }).collect()
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
     let model = models::model(&args.files.model, &Device::Cpu)?;
     let encoder = Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads, 1)?));
+    let server_binary = match args.peer {
+        true => Some(
+            peer::find_server().ok_or("no llama-server: run scripts/build-llama-server.sh or set VLM_LLAMA_SERVER")?,
+        ),
+        false => None,
+    };
+    // Each sequence (and the server's slot) holds the prompt, every frame and the answer reserve.
+    let frame_cells = encoder.encode(&Picture::packed(&picture(0), 64, 48, 192, PixelLayout::Rgb))?.cells() as u32;
+    let cells = (96 + frame_cells * args.frames as u32 + 256).next_power_of_two();
     let mut rows = vec![];
     println!(
-        "{:>7} {:>6} {:>5} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
-        "streams", "alerts", "fps", "evals", "evals/s", "p50 ms", "p95 ms", "thinned", "skipped"
+        "{:>12} {:>7} {:>6} {:>5} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
+        "config", "streams", "alerts", "fps", "evals", "evals/s", "p50 ms", "p95 ms", "thinned", "skipped"
     );
     for &n_streams in &args.streams {
-        let cells = (64 + 40 * args.frames as u32 + 256).next_power_of_two();
         let engine = Engine::start(
             &args.files.model,
             EngineConfig {
@@ -104,11 +193,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let yes_no = YesNo::find(engine.model())?;
         let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT)?);
         for &n_alerts in &args.alerts {
-            let specs: Arc<Vec<AlertSpec>> = Arc::new(
-                (0..n_alerts)
-                    .map(|i| AlertSpec { id: format!("a{i}"), question: QUESTIONS[i % QUESTIONS.len()].into() })
-                    .collect(),
-            );
+            let specs: Arc<Vec<AlertSpec>> = Arc::new(specs(n_alerts));
             let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
             let mut skipped = 0;
             let mut thinned = 0;
@@ -185,25 +270,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
                 Ok(())
             })?;
-            let wall = started.elapsed().as_secs_f64();
-            let mut l = latencies.lock().clone();
-            let evaluations = l.len();
-            let (p50, p95) = (percentile(&mut l, 0.5), percentile(&mut l, 0.95));
-            let rate = evaluations as f64 / wall;
-            println!(
-                "{n_streams:>7} {n_alerts:>6} {:>5} {evaluations:>8} {rate:>9.1} {p50:>8.1} {p95:>8.1} {thinned:>8} {skipped:>8}",
-                args.fps
-            );
-            rows.push(serde_json::json!({
-                "streams": n_streams, "alerts": n_alerts, "fps": args.fps, "frames_per_stream": args.frames,
-                "evaluations": evaluations, "evaluations_per_s": rate, "p50_ms": p50, "p95_ms": p95,
-                "thinned": thinned, "skipped": skipped, "all_evaluated": thinned == 0 && skipped == 0,
-                "latency_ms": l,
-            }));
+            let wall_s = started.elapsed().as_secs_f64();
+            let latencies = latencies.lock().clone();
+            let level =
+                Level { config: "runtime", streams: n_streams, alerts: n_alerts, latencies, thinned, skipped, wall_s };
+            report(&args, level, &mut rows);
+        }
+        engine.stop();
+        if let Some(binary) = &server_binary {
+            let server = peer::start(&peer::Settings {
+                server: binary,
+                model: &args.files.model,
+                mmproj: &args.files.mmproj,
+                slots: n_streams,
+                cells_per_slot: cells,
+                threads,
+                flash_attention: false,
+            })
+            .map_err(|e| e.to_string())?;
+            // A first request builds the server's graphs, as the engine's calibration does.
+            server.evaluate(&[], "Hello.", 0).map_err(|e| e.to_string())?;
+            for &n_alerts in &args.alerts {
+                let level = peer_level(&args, &server, n_streams, &specs(n_alerts));
+                report(&args, level, &mut rows);
+            }
         }
     }
     let json = serde_json::json!({
         "benchmark": "alerts-capture-to-choice", "clock": "capture (the frame's due time), encode included",
+        "peer": server_binary.map(|p| p.display().to_string()),
         "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "rows": rows,
     });
     println!("{json}");
