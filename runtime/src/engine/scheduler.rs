@@ -265,7 +265,8 @@ impl Scheduler {
                     Begun::Ended(result) => Some(result),
                     Begun::Prefill => {
                         ing.begin = None;
-                        (cancelled.then_some(Err(Error::Cancelled)))
+                        cancelled
+                            .then_some(Err(Error::Cancelled))
                             .or_else(|| ing.prefill.is_done().then_some(Ok(ing.prefill.pos)))
                     }
                 }
