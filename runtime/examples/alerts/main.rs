@@ -27,7 +27,7 @@ mod peer;
 use vlm_runtime::alert::{self, AlertSpec, YesNo};
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
-use vlm_runtime::{Device, Engine, EngineConfig, Overload, Stream, StreamConfig, models};
+use vlm_runtime::{Device, Engine, EngineConfig, KvLayout, Overload, Stream, StreamConfig, models};
 
 #[derive(Parser)]
 struct Args {
@@ -49,6 +49,11 @@ struct Args {
     /// Run each level through llama-server too (`VLM_LLAMA_SERVER`, else the build script's).
     #[arg(long)]
     peer: bool,
+    /// A KV sequence per stream and answer, without flash attention (default: what
+    /// `vlmcontext` runs, the unified pool with flash attention; the server gets the same
+    /// flash attention).
+    #[arg(long)]
+    per_sequence: bool,
     #[command(flatten)]
     files: common::ModelArgs,
 }
@@ -187,6 +192,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 max_streams: (n_streams * args.alerts.len()) as u32,
                 max_branches: 8,
                 threads,
+                kv_layout: if args.per_sequence { KvLayout::PerSequence } else { KvLayout::Unified },
+                flash_attention: !args.per_sequence,
                 ..EngineConfig::default()
             },
         )?;
@@ -285,7 +292,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 slots: n_streams,
                 cells_per_slot: cells,
                 threads,
-                flash_attention: false,
+                flash_attention: !args.per_sequence,
             })
             .map_err(|e| e.to_string())?;
             // A first request builds the server's graphs, as the engine's calibration does.
@@ -299,6 +306,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let json = serde_json::json!({
         "benchmark": "alerts-capture-to-choice", "clock": "capture (the frame's due time), encode included",
         "peer": server_binary.map(|p| p.display().to_string()),
+        "kv_layout": if args.per_sequence { "per-sequence" } else { "unified" }, "flash_attention": !args.per_sequence,
         "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "rows": rows,
     });
     println!("{json}");
