@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use common::*;
 use gst::prelude::*;
-use gst_vlm_elements::meta::VlmFrameMeta;
 
 const FIELDS: [&str; 9] =
     ["id", "question", "stream", "state", "probability", "frame", "pts", "latency-ms", "evaluations"];
@@ -54,13 +53,7 @@ fn alert_run(props: &str) -> AlertRun {
     let f2 = Arc::clone(&frames);
     let q = bin.by_name("q").unwrap();
     q.static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-        if info
-            .buffer()
-            .and_then(|b| b.meta::<VlmFrameMeta>())
-            .filter(|m| !m.held())
-            .and_then(|m| m.position())
-            .is_some()
-        {
+        if joined_frame(info).is_some() {
             *f2.lock().unwrap() += 1;
         }
         gst::PadProbeReturn::Ok

@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use gst::prelude::*;
-use gst_vlm_elements::meta::VlmFrameMeta;
 
 /// Most the RSS may grow from the end of the warm-up to the end of a run.
 const RSS_BOUND_MIB: f64 = 64.0;
@@ -78,13 +77,7 @@ fn count_frames(pad: &gst::Pad) -> Arc<AtomicU64> {
     let count = Arc::new(AtomicU64::new(0));
     let c = Arc::clone(&count);
     pad.add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-        if info
-            .buffer()
-            .and_then(|b| b.meta::<VlmFrameMeta>())
-            .filter(|m| !m.held())
-            .and_then(|m| m.position())
-            .is_some()
-        {
+        if joined_frame(info).is_some() {
             c.fetch_add(1, Ordering::Relaxed);
         }
         gst::PadProbeReturn::Ok

@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex};
 use common::*;
 use gst::prelude::*;
 use gst_vlm_elements::events::QuestionEvent;
-use gst_vlm_elements::meta::VlmFrameMeta;
 
 const FIELDS: [&str; 10] =
     ["id", "question", "text", "stream", "engine", "path", "ttft-ms", "wait-ms", "tokens", "total-ms"];
@@ -73,12 +72,7 @@ fn a_question_event_binds_to_the_frames_before_it() {
     // Just before the buffer of frame 4 reaches vlmquery, a question event is sent ahead of it.
     let sent = Arc::new(Mutex::new(false));
     sink.add_probe(gst::PadProbeType::BUFFER, move |pad, info| {
-        let number = info
-            .buffer()
-            .and_then(|b| b.meta::<VlmFrameMeta>())
-            .filter(|m| !m.held())
-            .and_then(|m| m.position())
-            .map(|p| p.1);
+        let number = joined_frame(info);
         let mut sent = sent.lock().unwrap();
         if number == Some(4) && !*sent {
             *sent = true;
@@ -104,12 +98,7 @@ fn ask_binds_to_the_newest_registered_frame() {
     let asked = Arc::new(Mutex::new(None));
     let (asked2, q2) = (Arc::clone(&asked), q.clone());
     bin.by_name("ctx").unwrap().static_pad("src_0").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-        let number = info
-            .buffer()
-            .and_then(|b| b.meta::<VlmFrameMeta>())
-            .filter(|m| !m.held())
-            .and_then(|m| m.position())
-            .map(|p| p.1);
+        let number = joined_frame(info);
         let mut asked = asked2.lock().unwrap();
         if number == Some(2) && asked.is_none() {
             *asked = q2.emit_by_name::<Option<String>>("ask", &[&"Is anything moving?"]);
@@ -640,12 +629,7 @@ fn the_question_statistics_count_what_happened() {
     // At frame 4: two questions, then the first one's id again (refused).
     let sent = Arc::new(Mutex::new(false));
     sink.add_probe(gst::PadProbeType::BUFFER, move |pad, info| {
-        let number = info
-            .buffer()
-            .and_then(|b| b.meta::<VlmFrameMeta>())
-            .filter(|m| !m.held())
-            .and_then(|m| m.position())
-            .map(|p| p.1);
+        let number = joined_frame(info);
         let mut sent = sent.lock().unwrap();
         if number == Some(4) && !*sent {
             *sent = true;

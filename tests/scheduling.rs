@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use gst::prelude::*;
-use gst_vlm_elements::meta::VlmFrameMeta;
 
 /// 2 seconds of a 30 frames/s ball, a frame encoded every 250 ms (8 frames).
 const SOURCE: &str = "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
@@ -47,12 +46,7 @@ fn ask_to_eos(
     let ids = Arc::new(Mutex::new(vec![]));
     let ids2 = Arc::clone(&ids);
     bin.by_name("ctx").unwrap().static_pad("src_0").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
-        let number = info
-            .buffer()
-            .and_then(|b| b.meta::<VlmFrameMeta>())
-            .filter(|m| !m.held())
-            .and_then(|m| m.position())
-            .map(|p| p.1);
+        let number = joined_frame(info);
         for text in number.map(&ask).unwrap_or_default() {
             let id = q.emit_by_name::<Option<String>>("ask", &[&text]);
             ids2.lock().unwrap().push(id);

@@ -119,3 +119,11 @@ pub use rpc_server::RpcServer;
 mod rss;
 #[allow(unused_imports)] // only the memory tests read it
 pub use rss::{peak_rss_mib, reset_peak_rss, rss_mib};
+
+/// The number of the frame a probed buffer brought into its stream's history: none for a buffer
+/// without a registered frame, nor for one the gate held (it carries the number of the frame
+/// that stands for it).
+pub fn joined_frame(info: &gst::PadProbeInfo) -> Option<u64> {
+    let meta = info.buffer()?.meta::<gst_vlm_elements::meta::VlmFrameMeta>()?;
+    meta.position().filter(|_| !meta.held()).map(|p| p.1)
+}
