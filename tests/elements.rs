@@ -350,10 +350,10 @@ fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
 
     let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
     let element = h.element().unwrap();
-    // 800 tokens: a flush that waited for the answer would take the time of hundreds of pieces.
+    // 800 tokens: an answer still decoding long after the flush, unless the flush cancels it.
     element.set_property("max-tokens", 800u32);
     element.set_property("exact-tokens", true);
-    // Its pieces tell when the answer is being generated, and at what rate.
+    // Its first piece tells when the answer is being generated.
     element.set_property("stream-tokens", true);
     h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
     h.play();
@@ -363,23 +363,11 @@ fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
     assert_eq!(h.push(buf), Ok(gst::FlowSuccess::Ok));
     assert!(h.push_event(QuestionEvent::event("Tell me a long story about the picture.", Some("long"), None)));
     h.pull().expect("the long answer's first piece");
-    // The rate of pieces as they come (those already queued taken first).
-    while h.try_pull().is_some() {}
-    let first = std::time::Instant::now();
-    for _ in 0..4 {
-        h.pull().expect("the long answer's next pieces");
-    }
-    let per_piece = first.elapsed() / 4;
-    let started = std::time::Instant::now();
     assert!(h.push_event(gst::event::FlushStart::new()));
     assert!(h.push_event(gst::event::FlushStop::new(true)));
-    // Decided by the flush: the question ended cancelled, none answered; and the flush took
-    // less than the time of 100 pieces at this run's own rate (waiting for the answer would take
-    // several times that).
-    let flushed = started.elapsed();
+    // The question ended cancelled, none answered.
     assert_eq!(element.property::<u64>("answers-cancelled"), 1, "the flush cancels the answer in progress");
     assert_eq!(element.property::<u64>("answers"), 0, "the flushed answer is not pushed");
-    assert!(flushed < per_piece * 100, "a flush must not wait for the answer: {flushed:?} at {per_piece:?} a piece");
     // Pieces pushed before the flush; none of the cancelled answer comes after it.
     while h.try_pull().is_some() {}
     element.set_property("stream-tokens", false);
@@ -389,6 +377,9 @@ fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
     assert!(h.push_event(QuestionEvent::event("What is shown?", Some("after"), Some(4))));
     let answer = h.pull().expect("an answer after the flush");
     assert!(answer.size() > 0);
+    // The engine stopped the flushed answer: it never decoded beside the next one (its ~800
+    // tokens would still have been going).
+    assert_eq!(stream.engine().widest_step(), 1, "the flushed answer kept decoding after the flush");
     // A flush of the query pad alone leaves the element answering.
     let query = h.element().unwrap().static_pad("query").unwrap();
     assert!(query.send_event(gst::event::FlushStart::new()));
