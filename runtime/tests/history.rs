@@ -471,8 +471,8 @@ fn slide_under_a_reader(slide_wait: Duration) -> u64 {
         }
     };
     // A long answer on the stream's cells; the frame that slides is registered once it decodes.
-    // Its ingestion begins within a few decode steps (the ingestion share), long before the
-    // answer's last token.
+    // Waiting for its version at once makes it demanded, so its ingestion begins at the next
+    // step: a step or two into the answer's 100, whatever the machine's speed.
     let q = vlm_runtime::Question { ignore_eos: true, ..question("Tell me about the picture.", 100) };
     let (started, decoding) = std::sync::mpsc::channel::<()>();
     let reader = {
