@@ -215,10 +215,12 @@ fn null_playing_null_cycles_keep_memory_bounded() {
     );
 }
 
+/// With every property at its default, or with `VLM_ENDURANCE_CONTEXT`'s properties added to
+/// vlmcontext (an A/B of a setting against the defaults over the same run).
 #[test]
 fn a_long_live_run_keeps_memory_bounded_and_answers_every_question() {
-    let run = live_run("");
-    assert_eq!(run.slides, 0);
+    let context = std::env::var("VLM_ENDURANCE_CONTEXT").unwrap_or_default();
+    live_run(&context);
 }
 
 /// `history-policy=slide` with a short context (512 cells: the history fills every few frames):
@@ -332,6 +334,16 @@ fn live_run(context: &str) -> LiveRun {
             last,
             ids.len()
         ),
+    );
+    let mut ttft: Vec<f64> = answers.ttft.iter().map(|(_, t)| *t).collect();
+    ttft.sort_by(f64::total_cmp);
+    let quantile = |q: f64| ttft.get(((ttft.len() as f64 * q) as usize).min(ttft.len().saturating_sub(1))).copied();
+    println!(
+        "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0}}}",
+        ttft.len(),
+        quantile(0.5).unwrap_or(f64::NAN),
+        quantile(0.95).unwrap_or(f64::NAN),
+        ttft.last().copied().unwrap_or(f64::NAN)
     );
     let sixth = Duration::from_secs(seconds / 6);
     let in_window = |from: Instant, to: Instant| -> Vec<f64> {

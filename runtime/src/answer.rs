@@ -16,7 +16,7 @@ use crate::engine::{Engine, Generation, Progress, Stage, Worker};
 use crate::error::{Error, Result};
 use crate::llama::{Token, argmax};
 use crate::placer::{self, PreparePath};
-use crate::prefill::Prefill;
+use crate::prefill::{Origin, Prefill};
 use crate::snapshot::Snapshot;
 use crate::stream::{Entry, Stream, Version};
 use crate::text::Utf8Stream;
@@ -289,8 +289,11 @@ impl Preparation {
         let suffix = Entry::Text(suffix.into());
         let (path, entries) = match self {
             Preparation::Branch if stream.resident_epoch() == version.epoch => {
-                w.ctx.seq_copy_prefix(stream.home().1, branch, version.end);
-                (PreparePath::Resident, vec![suffix])
+                let seq = stream.home().1;
+                w.ctx.seq_copy_prefix(seq, branch, version.end);
+                let origin = Origin { seq, epoch: version.epoch, end: version.end };
+                let prefill = Prefill::new(branch, version.end, [suffix], true, w.frame_rows());
+                return Ok((PreparePath::Resident, prefill.branched_from(origin)));
             }
             Preparation::Import(snapshot) => {
                 w.ctx.seq_restore(branch, &snapshot.bytes)?;

@@ -70,9 +70,20 @@ pub(crate) fn chunk_len(available: usize, want: usize) -> usize {
     }
 }
 
+/// Where a branch's cells before its prefill's first position came from: a prefix of a stream's
+/// sequence (its home sequence, epoch and end). Branches of one origin hold the same cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Origin {
+    pub seq: i32,
+    pub epoch: u32,
+    pub end: i32,
+}
+
 /// The inputs a sequence still has to prefill, from position `pos` on.
 pub(crate) struct Prefill {
     pub seq: i32,
+    /// Set for a branch of a stream's sequence (see [`batch_together`]).
+    pub origin: Option<Origin>,
     pieces: Vec<Piece>,
     index: usize,
     offset: usize,
@@ -105,7 +116,25 @@ impl Prefill {
         }
         pieces.retain(|p| Self::len(p) > 0);
         let remaining = pieces.iter().map(Self::len).sum();
-        Prefill { seq, pieces, index: 0, offset: 0, pos, logits_last, remaining }
+        Prefill { seq, origin: None, pieces, index: 0, offset: 0, pos, logits_last, remaining }
+    }
+
+    /// This prefill continues a branch of `origin`.
+    pub(crate) fn branched_from(self, origin: Origin) -> Prefill {
+        Prefill { origin: Some(origin), ..self }
+    }
+
+    /// The tokens left, when all that is left is one run of tokens.
+    pub(crate) fn tokens_left(&self) -> Option<&[Token]> {
+        let tokens = match self.pieces.get(self.index..)? {
+            [Piece::Tokens(t)] => &t[..],
+            [Piece::Segment(f, i)] => match &f.segments[*i] {
+                Segment::Text(t) => &t[..],
+                Segment::Image(_) => return None,
+            },
+            _ => return None,
+        };
+        Some(&tokens[self.offset..])
     }
 
     /// Inputs (tokens or rows) in a piece.
@@ -183,4 +212,60 @@ impl Prefill {
         self.offset = 0;
         Ok(())
     }
+}
+
+/// The rest of several prefills, each one run of tokens ([`Prefill::tokens_left`]), in one
+/// batch; returns it and, for each prefill, the entry of its last token (its logits). With
+/// `share` (a unified KV pool, where one cell can belong to several sequences) the prefills of
+/// one [`Origin`] decode the tokens they agree on once: each distinct prefix is one entry that
+/// carries every sequence having it, a trie laid out level by level so that each sequence's
+/// positions rise, as llama.cpp's shared system prompt is decoded. N alerts opening with the
+/// same words ("<turn> User: Is there") pay for those words once. A prefill that shares with
+/// none is its run of tokens, in order, as [`Prefill::push`] adds it.
+pub(crate) fn batch_together(prefills: &[&Prefill], share: bool) -> (Batch, Vec<usize>) {
+    struct Entry {
+        token: Token,
+        pos: i32,
+        seqs: Vec<i32>,
+        logits: bool,
+    }
+    // The groups of prefills that may share, in the order of their first prefill.
+    let mut groups: Vec<Vec<usize>> = vec![];
+    for (i, p) in prefills.iter().enumerate() {
+        let key = |p: &Prefill| share.then_some(p.origin.map(|o| (o, p.pos))).flatten();
+        match groups.iter_mut().find(|g| key(p).is_some() && key(prefills[g[0]]) == key(p)) {
+            Some(group) => group.push(i),
+            None => groups.push(vec![i]),
+        }
+    }
+    let mut entries: Vec<Entry> = vec![];
+    let mut last = vec![0; prefills.len()];
+    for group in groups {
+        let runs: Vec<&[Token]> =
+            group.iter().map(|&i| prefills[i].tokens_left().expect("one run of tokens")).collect();
+        // The entry each prefill's previous token went into: a trie node is (parent, token).
+        let mut parent: Vec<Option<usize>> = vec![None; group.len()];
+        for d in 0..runs.iter().map(|r| r.len()).max().unwrap_or(0) {
+            let mut level = std::collections::HashMap::new();
+            for (k, &i) in group.iter().enumerate() {
+                let Some(&token) = runs[k].get(d) else { continue };
+                let p = prefills[i];
+                let at = *level.entry((parent[k], token)).or_insert_with(|| {
+                    entries.push(Entry { token, pos: p.pos + d as i32, seqs: vec![], logits: false });
+                    entries.len() - 1
+                });
+                entries[at].seqs.push(p.seq);
+                if d + 1 == runs[k].len() {
+                    entries[at].logits |= p.logits_last;
+                    last[i] = at;
+                }
+                parent[k] = Some(at);
+            }
+        }
+    }
+    let mut batch = Batch::shared_tokens(entries.len(), prefills.len());
+    for e in &entries {
+        batch.push_shared_token(e.token, e.pos, &e.seqs, e.logits);
+    }
+    (batch, last)
 }

@@ -73,10 +73,11 @@ fn picture(variant: usize) -> Vec<u8> {
     (0..64 * 48).flat_map(|i| [(i % 64 * 4) as u8, (i / 64 * 5) as u8, ((i / 8 + variant * 3) % 256) as u8]).collect()
 }
 
-/// One stream's evaluation slot: the newest frame (number, capture) not yet taken, or the end.
+/// One stream's evaluation slot: the newest frame (number, capture, encode ms) not yet taken,
+/// or the end.
 #[derive(Default)]
 struct Slot {
-    next: Option<(u64, Instant)>,
+    next: Option<(u64, Instant, f64)>,
     ended: bool,
     thinned: u64,
 }
@@ -98,10 +99,13 @@ struct Level<'a> {
     thinned: u64,
     skipped: u64,
     wall_s: f64,
+    /// Where a frame's time went (runtime only): (encode, capture to version, version to the
+    /// last choice) per evaluated frame, ms.
+    stages: Vec<[f64; 3]>,
 }
 
 fn report(args: &Args, level: Level, rows: &mut Vec<serde_json::Value>) {
-    let Level { config, streams, alerts, mut latencies, thinned, skipped, wall_s } = level;
+    let Level { config, streams, alerts, mut latencies, thinned, skipped, wall_s, stages } = level;
     let evaluations = latencies.len();
     let (p50, p95) = (percentile(&mut latencies, 0.5), percentile(&mut latencies, 0.95));
     let rate = evaluations as f64 / wall_s;
@@ -115,6 +119,17 @@ fn report(args: &Args, level: Level, rows: &mut Vec<serde_json::Value>) {
         "thinned": thinned, "skipped": skipped, "all_evaluated": thinned == 0 && skipped == 0,
         "latency_ms": latencies,
     }));
+    if !stages.is_empty() {
+        let mean = |k: usize| stages.iter().map(|s| s[k]).sum::<f64>() / stages.len() as f64;
+        let (encode, ready, choices) = (mean(0), mean(1), mean(2));
+        println!(
+            "{:>12} mean of {} frames: encode {encode:.0} ms, capture to version {ready:.0} ms, version to last choice {choices:.0} ms",
+            "",
+            stages.len()
+        );
+        rows.last_mut().unwrap()["stages_mean_ms"] =
+            serde_json::json!({"encode": encode, "capture_to_version": ready, "version_to_last_choice": choices});
+    }
 }
 
 /// The peer's level: each stream a thread that, at each due time, adds the frame's picture and
@@ -157,6 +172,7 @@ fn peer_level(args: &Args, server: &peer::Server, n_streams: usize, specs: &[Ale
         thinned,
         skipped: 0,
         wall_s: started.elapsed().as_secs_f64(),
+        stages: vec![],
     }
 }
 
@@ -202,6 +218,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for &n_alerts in &args.alerts {
             let specs: Arc<Vec<AlertSpec>> = Arc::new(specs(n_alerts));
             let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
+            let stages = Arc::new(Mutex::new(Vec::<[f64; 3]>::new()));
             let mut skipped = 0;
             let mut thinned = 0;
             let started = Instant::now();
@@ -229,10 +246,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             let rgb = picture(f + 100 * s);
                             let frame =
                                 Arc::new(encoder.encode(&Picture::packed(&rgb, 64, 48, 192, PixelLayout::Rgb))?);
+                            let encode_ms = due.elapsed().as_secs_f64() * 1e3;
                             let r = st.register(frame, &never)?;
                             if !r.skipped {
                                 let mut slot = sl.0.lock();
-                                if slot.next.replace((r.number, due)).is_some() {
+                                if slot.next.replace((r.number, due, encode_ms)).is_some() {
                                     slot.thinned += 1;
                                 }
                                 sl.1.notify_all();
@@ -242,12 +260,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         sl.1.notify_all();
                         Ok(())
                     });
-                    let (specs, latencies, st, sl) =
-                        (Arc::clone(&specs), Arc::clone(&latencies), Arc::clone(&stream), Arc::clone(&slot));
+                    let (specs, latencies, stages, st, sl) = (
+                        Arc::clone(&specs),
+                        Arc::clone(&latencies),
+                        Arc::clone(&stages),
+                        Arc::clone(&stream),
+                        Arc::clone(&slot),
+                    );
                     let evaluator = scope.spawn(move || -> vlm_runtime::Result<()> {
                         let never = Arc::new(AtomicBool::new(false));
                         loop {
-                            let (number, due) = {
+                            let (number, due, encode_ms) = {
                                 let mut slot = sl.0.lock();
                                 loop {
                                     if let Some(next) = slot.next.take() {
@@ -261,9 +284,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             };
                             let version = st.wait_version(number, &never)?;
                             let submitted = due.elapsed().as_secs_f64() * 1e3;
+                            let mut last = 0f64;
                             for e in alert::evaluate(&version, &specs, yes_no, &never)? {
-                                latencies.lock().push(submitted + e?.total_ms);
+                                let total_ms = e?.total_ms;
+                                latencies.lock().push(submitted + total_ms);
+                                last = last.max(total_ms);
                             }
+                            stages.lock().push([encode_ms, submitted, last]);
                         }
                     });
                     handles.push((stream, slot, capture, evaluator));
@@ -278,9 +305,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Ok(())
             })?;
             let wall_s = started.elapsed().as_secs_f64();
-            let latencies = latencies.lock().clone();
-            let level =
-                Level { config: "runtime", streams: n_streams, alerts: n_alerts, latencies, thinned, skipped, wall_s };
+            let (latencies, stages) = (latencies.lock().clone(), stages.lock().clone());
+            let level = Level {
+                config: "runtime",
+                streams: n_streams,
+                alerts: n_alerts,
+                latencies,
+                thinned,
+                skipped,
+                wall_s,
+                stages,
+            };
             report(&args, level, &mut rows);
         }
         engine.stop();

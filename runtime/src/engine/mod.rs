@@ -80,6 +80,8 @@ struct Shared {
     widest: AtomicUsize,
     /// Most answer starts prefilled together in one decode (`Scheduler::prefill_together`).
     widest_start: AtomicUsize,
+    /// Inputs those decodes took once for several answers (a shared prefix: `batch_together`).
+    shared_inputs: AtomicUsize,
     rates: Arc<Mutex<StageRates>>,
     /// Estimated milliseconds of queued ingestion (and other ordered work).
     /// (ingestions queued, their estimated milliseconds): the count says whether any is waiting,
@@ -205,6 +207,7 @@ impl Engine {
             threads: std::sync::atomic::AtomicI32::new(config.threads),
             widest: AtomicUsize::new(0),
             widest_start: AtomicUsize::new(0),
+            shared_inputs: AtomicUsize::new(0),
             rates,
             ingest_backlog: Mutex::new((0, 0.0)),
             start_backlog: Mutex::new(0.0),
@@ -442,6 +445,12 @@ impl Engine {
     /// one decode so far.
     pub fn widest_start(&self) -> usize {
         self.shared.widest_start.load(Ordering::Relaxed)
+    }
+
+    /// Inputs that answers starting together did not decode again because they share them
+    /// with another of the same version (their question's first tokens) so far.
+    pub fn shared_inputs(&self) -> usize {
+        self.shared.shared_inputs.load(Ordering::Relaxed)
     }
 
     fn send(&self, job: Job) -> Result<()> {

@@ -11,7 +11,7 @@ use super::jobs::{Begun, Generation, Ingestion, Job, Progress, Work};
 use super::{EngineConfig, Shared, Stage, Worker};
 use crate::error::{Error, Result};
 use crate::llama::{Batch, Token};
-use crate::prefill::{Next, Prefill, chunk_len};
+use crate::prefill::{Next, Prefill, batch_together, chunk_len};
 
 /// Ordered work: ingestion and plain jobs, first come first served, except that a stream whose
 /// frames a question waits for goes before other streams' ingestion (`Scheduler::promote_demanded`).
@@ -160,21 +160,17 @@ impl Scheduler {
         if tails.len() < 2 {
             return false;
         }
-        let total = tails.iter().sum();
-        let mut batch = Batch::tokens(total);
-        for (s, &tail) in self.starting.iter().zip(&tails) {
-            s.prefill.push(&mut batch, tail);
-        }
+        let prefills: Vec<&Prefill> = self.starting.iter().take(tails.len()).map(|s| &s.prefill).collect();
+        let (batch, last) = batch_together(&prefills, w.ctx.is_unified());
         let (decoded, ms) = w.compute(w.prefill_tuner.threads(), |ctx| ctx.decode(&batch));
-        w.record(Stage::Prefill, total, ms);
-        w.prefill_tuner.observe(ms, total);
+        w.record(Stage::Prefill, batch.len(), ms);
+        w.prefill_tuner.observe(ms, batch.len());
         shared.widest_start.fetch_max(tails.len(), Ordering::Relaxed);
-        let mut last = 0;
-        for tail in tails {
+        shared.shared_inputs.fetch_add(tails.iter().sum::<usize>() - batch.len(), Ordering::Relaxed);
+        for (tail, last) in tails.into_iter().zip(last) {
             let mut s = self.starting.pop_front().expect("counted above");
             s.prefill.advance(tail);
-            last += tail;
-            let progress = Self::first_token(&mut s, decoded.clone().and_then(|()| w.ctx.logits(last - 1)));
+            let progress = Self::first_token(&mut s, decoded.clone().and_then(|()| w.ctx.logits(last)));
             self.started(w, s, progress);
         }
         true

@@ -5,33 +5,41 @@ use llama_cpp_sys_2 as sys;
 use super::Token;
 
 /// A llama.cpp batch this side owns: either tokens or embedding rows, each entry with its
-/// position, one sequence and whether its logits are kept. Invariant: the first `n` entries of
-/// every array are filled, `n <= capacity`, and rows are `width` floats.
+/// position, its sequences (one, or up to `seqs` for [`Batch::push_shared_token`]) and whether
+/// its logits are kept. Invariant: the first `n` entries of every array are filled,
+/// `n <= capacity`, and rows are `width` floats.
 pub struct Batch {
     pub(super) raw: sys::llama_batch,
     capacity: usize,
     /// Floats per row (0: a token batch).
     pub(super) width: usize,
+    /// Sequence ids an entry has room for.
+    seqs: usize,
     n: usize,
 }
 
 impl Batch {
     /// A batch of at most `capacity` tokens.
     pub fn tokens(capacity: usize) -> Batch {
-        Batch::init(capacity, 0)
+        Batch::init(capacity, 0, 1)
+    }
+
+    /// A batch of at most `capacity` tokens, each in up to `seqs` sequences.
+    pub fn shared_tokens(capacity: usize, seqs: usize) -> Batch {
+        Batch::init(capacity, 0, seqs)
     }
 
     /// A batch of at most `capacity` embedding rows of `width` floats.
     pub fn embeddings(capacity: usize, width: usize) -> Batch {
-        Batch::init(capacity, width)
+        Batch::init(capacity, width, 1)
     }
 
-    fn init(capacity: usize, width: usize) -> Batch {
-        let capacity = capacity.max(1);
-        // SAFETY: llama_batch_init allocates arrays for `capacity` entries with one sequence id
-        // each (and `width` floats per entry when width > 0); freed in Drop.
-        let raw = unsafe { sys::llama_batch_init(capacity as i32, width as i32, 1) };
-        Batch { raw, capacity, width, n: 0 }
+    fn init(capacity: usize, width: usize, seqs: usize) -> Batch {
+        let (capacity, seqs) = (capacity.max(1), seqs.max(1));
+        // SAFETY: llama_batch_init allocates arrays for `capacity` entries with room for `seqs`
+        // sequence ids each (and `width` floats per entry when width > 0); freed in Drop.
+        let raw = unsafe { sys::llama_batch_init(capacity as i32, width as i32, seqs as i32) };
+        Batch { raw, capacity, width, seqs, n: 0 }
     }
 
     pub fn len(&self) -> usize {
@@ -51,14 +59,15 @@ impl Batch {
         unsafe { (*self.raw.pos, **self.raw.seq_id) }
     }
 
-    fn push_meta(&mut self, pos: i32, seq: i32, logits: bool) {
+    fn push_meta(&mut self, pos: i32, seqs: &[i32], logits: bool) {
+        assert!(!seqs.is_empty() && seqs.len() <= self.seqs, "an entry has 1 to {} sequences", self.seqs);
         let j = self.n;
         // SAFETY: j < capacity (checked by the callers' asserts); the arrays have `capacity`
-        // entries and seq_id[j] points at room for one id.
+        // entries and seq_id[j] points at room for `self.seqs` ids (checked above).
         unsafe {
             *self.raw.pos.add(j) = pos;
-            *self.raw.n_seq_id.add(j) = 1;
-            **self.raw.seq_id.add(j) = seq;
+            *self.raw.n_seq_id.add(j) = seqs.len() as i32;
+            std::ptr::copy_nonoverlapping(seqs.as_ptr(), *self.raw.seq_id.add(j), seqs.len());
             *self.raw.logits.add(j) = logits as i8;
         }
         self.n += 1;
@@ -66,10 +75,16 @@ impl Batch {
     }
 
     pub fn push_token(&mut self, token: Token, pos: i32, seq: i32, logits: bool) {
+        self.push_shared_token(token, pos, &[seq], logits);
+    }
+
+    /// A token that goes into every sequence of `seqs` (one cell they all hold, in a unified
+    /// KV pool): sequences that agree up to here decode it once.
+    pub fn push_shared_token(&mut self, token: Token, pos: i32, seqs: &[i32], logits: bool) {
         assert!(self.width == 0 && self.n < self.capacity, "token batch full or not a token batch");
         // SAFETY: token batch with n < capacity entries.
         unsafe { *self.raw.token.add(self.n) = token };
-        self.push_meta(pos, seq, logits);
+        self.push_meta(pos, seqs, logits);
     }
 
     pub fn push_row(&mut self, row: &[f32], pos: i32, seq: i32, logits: bool) {
@@ -77,7 +92,7 @@ impl Batch {
         // SAFETY: the embd array holds capacity*width floats; row n starts at n*width and the
         // source has exactly width floats.
         unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), self.raw.embd.add(self.n * self.width), self.width) };
-        self.push_meta(pos, seq, logits);
+        self.push_meta(pos, &[seq], logits);
     }
 }
 

@@ -208,6 +208,11 @@ impl Context {
     }
 
     /// Most inputs one `llama_decode` takes.
+    /// Whether every sequence's cells are in one pool (where a cell can belong to several).
+    pub fn is_unified(&self) -> bool {
+        self.unified
+    }
+
     pub fn n_batch(&self) -> u32 {
         self.n_batch
     }
