@@ -236,7 +236,7 @@ fn a_full_history_restarts_under_the_policy_and_says_so() {
     let pipeline = launch(
         "videotestsrc pattern=ball num-buffers=150 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
          ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
-         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf context-size=512 history-keep=2 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf context-size=512 history-policy=restart history-keep=2 \
          ! vlmquery name=q max-tokens=4 ! fakesink sync=false filesrc location=pipelines/questions.srt ! subparse ! q.query",
     );
     let bus = pipeline.bus().unwrap();

@@ -29,9 +29,10 @@
 //! When ingestion is `max-pending` frames behind, `overload` applies: `block` holds upstream
 //! (backpressure, for files), `skip` lets the frame pass without joining the history (the
 //! stream's sampling rate falls to what the engine ingests), `auto` skips when upstream is live
-//! and blocks otherwise. When a history would overflow `context-size`, `history-policy=restart`
-//! starts it again from its newest `history-keep` frames (replayed from their embeddings) and
-//! `stop` lets later frames pass without joining it.
+//! and blocks otherwise. When a history would overflow `context-size`, `history-policy=slide` (the
+//! default) drops its oldest frames and keeps the rest where they are, `restart` starts it again
+//! from its newest `history-keep` frames (replayed from their embeddings) and `stop` lets later
+//! frames pass without joining it.
 //!
 //! ## Example pipelines
 //!
@@ -94,7 +95,7 @@
 //!   bound). `overload` (`auto`/`block`/`skip`, `auto`).
 //! - `step-budget-ms` (150): most prefill between two decode steps. `ingest-share` (0-0.9,
 //!   0.25): share of an engine's time ingestion takes while answers are generated.
-//! - `history-policy` (`restart`/`stop`/`slide`, `restart`), `history-keep` (8): `slide` drops the
+//! - `history-policy` (`restart`/`stop`/`slide`, `slide`), `history-keep` (8): `slide` drops the
 //!   oldest frames until a quarter of `context-size` is free and shifts the rest in place
 //!   (llama.cpp's K-shift) instead of prefilling them again; M-RoPE models (Qwen2-VL) cannot shift, but
 //!   their positions may jump forward: there a slide drops the oldest frames' cells and leaves a

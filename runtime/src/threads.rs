@@ -11,7 +11,9 @@
 //! with 1.7-1.8 s. Neither count is right for both, so the engine measures: its calibration run
 //! times each kind of computation with each candidate (the configured count and 1) and starts
 //! with the faster, and every so often ([`Kind`]) it runs a few computations with the other
-//! count and keeps whichever costs less per token. Decode steps and prefill chunks are tuned
+//! count and keeps whichever costs less per token (a prefill probe only on chunks nobody waits
+//! for: a question's or an alert's prefill and a frame a question waits for keep the best count,
+//! [`ThreadTuner::waited_threads`]). Decode steps and prefill chunks are tuned
 //! apart, each computation run with its own kind's count: contention hurts the wide prefill
 //! chunks most, and their cost per token is not a decode step's.
 //!
@@ -97,6 +99,34 @@ impl ThreadTuner {
 
     pub(crate) fn threads(&self) -> i32 {
         self.candidates[self.current].min(self.cap)
+    }
+
+    /// The count for a computation someone waits on (a question's or an alert's prefill, a frame
+    /// a question waits for): never a probe's, which may be the slower count. Probes run on the
+    /// work nobody waits for; measured on the alerts benchmark (test pair, one stream, 10 frames,
+    /// 2 runs each way), a probe's three prefill chunks on one thread raised p95 from capture to
+    /// the choice from 265-307 ms to 381-383 ms, p50 alike.
+    pub(crate) fn waited_threads(&self) -> i32 {
+        match &self.probe {
+            Some(p) => self.candidates[p.back_to].min(self.cap),
+            None => self.threads(),
+        }
+    }
+
+    /// A computation run with [`ThreadTuner::waited_threads`] took `ms`: during a probe it
+    /// updates the compared count's cost only (the probe goes on with the next computation
+    /// nobody waits for); otherwise as [`ThreadTuner::observe`].
+    pub(crate) fn observe_waited(&mut self, ms: f64, tokens: usize) {
+        match &self.probe {
+            Some(p) if tokens > 0 => {
+                let cost = &mut self.cost[p.back_to];
+                *cost = 0.8 * *cost + 0.2 * ms / tokens as f64;
+            }
+            Some(_) => (),
+            None => {
+                self.observe(ms, tokens);
+            }
+        }
     }
 
     /// At most `cap` threads from now on (a probe of a wider count ends, lost).
@@ -323,6 +353,33 @@ mod tests {
         assert_eq!(switched, [1], "the probe after {every} chunks keeps 1 thread");
         assert!(run(&mut decode, every + steps, |n| if n == 2 { 8.0 } else { 13.0 }).is_empty());
         assert_eq!(decode.threads(), 2);
+    }
+
+    #[test]
+    fn computations_someone_waits_on_never_run_a_probe() {
+        let (every, steps) = Kind::Prefill.probing();
+        let mut t = ThreadTuner::new(Kind::Prefill, 2, true);
+        t.seed(0, 3.0);
+        t.seed(1, 5.0);
+        assert_eq!(t.choose_best(), 2);
+        let ms = |n: i32| if n == 2 { 3.0 * 36.0 } else { 5.0 * 36.0 };
+        // Waited-on chunks count toward the next probe, and the probe begins...
+        for _ in 0..every {
+            let n = t.waited_threads();
+            assert_eq!(n, 2);
+            t.observe_waited(ms(n), 36);
+        }
+        assert_eq!(t.threads(), 1, "a probe of one thread began");
+        // ...but waited-on chunks keep the best count while it lasts, however many come.
+        for _ in 0..5 * every {
+            let n = t.waited_threads();
+            assert_eq!(n, 2, "a waited-on chunk ran the probe's count");
+            t.observe_waited(ms(n), 36);
+        }
+        // The probe runs on chunks nobody waits for, loses, and the best count is back.
+        let switched: Vec<i32> = (0..steps).filter_map(|_| t.observe(ms(t.threads()), 36)).collect();
+        assert_eq!(switched, [2]);
+        assert_eq!((t.threads(), t.waited_threads()), (2, 2));
     }
 
     #[test]

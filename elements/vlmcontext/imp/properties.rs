@@ -9,8 +9,8 @@ use vlm_runtime::models;
 use vlm_runtime::prompt::DEFAULT_SYSTEM_PROMPT;
 
 use super::{
-    DEFAULT_CONTEXT_SIZE, DEFAULT_HISTORY_KEEP, DEFAULT_MAX_ANSWERS, DEFAULT_MAX_PENDING, DEFAULT_MAX_STREAMS,
-    DEFAULT_PREFIX_CACHE_ENTRIES, HistoryPolicyKind, KvLayoutKind, KvTypeKind, OverloadKind, Settings, Stats,
+    DEFAULT_CONTEXT_SIZE, DEFAULT_HISTORY_KEEP, DEFAULT_HISTORY_POLICY, DEFAULT_MAX_ANSWERS, DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_STREAMS, DEFAULT_PREFIX_CACHE_ENTRIES, KvLayoutKind, KvTypeKind, OverloadKind, Settings, Stats,
     VlmContext,
 };
 
@@ -178,7 +178,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .blurb("Largest ingestion lag seen when a frame arrived: age of the oldest frame registered but not yet published (ms)")
             .read_only()
             .build(),
-        glib::ParamSpecEnum::builder_with_default(PROP_HISTORY_POLICY, HistoryPolicyKind::Restart)
+        glib::ParamSpecEnum::builder_with_default(PROP_HISTORY_POLICY, DEFAULT_HISTORY_POLICY)
             .nick("History policy")
             .blurb("What happens when a stream's history would overflow context-size")
             .mutable_ready()

@@ -10,7 +10,9 @@
 //! evaluator thread per stream takes the newest frame (an older one still in the slot is thinned,
 //! counted), waits for its version and evaluates every alert on it (`alert::evaluate`: one forced
 //! choice each, all queued at once). An alert's latency is capture to its choice, encode,
-//! ingestion and queueing included. With `--peer`, the same streams, frames and alerts through
+//! ingestion and queueing included; a frame's ("all") is capture to the last of its alerts'
+//! choices (the runtime decides a frame's alerts in one decode, the server one request after
+//! another, so the first server choices come sooner and the last later). With `--peer`, the same streams, frames and alerts through
 //! llama-server after each level (`peer.rs`: its strongest client, one slot a stream, prompt
 //! cache), on the same clock. Prints a table and one JSON object.
 
@@ -96,6 +98,8 @@ struct Level<'a> {
     streams: usize,
     alerts: usize,
     latencies: Vec<f64>,
+    /// Capture to the last of a frame's alerts decided, per evaluated frame.
+    frames_decided: Vec<f64>,
     thinned: u64,
     skipped: u64,
     wall_s: f64,
@@ -105,17 +109,19 @@ struct Level<'a> {
 }
 
 fn report(args: &Args, level: Level, rows: &mut Vec<serde_json::Value>) {
-    let Level { config, streams, alerts, mut latencies, thinned, skipped, wall_s, stages } = level;
+    let Level { config, streams, alerts, mut latencies, mut frames_decided, thinned, skipped, wall_s, stages } = level;
     let evaluations = latencies.len();
     let (p50, p95) = (percentile(&mut latencies, 0.5), percentile(&mut latencies, 0.95));
+    let (all50, all95) = (percentile(&mut frames_decided, 0.5), percentile(&mut frames_decided, 0.95));
     let rate = evaluations as f64 / wall_s;
     println!(
-        "{config:>12} {streams:>7} {alerts:>6} {:>5} {evaluations:>8} {rate:>9.1} {p50:>8.1} {p95:>8.1} {thinned:>8} {skipped:>8}",
+        "{config:>12} {streams:>7} {alerts:>6} {:>5} {evaluations:>8} {rate:>9.1} {p50:>8.1} {p95:>8.1} {all50:>8.1} {all95:>8.1} {thinned:>8} {skipped:>8}",
         args.fps
     );
     rows.push(serde_json::json!({
         "config": config, "streams": streams, "alerts": alerts, "fps": args.fps, "frames_per_stream": args.frames,
         "evaluations": evaluations, "evaluations_per_s": rate, "p50_ms": p50, "p95_ms": p95,
+        "frame_decided_p50_ms": all50, "frame_decided_p95_ms": all95,
         "thinned": thinned, "skipped": skipped, "all_evaluated": thinned == 0 && skipped == 0,
         "latency_ms": latencies,
     }));
@@ -138,11 +144,12 @@ fn report(args: &Args, level: Level, rows: &mut Vec<serde_json::Value>) {
 /// the runtime thins.
 fn peer_level(args: &Args, server: &peer::Server, n_streams: usize, specs: &[AlertSpec]) -> Level<'static> {
     let latencies = Mutex::new(Vec::<f64>::new());
+    let frames_decided = Mutex::new(Vec::<f64>::new());
     let thinned = std::sync::atomic::AtomicU64::new(0);
     let started = Instant::now();
     std::thread::scope(|scope| {
         for s in 0..n_streams {
-            let (latencies, thinned) = (&latencies, &thinned);
+            let (latencies, frames_decided, thinned) = (&latencies, &frames_decided, &thinned);
             scope.spawn(move || {
                 let period = Duration::from_secs_f64(1.0 / args.fps);
                 let first = Instant::now() + period.mul_f64(s as f64 / n_streams as f64);
@@ -159,6 +166,7 @@ fn peer_level(args: &Args, server: &peer::Server, n_streams: usize, specs: &[Ale
                         server.evaluate(&images, &alert::alert_prompt(&spec.question), s).expect("llama-server");
                         latencies.lock().push(due.elapsed().as_secs_f64() * 1e3);
                     }
+                    frames_decided.lock().push(due.elapsed().as_secs_f64() * 1e3);
                 }
             });
         }
@@ -169,6 +177,7 @@ fn peer_level(args: &Args, server: &peer::Server, n_streams: usize, specs: &[Ale
         streams: n_streams,
         alerts: specs.len(),
         latencies: latencies.into_inner(),
+        frames_decided: frames_decided.into_inner(),
         thinned,
         skipped: 0,
         wall_s: started.elapsed().as_secs_f64(),
@@ -196,8 +205,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cells = (96 + frame_cells * args.frames as u32 + 256).next_power_of_two();
     let mut rows = vec![];
     println!(
-        "{:>12} {:>7} {:>6} {:>5} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8}",
-        "config", "streams", "alerts", "fps", "evals", "evals/s", "p50 ms", "p95 ms", "thinned", "skipped"
+        "{:>12} {:>7} {:>6} {:>5} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "config",
+        "streams",
+        "alerts",
+        "fps",
+        "evals",
+        "evals/s",
+        "p50 ms",
+        "p95 ms",
+        "all p50",
+        "all p95",
+        "thinned",
+        "skipped"
     );
     for &n_streams in &args.streams {
         let engine = Engine::start(
@@ -306,11 +326,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             })?;
             let wall_s = started.elapsed().as_secs_f64();
             let (latencies, stages) = (latencies.lock().clone(), stages.lock().clone());
+            let frames_decided = stages.iter().map(|s| s[1] + s[2]).collect();
             let level = Level {
                 config: "runtime",
                 streams: n_streams,
                 alerts: n_alerts,
                 latencies,
+                frames_decided,
                 thinned,
                 skipped,
                 wall_s,

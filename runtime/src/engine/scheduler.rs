@@ -162,9 +162,9 @@ impl Scheduler {
         }
         let prefills: Vec<&Prefill> = self.starting.iter().take(tails.len()).map(|s| &s.prefill).collect();
         let (batch, last) = batch_together(&prefills, w.ctx.is_unified());
-        let (decoded, ms) = w.compute(w.prefill_tuner.threads(), |ctx| ctx.decode(&batch));
+        let (decoded, ms) = w.compute(w.prefill_tuner.waited_threads(), |ctx| ctx.decode(&batch));
         w.record(Stage::Prefill, batch.len(), ms);
-        w.prefill_tuner.observe(ms, batch.len());
+        w.prefill_tuner.observe_waited(ms, batch.len());
         shared.widest_start.fetch_max(tails.len(), Ordering::Relaxed);
         shared.shared_inputs.fetch_add(tails.iter().sum::<usize>() - batch.len(), Ordering::Relaxed);
         for (tail, last) in tails.into_iter().zip(last) {
@@ -218,7 +218,7 @@ impl Scheduler {
             }
             let tokens = ((budget - spent) / w.prefill_ms_per_token()) as usize;
             let started = Instant::now();
-            if let Err(e) = prefill_chunk(w, &mut s.prefill, tokens.max(MIN_CHUNK)) {
+            if let Err(e) = prefill_chunk(w, &mut s.prefill, tokens.max(MIN_CHUNK), true) {
                 break Err(e);
             }
             spent += started.elapsed().as_secs_f64() * 1e3;
@@ -274,7 +274,8 @@ impl Scheduler {
         }
         let Some(Ordered::Ingest(ing)) = self.ordered.front_mut() else { unreachable!("checked above") };
         let tokens = (allowed_ms / w.prefill_ms_per_token()) as usize;
-        let result = prefill_chunk(w, &mut ing.prefill, tokens.max(MIN_CHUNK));
+        let waited = ing.demand.load(Ordering::Acquire) > 0;
+        let result = prefill_chunk(w, &mut ing.prefill, tokens.max(MIN_CHUNK), waited);
         if result.is_err() || ing.prefill.is_done() {
             let end = ing.prefill.pos;
             self.finish(w, shared, 0, result.map(|()| end));
@@ -370,11 +371,12 @@ const MIN_CHUNK: usize = 8;
 
 /// Decode the next chunk of `prefill`: about `tokens` inputs (`chunk_len` decides), never more
 /// than one `llama_decode` takes (`n_batch`: a fast measured rate asks for more), or an image
-/// that must go whole.
-fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result<()> {
+/// that must go whole. `waited`: a question waits on it (no thread probe runs on it).
+fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize, waited: bool) -> Result<()> {
     let Some(next) = prefill.next() else { return Ok(()) };
     let before = prefill.remaining();
-    let (decoded, ms) = w.compute(w.prefill_tuner.threads(), |ctx| match next {
+    let threads = if waited { w.prefill_tuner.waited_threads() } else { w.prefill_tuner.threads() };
+    let (decoded, ms) = w.compute(threads, |ctx| match next {
         Next::Whole => prefill.decode_whole(ctx),
         Next::Tokens(available) | Next::Rows(available) => {
             let n = chunk_len(available, tokens.min(ctx.n_batch() as usize));
@@ -389,7 +391,11 @@ fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize) -> Result
     decoded?;
     let inputs = before - prefill.remaining();
     w.record(Stage::Prefill, inputs, ms);
-    w.prefill_tuner.observe(ms, inputs);
+    if waited {
+        w.prefill_tuner.observe_waited(ms, inputs);
+    } else {
+        w.prefill_tuner.observe(ms, inputs);
+    }
     Ok(())
 }
 
