@@ -49,5 +49,5 @@ pub use llama::{Device, Gpu, KvType};
 pub use placer::PreparePath;
 pub use stream::{
     DEFAULT_ANSWER_RESERVE, DEFAULT_SLIDE_WAIT, Frame, HistoryPolicy, Lag, Overload, Registration, Stream,
-    StreamConfig, Version,
+    StreamConfig, Version, Watch,
 };

@@ -230,9 +230,9 @@ pub(crate) fn batch_together(prefills: &[&Prefill], share: bool) -> (Batch, Vec<
         logits: bool,
     }
     // The groups of prefills that may share, in the order of their first prefill.
+    let key = |p: &Prefill| share.then_some(p.origin.map(|o| (o, p.pos))).flatten();
     let mut groups: Vec<Vec<usize>> = vec![];
     for (i, p) in prefills.iter().enumerate() {
-        let key = |p: &Prefill| share.then_some(p.origin.map(|o| (o, p.pos))).flatten();
         match groups.iter_mut().find(|g| key(p).is_some() && key(prefills[g[0]]) == key(p)) {
             Some(group) => group.push(i),
             None => groups.push(vec![i]),

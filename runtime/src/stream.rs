@@ -225,6 +225,15 @@ struct Home {
     seq: i32,
 }
 
+/// A reader counted in a stream's demand ([`Stream::watch`]) until dropped.
+pub struct Watch(Arc<AtomicUsize>);
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 pub struct Stream {
     id: u64,
     config: StreamConfig,
@@ -587,19 +596,22 @@ impl Stream {
         }
     }
 
+    /// Count a reader in the stream's demand while the returned guard lives: its frames are
+    /// ingested as a waiting question's are (before the frames of streams nobody waits on, a
+    /// budget every step, never on a thread probe). [`Stream::wait_version`] holds one while it
+    /// waits; a reader of every new version (standing alerts) holds one for as long as it reads,
+    /// since it asks for each version only once the frame has been registered, and the frame's
+    /// prefill may start before.
+    pub fn watch(&self) -> Watch {
+        self.demand.fetch_add(1, Ordering::AcqRel);
+        Watch(Arc::clone(&self.demand))
+    }
+
     /// Wait until the version of frame `number` is published and pin it. Never returns another
     /// version: a question that needs a registered frame waits for that frame, until `cancel` is
     /// set (then [`Stream::wake`]), the stream fails or it closes.
     pub fn wait_version(self: &Arc<Self>, number: u64, cancel: &AtomicBool) -> Result<Version> {
-        /// Counts a waiting question in the stream's demand while it lives.
-        struct Waiting<'a>(&'a AtomicUsize);
-        impl Drop for Waiting<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
-        self.demand.fetch_add(1, Ordering::AcqRel);
-        let _waiting = Waiting(&self.demand);
+        let _waiting = self.watch();
         let mut t = self.timeline.lock();
         loop {
             if let Some(e) = &t.failed {

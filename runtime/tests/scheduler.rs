@@ -275,6 +275,35 @@ fn a_waited_for_frame_goes_before_another_streams_backlog() {
     assert_eq!(busy.wait_version(BACKLOG, &never).unwrap().frames(), BACKLOG);
 }
 
+/// A stream whose every version is read (standing alerts: `Stream::watch`) has its frames ingested
+/// as a waiting question's are, before another stream's backlog, though nobody has asked for the
+/// frame yet: a reader of each new version asks only once the frame is registered, and its
+/// prefill may already have begun. Without the watch the frame waits behind the whole backlog.
+#[test]
+fn a_watched_streams_frame_goes_before_another_streams_backlog() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let open_deep = |name: &str| open_pending(&engine, name, 16, Overload::Block);
+    let (busy, watched) = (open_deep("busy"), open_deep("watched"));
+    let _watch = watched.watch();
+    const BACKLOG: u64 = 10;
+    for v in 0..BACKLOG {
+        busy.register(frame(&enc, v as u32 % 5), &never).unwrap();
+    }
+    watched.register(frame(&enc, 7), &never).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while watched.published() < 1 {
+        assert!(std::time::Instant::now() < deadline, "the watched stream's frame was never published");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let busy_done = busy.published();
+    eprintln!("the watched stream's frame was published after {busy_done} of the busy stream's {BACKLOG}");
+    assert!(busy_done < BACKLOG, "the watched stream's frame was ingested after the whole backlog of another stream");
+    assert_eq!(busy.wait_version(BACKLOG, &never).unwrap().frames(), BACKLOG);
+}
+
 /// Questions raise and drop a stream's demand from their own threads at any moment (each
 /// `wait_version` counts while it runs); the scheduler reads it while it orders the stream's
 /// queued frames. However the demand flickers, the frames are ingested in their order: a frame

@@ -21,8 +21,8 @@ use gst::glib;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 use parking_lot::{Condvar, Mutex};
-use vlm_runtime::Stream;
 use vlm_runtime::alert::{self, AlertSpec, Hysteresis, YesNo};
+use vlm_runtime::{Stream, Watch};
 
 use super::{CAT, OutputFormat, VlmQuery};
 
@@ -45,6 +45,9 @@ struct FrameAt {
 /// The alerts of one stream.
 struct StreamAlerts {
     stream: Arc<Stream>,
+    /// While alerts are set: every new version is read, so the stream's frames are ingested as a
+    /// waiting question's are (`Stream::watch`).
+    watch: Option<Watch>,
     /// The next frame to evaluate (the newest one not yet taken).
     next: Option<FrameAt>,
     /// Frames since the last one scheduled (`alert-interval`).
@@ -167,6 +170,9 @@ impl VlmQuery {
                                 }
                             }
                         }
+                        if specs.is_empty() {
+                            st.streams.values_mut().for_each(|s| s.watch = None);
+                        }
                         gst::info!(CAT, imp = self, "alerts: {}", alert::format_alerts(&specs));
                         st.text = text;
                         st.specs = Arc::new(specs);
@@ -228,6 +234,7 @@ impl VlmQuery {
         }
         let s = st.streams.entry(id).or_insert_with(|| StreamAlerts {
             stream: Arc::clone(stream),
+            watch: None,
             next: None,
             since: 0,
             last_at: None,
@@ -237,6 +244,7 @@ impl VlmQuery {
             last_overload: None,
             warned: false,
         });
+        s.watch.get_or_insert_with(|| stream.watch());
         s.since += 1;
         // (Running time that went back, a new segment, starts the period again.)
         let early = running_time.zip(s.last_at).is_some_and(|(now, last)| now >= last && now - last < period);

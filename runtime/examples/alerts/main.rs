@@ -289,6 +289,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     );
                     let evaluator = scope.spawn(move || -> vlm_runtime::Result<()> {
                         let never = Arc::new(AtomicBool::new(false));
+                        // Every new version is read, as `vlmquery alerts` reads them.
+                        let _watch = st.watch();
                         loop {
                             let (number, due, encode_ms) = {
                                 let mut slot = sl.0.lock();

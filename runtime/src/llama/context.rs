@@ -207,12 +207,12 @@ impl Context {
         unsafe { sys::llama_set_n_threads(self.ptr.as_ptr(), threads, threads) }
     }
 
-    /// Most inputs one `llama_decode` takes.
     /// Whether every sequence's cells are in one pool (where a cell can belong to several).
     pub fn is_unified(&self) -> bool {
         self.unified
     }
 
+    /// Most inputs one `llama_decode` takes.
     pub fn n_batch(&self) -> u32 {
         self.n_batch
     }
