@@ -231,15 +231,17 @@ fn a_live_run_slides_its_history_without_restarting() {
     let run = live_run("history-policy=slide context-size=512");
     assert_eq!(run.restarts, 0, "history-policy=slide restarted the history");
     assert!(run.slides >= 2, "the history slid {} times", run.slides);
-    let p95 = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() * 95 / 100).copied().unwrap_or(f64::NAN)
-    };
-    let (first, last) = (p95(run.ttft_first), p95(run.ttft_last));
+    let (first, last) = (quantile(run.ttft_first, 0.95), quantile(run.ttft_last, 0.95));
     println!(
         "{{\"endurance\":\"slide-ttft\",\"p95-first-ms\":{first:.0},\"p95-last-ms\":{last:.0},\"ratio\":{:.2}}}",
         last / first
     );
+}
+
+/// The `q` quantile of `v` (NaN when empty; 1.0 is the largest).
+fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(((v.len() as f64 * q) as usize).min(v.len().saturating_sub(1))).copied().unwrap_or(f64::NAN)
 }
 
 /// What a live run counted.
@@ -335,15 +337,13 @@ fn live_run(context: &str) -> LiveRun {
             ids.len()
         ),
     );
-    let mut ttft: Vec<f64> = answers.ttft.iter().map(|(_, t)| *t).collect();
-    ttft.sort_by(f64::total_cmp);
-    let quantile = |q: f64| ttft.get(((ttft.len() as f64 * q) as usize).min(ttft.len().saturating_sub(1))).copied();
+    let ttft: Vec<f64> = answers.ttft.iter().map(|(_, t)| *t).collect();
     println!(
         "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0}}}",
         ttft.len(),
-        quantile(0.5).unwrap_or(f64::NAN),
-        quantile(0.95).unwrap_or(f64::NAN),
-        ttft.last().copied().unwrap_or(f64::NAN)
+        quantile(ttft.clone(), 0.5),
+        quantile(ttft.clone(), 0.95),
+        quantile(ttft, 1.0)
     );
     let sixth = Duration::from_secs(seconds / 6);
     let in_window = |from: Instant, to: Instant| -> Vec<f64> {

@@ -171,7 +171,7 @@ fn yes_and_no_are_found_in_each_vocabulary_or_refused_by_name() {
 /// pool: the suffixes' common first tokens are decoded once for all the branches (a trie; the
 /// engine counts the inputs it did not decode again, and the count is the one the tokens give),
 /// and each choice stays the one the alert gets alone up to the pool's summation order (measured:
-/// the logits move by 0.02-0.04, as other branches in the pool move them; the test model's yes
+/// the logits move by 0.02-0.1, as other branches in the pool move them; the test model's yes
 /// and no are that close, so the bound is on the logits and P(yes), not on the state).
 fn evaluations_queued_together_share_one_decode(kv_layout: vlm_runtime::KvLayout) {
     let config = vlm_runtime::EngineConfig {

@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use common::*;
+use vlm_runtime::encoder::MtmdEncoder;
 use vlm_runtime::{AnswerReport, Engine, EngineConfig, Overload, Stream, StreamConfig, answer};
 
 /// These tests compare timings within a run: one at a time.
@@ -252,56 +253,62 @@ fn a_panic_on_one_engine_fails_its_waiters_and_another_engine_keeps_answering() 
     assert_eq!(ask_exact(&t, 1, 4).tokens, 4, "the other engine keeps answering");
 }
 
+/// Frames queued on the `busy` stream before the other stream's one frame.
+const BACKLOG: u64 = 10;
+
+/// Two streams on one engine: `busy` with `BACKLOG` frames queued, and `other` with none yet
+/// (and the encoder that made the frames).
+fn beside_a_backlog(other: &str) -> (Arc<Engine>, MtmdEncoder, Arc<Stream>, Arc<Stream>) {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let open_deep = |name: &str| open_pending(&engine, name, 16, Overload::Block);
+    let (busy, other) = (open_deep("busy"), open_deep(other));
+    for v in 0..BACKLOG {
+        busy.register(frame(&enc, v as u32 % 5), &never).unwrap();
+    }
+    (engine, enc, busy, other)
+}
+
+/// The other stream's frame was published when `busy_done` frames of the backlog were: before
+/// the whole backlog, which is then ingested all the same, in its order.
+fn assert_ahead_of_the_backlog(busy: &Arc<Stream>, busy_done: u64, what: &str) {
+    eprintln!("the {what} stream's frame was published after {busy_done} of the busy stream's {BACKLOG}");
+    assert!(busy_done < BACKLOG, "the {what} stream's frame was ingested after the whole backlog of another stream");
+    assert_eq!(busy.wait_version(BACKLOG, &AtomicBool::new(false)).unwrap().frames(), BACKLOG);
+}
+
 /// A question waiting for a frame of one stream does not wait behind another stream's backlog on
 /// the same engine: the waited-for stream's frames are ingested first (earliest deadline first),
 /// while the other stream keeps its order and catches up after.
 #[test]
 fn a_waited_for_frame_goes_before_another_streams_backlog() {
     let _alone = serial();
-    let engine = engine("cpu");
-    let enc = encoder();
+    let (_engine, enc, busy, asked) = beside_a_backlog("asked");
     let never = AtomicBool::new(false);
-    let open_deep = |name: &str| open_pending(&engine, name, 16, Overload::Block);
-    let (busy, asked) = (open_deep("busy"), open_deep("asked"));
-    const BACKLOG: u64 = 10;
-    for v in 0..BACKLOG {
-        busy.register(frame(&enc, v as u32 % 5), &never).unwrap();
-    }
     asked.register(frame(&enc, 7), &never).unwrap();
     asked.wait_version(1, &never).unwrap();
-    let busy_done = busy.published();
-    eprintln!("the asked stream's frame was published after {busy_done} of the busy stream's {BACKLOG}");
-    assert!(busy_done < BACKLOG, "the waited-for frame was ingested after the whole backlog of another stream");
-    assert_eq!(busy.wait_version(BACKLOG, &never).unwrap().frames(), BACKLOG);
+    assert_ahead_of_the_backlog(&busy, busy.published(), "asked");
 }
 
 /// A stream whose every version is read (standing alerts: `Stream::watch`) has its frames ingested
 /// as a waiting question's are, before another stream's backlog, though nobody has asked for the
 /// frame yet: a reader of each new version asks only once the frame is registered, and its
 /// prefill may already have begun. Without the watch the frame waits behind the whole backlog.
+/// (Nothing here may wait with `wait_version`, which counts as demand itself: the publication is
+/// polled for, the event, not a time.)
 #[test]
 fn a_watched_streams_frame_goes_before_another_streams_backlog() {
     let _alone = serial();
-    let engine = engine("cpu");
-    let enc = encoder();
-    let never = AtomicBool::new(false);
-    let open_deep = |name: &str| open_pending(&engine, name, 16, Overload::Block);
-    let (busy, watched) = (open_deep("busy"), open_deep("watched"));
+    let (_engine, enc, busy, watched) = beside_a_backlog("watched");
     let _watch = watched.watch();
-    const BACKLOG: u64 = 10;
-    for v in 0..BACKLOG {
-        busy.register(frame(&enc, v as u32 % 5), &never).unwrap();
-    }
-    watched.register(frame(&enc, 7), &never).unwrap();
+    watched.register(frame(&enc, 7), &AtomicBool::new(false)).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while watched.published() < 1 {
         assert!(std::time::Instant::now() < deadline, "the watched stream's frame was never published");
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    let busy_done = busy.published();
-    eprintln!("the watched stream's frame was published after {busy_done} of the busy stream's {BACKLOG}");
-    assert!(busy_done < BACKLOG, "the watched stream's frame was ingested after the whole backlog of another stream");
-    assert_eq!(busy.wait_version(BACKLOG, &never).unwrap().frames(), BACKLOG);
+    assert_ahead_of_the_backlog(&busy, busy.published(), "watched");
 }
 
 /// Questions raise and drop a stream's demand from their own threads at any moment (each
