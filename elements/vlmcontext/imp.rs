@@ -73,7 +73,10 @@ pub enum OverloadKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
 #[enum_type(name = "GstVlmKvLayout")]
 pub enum KvLayoutKind {
-    #[enum_value(name = "Auto: unified (resolved at load: active-kv-layout)", nick = "auto")]
+    #[enum_value(
+        name = "Auto: unified on CPU engines, per sequence where an engine is on a GPU or remote (resolved at load: active-kv-layout)",
+        nick = "auto"
+    )]
     Auto,
     #[enum_value(
         name = "Per sequence: context-size cells for every stream and answer, a branch copies its prefix; bit-identical to a re-prefill",

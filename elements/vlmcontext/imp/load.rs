@@ -24,18 +24,26 @@ pub(super) struct Loading {
 /// Engines and prompt loaded for some settings.
 type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
 
-/// The KV layout and flash attention the engines get. `kv-layout=auto` is the unified pool (W1
-/// on the CPU: 230 MiB peak RSS against per-sequence's 612 and llama-server's 261-281, TTFT no
-/// worse: docs/benchmarks.md, "Defaults"; a slide shifts its cells there too); `flash-attention`
-/// unset is on with the unified pool (its compute buffer is what keeps the pool small); a
-/// quantized `kv-type` needs it (llama.cpp quantizes V only with flash attention).
+/// The KV layout and flash attention the engines get. `kv-layout=auto` is the unified pool on
+/// CPU engines (W1 on the CPU: 230 MiB peak RSS against per-sequence's 612 and llama-server's
+/// 261-281, TTFT no worse: docs/benchmarks.md, "Defaults"; a slide shifts its cells there too) and
+/// per-sequence where an engine is on a GPU or a remote device: in the unified pool every
+/// sequence's attention spans the cells of all streams, which on the GPU, where many streams
+/// share one engine, grows with them (SmolVLM-500M on an H100, two GPU engines, p95 TTFT from
+/// capture 337 against 238 ms at 8 streams and 3170 against 535 ms at 16: docs/benchmarks.md,
+/// "The KV layout on the GPU"). `flash-attention` unset is on with the unified pool (its compute
+/// buffer is what keeps the pool small) and on a GPU; a quantized `kv-type` needs it (llama.cpp
+/// quantizes V only with flash attention).
 fn resolved(s: &Settings) -> (KvLayout, bool) {
+    let off_cpu = vlm_runtime::engine_spec::parse_list(&s.engines)
+        .is_ok_and(|list| list.iter().any(|e| e.device != vlm_runtime::engine_spec::SpecDevice::Cpu));
     let layout = match s.kv_layout {
         KvLayoutKind::PerSequence => KvLayout::PerSequence,
         KvLayoutKind::Unified => KvLayout::Unified,
+        KvLayoutKind::Auto if off_cpu => KvLayout::PerSequence,
         KvLayoutKind::Auto => KvLayout::Unified,
     };
-    let flash = if s.flash_attention_set { s.flash_attention } else { layout == KvLayout::Unified };
+    let flash = if s.flash_attention_set { s.flash_attention } else { layout == KvLayout::Unified || off_cpu };
     (layout, flash || s.kv_type != KvTypeKind::F16)
 }
 
@@ -301,5 +309,24 @@ impl Drop for StateLock<'_> {
         let ptr: *mut gst::ffi::GstElement = self.0.to_glib_none().0;
         // SAFETY: locked by `new` on this thread and not yet unlocked.
         unsafe { glib::ffi::g_rec_mutex_unlock(std::ptr::addr_of_mut!((*ptr).state_lock)) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_is_the_unified_pool_on_cpu_engines_and_per_sequence_with_a_gpu_or_remote_engine() {
+        let with = |engines: &str, kv_layout| Settings { engines: engines.into(), kv_layout, ..Settings::default() };
+        assert_eq!(resolved(&with("cpu", KvLayoutKind::Auto)), (KvLayout::Unified, true));
+        assert_eq!(resolved(&with("big:cpu:4,little:cpu:2", KvLayoutKind::Auto)), (KvLayout::Unified, true));
+        assert_eq!(resolved(&with("cpu,gpu", KvLayoutKind::Auto)), (KvLayout::PerSequence, true));
+        assert_eq!(resolved(&with("cpu,far:rpc:10.0.0.2:50052", KvLayoutKind::Auto)), (KvLayout::PerSequence, true));
+        // Set, a layout is kept; flash attention unset follows the layout and the devices.
+        assert_eq!(resolved(&with("gpu", KvLayoutKind::Unified)), (KvLayout::Unified, true));
+        assert_eq!(resolved(&with("cpu", KvLayoutKind::PerSequence)), (KvLayout::PerSequence, false));
+        let set_off = Settings { flash_attention_set: true, flash_attention: false, ..with("gpu", KvLayoutKind::Auto) };
+        assert_eq!(resolved(&set_off), (KvLayout::PerSequence, false));
     }
 }
