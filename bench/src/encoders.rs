@@ -1,9 +1,8 @@
 //! `vlm-bench encoders`: vision encoding throughput against the number of libmtmd encoder
 //! contexts (`vlmencode encoder-contexts`) and of streams encoding at once. Each stream is a
 //! thread that encodes its own pictures back to back, as a `vlmencode` behind a source that never
-//! waits; every context count runs every batch limit and stream count, on one clock (the wall
-//! clock of the whole level), and frames/s and tiles/s are side by side with the first context
-//! count and batch limit as the peer.
+//! waits; every context count runs every stream count, on one clock (the wall clock of the whole
+//! level), and frames/s and tiles/s are side by side with the one-context level as the peer.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,11 +23,6 @@ pub struct EncodersArgs {
     /// Streams encoding at once.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     streams: Vec<usize>,
-    /// The most images (tiles) in one pass through the encoder's graph, each value a level
-    /// (0: as many as libmtmd batches; 1: one tile a pass). Unset: the encoder's default (one
-    /// on a GPU, a frame's tiles on the CPU).
-    #[arg(long, value_delimiter = ',')]
-    images_per_pass: Vec<usize>,
     /// Frames each stream encodes per level (after one warm-up frame each).
     #[arg(long, default_value_t = 8)]
     frames: usize,
@@ -39,12 +33,10 @@ pub struct EncodersArgs {
     common: CommonArgs,
 }
 
-/// One level: `contexts` contexts, at most `images_per_pass` images a pass (0: no limit; none:
-/// the encoder's default), `streams` streams, each encoding `frames` frames.
+/// One level: `contexts` contexts, `streams` streams, each encoding `frames` frames.
 #[derive(Debug, Serialize)]
 struct Level {
     contexts: usize,
-    images_per_pass: Option<usize>,
     streams: usize,
     frames: usize,
     /// Images (tiles) encoded in all.
@@ -55,7 +47,7 @@ struct Level {
     /// A frame's encode call, mean and p95 (ms).
     encode_mean_ms: f64,
     encode_p95_ms: f64,
-    /// frames/s over the peer level's (the first contexts and images-per-pass) at the same streams.
+    /// frames/s over the one-context level's at the same stream count.
     speedup: Option<f64>,
 }
 
@@ -96,12 +88,8 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
         a.frames
     );
     let mut levels: Vec<Level> = vec![];
-    let per_pass_levels: Vec<Option<usize>> =
-        if a.images_per_pass.is_empty() { vec![None] } else { a.images_per_pass.iter().copied().map(Some).collect() };
-    let default_per_pass = usize::from(w.encoder_gpu);
-    for (&contexts, &per_pass) in a.contexts.iter().flat_map(|c| std::iter::repeat(c).zip(&per_pass_levels)) {
+    for &contexts in &a.contexts {
         projector.ensure_contexts(contexts, w.encoder_threads as i32)?;
-        projector.set_images_per_pass(per_pass.unwrap_or(default_per_pass));
         for &streams in &a.streams {
             // Warm every context (its first encode of this size allocates its buffers).
             std::thread::scope(|s| {
@@ -142,13 +130,10 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
             let frames_per_s = frames as f64 / wall_ms * 1e3;
             let speedup = levels
                 .iter()
-                .find(|l| {
-                    l.contexts == a.contexts[0] && l.images_per_pass == per_pass_levels[0] && l.streams == streams
-                })
+                .find(|l| l.contexts == a.contexts[0] && l.streams == streams)
                 .map(|one| frames_per_s / one.frames_per_s);
             let level = Level {
                 contexts,
-                images_per_pass: per_pass,
                 streams,
                 frames,
                 tiles,
@@ -160,28 +145,22 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
                 speedup,
             };
             eprintln!(
-                "contexts {contexts:>2}, images a pass {:>7}, streams {streams:>3}: {:.2} frames/s, {:.1} tiles/s, encode {:.0} ms mean, {:.0} ms p95",
-                per_pass_name(per_pass),
-                level.frames_per_s,
-                level.tiles_per_s,
-                level.encode_mean_ms,
-                level.encode_p95_ms
+                "contexts {contexts:>2}, streams {streams:>3}: {:.2} frames/s, {:.1} tiles/s, encode {:.0} ms mean, {:.0} ms p95",
+                level.frames_per_s, level.tiles_per_s, level.encode_mean_ms, level.encode_p95_ms
             );
             levels.push(level);
         }
     }
     let mut table = format!(
-        "Vision encoding throughput (clock: wall time of each level; peer: {peer} at the same streams; \
-         images a pass 0: as many as libmtmd batches, default: one on a GPU, a frame's tiles on the CPU)\n\n\
-         | contexts | images a pass | streams | frames/s | tiles/s | encode mean ms | encode p95 ms | x peer |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        peer = format_args!("{} context(s), {} images a pass", a.contexts[0], per_pass_name(per_pass_levels[0])),
+        "Vision encoding throughput (clock: wall time of each level; peer: {} context(s) at the same streams)\n\n\
+         | contexts | streams | frames/s | tiles/s | encode mean ms | encode p95 ms | x {} context(s) |\n\
+         |---:|---:|---:|---:|---:|---:|---:|\n",
+        a.contexts[0], a.contexts[0]
     );
     for l in &levels {
         table.push_str(&format!(
-            "| {} | {} | {} | {:.2} | {:.1} | {:.0} | {:.0} | {} |\n",
+            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.0} | {} |\n",
             l.contexts,
-            per_pass_name(l.images_per_pass),
             l.streams,
             l.frames_per_s,
             l.tiles_per_s,
@@ -204,9 +183,4 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
         "table": table,
     });
     crate::publish(&a.common, json, |_| Ok(vec![]))
-}
-
-/// A level's images a pass as the table says it.
-fn per_pass_name(n: Option<usize>) -> String {
-    n.map_or("default".into(), |n| n.to_string())
 }

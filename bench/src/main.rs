@@ -154,11 +154,6 @@ pub struct CommonArgs {
     /// The runtime's encoder contexts (vlmencode's encoder-contexts; 0: 4 on a GPU, 1 on the CPU).
     #[arg(long, default_value_t = 0)]
     encoder_contexts: usize,
-    /// The most images (tiles) in one pass through the runtime's encoder graph (0: as many as
-    /// libmtmd batches; 1: one tile a pass). Unset: the encoder's default (one on a GPU, a
-    /// frame's tiles on the CPU).
-    #[arg(long)]
-    encoder_images_per_pass: Option<usize>,
     /// The engines' KV layout: per-sequence or unified (vlmcontext's kv-layout).
     #[arg(long, default_value = "per-sequence")]
     kv_layout: String,
@@ -256,7 +251,6 @@ fn build_workload(
         encoder_gpu,
         encoder_threads,
         encoder_contexts: vlm_runtime::encoder::encoder_contexts(c.encoder_contexts, encoder_gpu),
-        encoder_images_per_pass: c.encoder_images_per_pass,
         streams,
         frames,
         fps,

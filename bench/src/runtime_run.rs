@@ -106,11 +106,13 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     // model is the first engine's copy (vlmencode takes any loaded copy), so a GPU engine's
     // weights are not loaded a second time on the CPU.
     let model = models::model(&w.model, &configs[0].device)?;
-    let projector = models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32, w.encoder_contexts)?;
-    if let Some(n) = w.encoder_images_per_pass {
-        projector.set_images_per_pass(n);
-    }
-    let encoder = MtmdEncoder::new(projector);
+    let encoder = MtmdEncoder::new(models::projector(
+        &w.mmproj,
+        &model,
+        w.encoder_gpu,
+        w.encoder_threads as i32,
+        w.encoder_contexts,
+    )?);
     let encode =
         |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));
     let warm = encode(&picture(99, 0, w.width, w.height))?;

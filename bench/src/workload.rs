@@ -61,10 +61,6 @@ pub struct Workload {
     /// The runtime's encoder contexts (resolved: never 0).
     #[serde(default = "one")]
     pub encoder_contexts: usize,
-    /// The most images in one encoder pass (0: as many as libmtmd batches; none: the
-    /// projector's default, one on a GPU, a frame's tiles on the CPU).
-    #[serde(default)]
-    pub encoder_images_per_pass: Option<usize>,
 }
 
 fn auto() -> String {

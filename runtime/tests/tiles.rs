@@ -111,43 +111,6 @@ fn a_projector_without_tiles_encodes_the_picture_whole() {
     assert_eq!((third.tiles.encoded, third.tiles.reused), (1, 0));
 }
 
-/// The images of a frame's segments, as owned rows.
-fn image_rows(segments: &[Segment]) -> Vec<Vec<f32>> {
-    segments
-        .iter()
-        .filter_map(|s| match s {
-            Segment::Image(i) => Some(i.data.to_vec()),
-            Segment::Text(_) => None,
-        })
-        .collect()
-}
-
-/// libmtmd as the build compiles it (scripts/llama/mtmd-batch.cmake) takes a frame's tiles through
-/// SigLIP as one batch: one pass for the 5 tiles, where one tile a pass takes 5, and the rows are
-/// those of each tile encoded alone, bit for bit.
-#[test]
-fn a_frames_tiles_go_through_the_encoder_in_one_pass_with_the_rows_of_one_at_a_time() {
-    let dir = common::models_dir();
-    let (lm, mmproj) = (dir.join("test-idefics3-lm.gguf"), dir.join("test-idefics3-mmproj.gguf"));
-    let model = models::model(&lm, &Device::Cpu).expect("model");
-    let projector = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, model, false, 2, 1).unwrap());
-    let picture = with_square(4, 4, 12);
-    let encode = |per_pass| {
-        projector.set_images_per_pass(per_pass);
-        let (segments, count) = projector.encode_tiles(&picture, W, H, &mut |_, _| None).unwrap();
-        assert_eq!((count.encoded, count.contexts), (5, 1));
-        (image_rows(&segments), count.passes)
-    };
-    let (alone, passes_alone) = encode(1);
-    assert_eq!(passes_alone, 5);
-    let (batched, passes) = encode(0);
-    assert_eq!(passes, 1, "the 5 tiles in one pass (is libmtmd built with scripts/llama/mtmd-batch.cmake?)");
-    assert_eq!(batched, alone);
-    let (pairs, passes) = encode(2);
-    assert_eq!(passes, 3);
-    assert_eq!(pairs, alone);
-}
-
 #[test]
 fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_frames_side_by_side() {
     let dir = common::models_dir();
@@ -157,7 +120,15 @@ fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_fram
     let one = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, 1, 1).unwrap());
     let three = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, 3, 3).unwrap());
     assert_eq!((one.contexts(), three.contexts()), (1, 3));
-    let rows = image_rows;
+    let rows = |segments: &[Segment]| -> Vec<Vec<f32>> {
+        segments
+            .iter()
+            .filter_map(|s| match s {
+                Segment::Image(i) => Some(i.data.to_vec()),
+                Segment::Text(_) => None,
+            })
+            .collect()
+    };
     let pictures: Vec<Vec<u8>> = (0..4).map(|i| with_square(4 + 8 * i, 4 + 4 * i, 12)).collect();
     let reference: Vec<_> = pictures
         .iter()
@@ -167,10 +138,9 @@ fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_fram
             rows(&segments)
         })
         .collect();
-    // One frame alone: its 5 tiles dealt out over the 3 contexts (2, 2 and 1), a pass each, the
-    // same rows bit for bit.
+    // One frame alone: its 5 tiles spread over the 3 contexts, the same rows bit for bit.
     let (segments, count) = three.encode_tiles(&pictures[0], W, H, &mut |_, _| None).unwrap();
-    assert_eq!((count.encoded, count.contexts, count.passes), (5, 3, 3));
+    assert_eq!((count.encoded, count.contexts), (5, 3));
     assert_eq!(rows(&segments), reference[0]);
     // Four frames at once on the 3 contexts: each frame's own rows.
     std::thread::scope(|s| {

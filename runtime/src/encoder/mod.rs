@@ -255,10 +255,9 @@ pub trait VisionEncoder: Send + Sync {
     ) -> Result<(Vec<Segment>, TileCount)> {
         let segments = self.encode_rgb(rgb)?;
         let images = segments.iter().filter(|s| matches!(s, Segment::Image(_))).count();
-        let one = usize::from(images > 0);
         Ok((
             segments,
-            TileCount { encoded: images, contexts: one, passes: one, tiles: vec![None; images], ..Default::default() },
+            TileCount { encoded: images, reused: 0, contexts: usize::from(images > 0), tiles: vec![None; images] },
         ))
     }
 

@@ -21,13 +21,6 @@ unsafe impl Send for MtmdPtr {}
 /// The most encoder contexts one projector loads.
 pub const MAX_ENCODER_CONTEXTS: usize = 16;
 
-/// Images a pass on a GPU: one. Batched SmolVLM tiles gained nothing on CUDA (H100, SmolVLM-500M
-/// at 2048 px: 14.3 against 15.9 frames/s at two a pass on one context, 29.2 both ways on four)
-/// and llama.cpp's CUDA backend aborted with a CUDA error on passes of four or more (this
-/// release). On the CPU a frame's tiles go through in one pass (6% faster for SmolVLM-256M's 5
-/// tiles at 1024 px, the same rows bit for bit): docs/benchmarks.md, "Tiles in one pass".
-const GPU_IMAGES_PER_PASS: usize = 1;
-
 /// The projector's encoder contexts: libmtmd contexts loaded from the one file, each encoding
 /// one image at a time. An encode leases one and, for a frame of several tiles, every other
 /// one free at that moment, so the tiles of a frame and the frames of several streams are
@@ -112,8 +105,6 @@ pub struct Projector {
     model: Arc<Model>,
     marker: CString,
     use_gpu: bool,
-    /// [`Projector::set_images_per_pass`].
-    images_per_pass: std::sync::atomic::AtomicUsize,
 }
 
 /// Projected embeddings of one image, as the language model consumes them.
@@ -234,9 +225,6 @@ pub struct TileCount {
     pub reused: usize,
     /// Encoder contexts the encoded images were spread over (0 when none was encoded).
     pub contexts: usize,
-    /// Passes through the encoder's graph (several images of one shape go through one pass where
-    /// libmtmd batches them; 0 when none was encoded).
-    pub passes: usize,
     /// One per image segment, in order.
     pub tiles: Vec<Option<Tile>>,
 }
@@ -305,7 +293,6 @@ impl Projector {
             model,
             marker,
             use_gpu,
-            images_per_pass: (if use_gpu { GPU_IMAGES_PER_PASS } else { 0 }).into(),
         };
         projector.ensure_contexts(contexts, threads)?;
         Ok(projector)
@@ -439,8 +426,8 @@ impl Projector {
                     count.reused = rows_of.iter().flatten().count();
                     let todo: Vec<usize> = (0..images.len()).filter(|&i| rows_of[i].is_none()).collect();
                     count.encoded = todo.len();
-                    let (encoded, contexts, passes) = self.encode_chunks(&images, &todo, n_embd)?;
-                    (count.contexts, count.passes) = (contexts, passes);
+                    let (encoded, contexts) = self.encode_chunks(&images, &todo, n_embd)?;
+                    count.contexts = contexts;
                     for (i, rows) in encoded {
                         rows_of[i] = Some(rows);
                     }
@@ -484,10 +471,8 @@ impl Projector {
     }
 
     /// Encode `images[i]` for each `i` of `todo` on a context (waiting for one) and on every other
-    /// context free then (one thread each): the images are dealt out in groups, one a context,
-    /// as even as can be, and each group goes through the encoder in as few passes as libmtmd
-    /// allows ([`encode_group`]). Returns each image's rows by its index, how many contexts
-    /// encoded them, and in how many passes.
+    /// context free then (one thread each, taking the next image as they finish): each image's
+    /// rows by its index, and how many contexts encoded them.
     ///
     /// # Safety
     /// The chunks are valid image chunks of this projector's tokenization, alive for the call.
@@ -496,134 +481,54 @@ impl Projector {
         images: &[ChunkPtr],
         todo: &[usize],
         n_embd: usize,
-    ) -> Result<(Vec<EncodedImage>, usize, usize)> {
+    ) -> Result<(Vec<EncodedImage>, usize)> {
         if todo.is_empty() {
-            return Ok((vec![], 0, 0));
+            return Ok((vec![], 0));
         }
         let mut leases = vec![self.contexts.lease()];
         leases.extend(self.contexts.lease_free(todo.len() - 1));
         let used = leases.len();
-        let (each, more) = (todo.len() / used, todo.len() % used);
-        let mut groups = vec![];
-        let mut rest = todo;
-        for g in 0..used {
-            let (group, after) = rest.split_at(each + usize::from(g < more));
-            groups.push(group);
-            rest = after;
-        }
-        let limit = self.images_per_pass.load(std::sync::atomic::Ordering::Relaxed);
-        let encode_on = |ctx: &Lease<'_>, group: &[usize]| {
-            // SAFETY: the caller's chunks; the context is leased to this thread.
-            unsafe { encode_group(ctx.ptr(), images, group, n_embd, limit) }
-        };
-        let mut work = leases.into_iter().zip(groups);
-        let (first, first_group) = work.next().expect("the first lease");
-        let results: Vec<Result<(Vec<EncodedImage>, usize)>> = if work.len() == 0 {
-            vec![encode_on(&first, first_group)]
-        } else {
-            let encode_on = &encode_on;
-            std::thread::scope(|scope| {
-                let others: Vec<_> = work.map(|(l, g)| scope.spawn(move || encode_on(&l, g))).collect();
-                let mut all = vec![encode_on(&first, first_group)];
-                all.extend(
-                    others
-                        .into_iter()
-                        .map(|t| t.join().unwrap_or_else(|_| Err(Error::Engine("a vision encode panicked".into())))),
-                );
-                all
-            })
-        };
-        let (mut rows, mut passes) = (vec![], 0);
-        for r in results {
-            let (r, p) = r?;
-            rows.extend(r);
-            passes += p;
-        }
-        Ok((rows, used, passes))
-    }
-
-    /// At most `n` images in one encoder pass (0: as many as libmtmd takes; the default on the
-    /// CPU, one a pass on a GPU: [`GPU_IMAGES_PER_PASS`]). A benchmark's knob: the tiles/s of
-    /// each batch size.
-    pub fn set_images_per_pass(&self, n: usize) {
-        self.images_per_pass.store(n, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// Owns an `mtmd_batch` (freed when dropped).
-struct MtmdBatch(NonNull<sys::mtmd_batch>);
-
-impl Drop for MtmdBatch {
-    fn drop(&mut self) {
-        // SAFETY: owned; the chunks it points at are not freed by it.
-        unsafe { sys::mtmd_batch_free(self.0.as_ptr()) }
-    }
-}
-
-/// Encode `images[i]` for each `i` of `group` on `ctx`, as few passes as libmtmd allows: images
-/// of one shape go through the encoder's graph together where the projector's graph builder
-/// takes a batch (SmolVLM's tiles, with scripts/llama/mtmd-batch.cmake) and libmtmd's
-/// `batch_max_tokens` holds them, one image a pass otherwise; `limit` (0: none) caps a pass.
-/// Returns each image's rows by its index, and the passes.
-///
-/// # Safety
-/// `ctx` is leased to the calling thread; the chunks are valid image chunks of its projector.
-unsafe fn encode_group(
-    ctx: *mut sys::mtmd_context,
-    images: &[ChunkPtr],
-    group: &[usize],
-    n_embd: usize,
-    limit: usize,
-) -> Result<(Vec<EncodedImage>, usize)> {
-    let rows_of = |c: *const sys::mtmd_input_chunk| unsafe { sys::mtmd_input_chunk_get_n_tokens(c) * n_embd };
-    let (mut out, mut passes) = (vec![], 0);
-    let mut rest = group;
-    while !rest.is_empty() {
-        // SAFETY: ctx is valid; the batch only points at the chunks, which outlive it.
-        let batch = MtmdBatch(
-            NonNull::new(unsafe { sys::mtmd_batch_init(ctx) })
-                .ok_or_else(|| Error::Engine("mtmd_batch_init failed".into()))?,
-        );
-        let mut n = 0;
-        for &i in rest {
-            if limit > 0 && n == limit {
-                break;
-            }
-            // 0: added; 2 (too large, or the projector takes one image a pass) and 3 (another
-            // shape) end this pass.
-            match unsafe { sys::mtmd_batch_add_chunk(batch.0.as_ptr(), images[i].0) } {
-                0 => n += 1,
-                2 | 3 if n > 0 => break,
-                rc => return Err(Error::Engine(format!("mtmd_batch_add_chunk failed ({rc})"))),
-            }
-        }
-        let (pass, after) = rest.split_at(n);
-        if let [i] = *pass {
-            // One image: encoded in place (a batch would copy its pixels first).
-            let c = images[i].0;
-            let rc = unsafe { sys::mtmd_encode_chunk(ctx, c) };
-            if rc != 0 {
-                return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
-            }
-            out.push((i, unsafe { std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx), rows_of(c)) }.into()));
-        } else {
-            let rc = unsafe { sys::mtmd_batch_encode(batch.0.as_ptr()) };
-            if rc != 0 {
-                return Err(Error::Engine(format!("mtmd_batch_encode of {n} images failed ({rc})")));
-            }
-            for &i in pass {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let encode_on = |ctx: &Lease<'_>| -> Result<Vec<EncodedImage>> {
+            let mut out = vec![];
+            while let Some(&i) = todo.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
                 let c = images[i].0;
-                let rows = unsafe { sys::mtmd_batch_get_output_embd(batch.0.as_ptr(), c) };
-                if rows.is_null() {
-                    return Err(Error::Engine("mtmd_batch_get_output_embd found no rows".into()));
+                // SAFETY: the caller's chunks; the context is leased to this thread; its output
+                // holds the chunk's rows after a successful encode.
+                unsafe {
+                    let rc = sys::mtmd_encode_chunk(ctx.ptr(), c);
+                    if rc != 0 {
+                        return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
+                    }
+                    let rows = sys::mtmd_input_chunk_get_n_tokens(c);
+                    out.push((
+                        i,
+                        std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.ptr()), rows * n_embd).into(),
+                    ));
                 }
-                out.push((i, unsafe { std::slice::from_raw_parts(rows, rows_of(c)) }.into()));
             }
+            Ok(out)
+        };
+        let mut leases = leases.into_iter();
+        let first = leases.next().expect("the first lease");
+        if leases.len() == 0 {
+            return Ok((encode_on(&first)?, used));
         }
-        passes += 1;
-        rest = after;
+        let encode_on = &encode_on;
+        std::thread::scope(|scope| {
+            let others: Vec<_> = leases.map(|l| scope.spawn(move || encode_on(&l))).collect();
+            let mut all = encode_on(&first);
+            for other in others {
+                let rows = other.join().unwrap_or_else(|_| Err(Error::Engine("a vision encode panicked".into())));
+                match (&mut all, rows) {
+                    (Ok(all), Ok(rows)) => all.extend(rows),
+                    (Ok(_), Err(e)) => all = Err(e),
+                    (Err(_), _) => {}
+                }
+            }
+            Ok((all?, used))
+        })
     }
-    Ok((out, passes))
 }
 
 impl Drop for Projector {
