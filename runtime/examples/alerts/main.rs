@@ -2,7 +2,7 @@
 //! of its alert evaluations (p50/p95) and evaluations per second, for streams x alerts at a
 //! frame rate, through the runtime alone (no GStreamer): what `vlmquery alerts` runs.
 //!
-//!   cargo run --release -p vlm-runtime --example alerts -- [--streams 1,2] [--alerts 1,4] [--fps 1] [--frames 10] [--peer] [--json FILE]
+//!   cargo run --release -p vlm-runtime --example alerts -- [--streams 1,2] [--alerts 1,4] [--fps 1] [--frames 10] [--peer] [--gpu] [--json FILE]
 //!
 //! Each stream has a capture thread: at each due time (its clock: the capture) it encodes a new
 //! picture (libmtmd, CPU) and registers it (overload `skip`: the history never falls behind,
@@ -29,7 +29,7 @@ mod peer;
 use vlm_runtime::alert::{self, AlertSpec, YesNo};
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
-use vlm_runtime::{Device, Engine, EngineConfig, KvLayout, Overload, Stream, StreamConfig, models};
+use vlm_runtime::{Device, Engine, EngineConfig, Gpu, KvLayout, Overload, Stream, StreamConfig, models};
 
 #[derive(Parser)]
 struct Args {
@@ -56,6 +56,10 @@ struct Args {
     /// flash attention).
     #[arg(long)]
     per_sequence: bool,
+    /// The engine, the encoder (4 contexts) and the server (`-ngl 99`) on the GPU, a KV sequence
+    /// per stream and answer with flash attention (what `vlmcontext` runs on a GPU).
+    #[arg(long)]
+    gpu: bool,
     #[command(flatten)]
     files: common::ModelArgs,
 }
@@ -192,8 +196,13 @@ fn specs(n_alerts: usize) -> Vec<AlertSpec> {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
-    let model = models::model(&args.files.model, &Device::Cpu)?;
-    let encoder = Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, false, threads, 1)?));
+    let device = if args.gpu { Device::Gpu(Gpu { index: 0, layers: None }) } else { Device::Cpu };
+    let model = models::model(&args.files.model, &device)?;
+    let contexts = if args.gpu { 4 } else { 1 };
+    let encoder =
+        Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, args.gpu, threads, contexts)?));
+    let per_sequence = args.per_sequence || args.gpu;
+    let flash_attention = args.gpu || !args.per_sequence;
     let server_binary = match args.peer {
         true => Some(
             peer::find_server().ok_or("no llama-server: run scripts/build-llama-server.sh or set VLM_LLAMA_SERVER")?,
@@ -228,8 +237,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 max_streams: (n_streams * args.alerts.len()) as u32,
                 max_branches: 8,
                 threads,
-                kv_layout: if args.per_sequence { KvLayout::PerSequence } else { KvLayout::Unified },
-                flash_attention: !args.per_sequence,
+                device: device.clone(),
+                kv_layout: if per_sequence { KvLayout::PerSequence } else { KvLayout::Unified },
+                flash_attention,
                 ..EngineConfig::default()
             },
         )?;
@@ -351,7 +361,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 slots: n_streams,
                 cells_per_slot: cells,
                 threads,
-                flash_attention: !args.per_sequence,
+                flash_attention,
+                gpu: args.gpu,
             })
             .map_err(|e| e.to_string())?;
             // A first request builds the server's graphs, as the engine's calibration does.
@@ -365,7 +376,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let json = serde_json::json!({
         "benchmark": "alerts-capture-to-choice", "clock": "capture (the frame's due time), encode included",
         "peer": server_binary.map(|p| p.display().to_string()),
-        "kv_layout": if args.per_sequence { "per-sequence" } else { "unified" }, "flash_attention": !args.per_sequence,
+        "kv_layout": if per_sequence { "per-sequence" } else { "unified" }, "flash_attention": flash_attention,
+        "device": if args.gpu { "gpu" } else { "cpu" }, "encoder_contexts": contexts,
         "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "rows": rows,
     });
     println!("{json}");

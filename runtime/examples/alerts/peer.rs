@@ -44,6 +44,8 @@ pub struct Settings<'a> {
     pub cells_per_slot: u32,
     pub threads: i32,
     pub flash_attention: bool,
+    /// Every layer and the projector on the GPU (`-ngl 99`).
+    pub gpu: bool,
 }
 
 /// Start the server (its log in the temporary directory) and wait until it is healthy.
@@ -56,6 +58,7 @@ pub fn start(s: &Settings) -> Result<Server, BoxError> {
         .args(["-np".to_owned(), s.slots.to_string(), "-c".into(), (s.cells_per_slot as usize * s.slots).to_string()])
         .args(["-t".to_owned(), s.threads.to_string(), "-tb".into(), s.threads.to_string()])
         .args(["-fa", if s.flash_attention { "on" } else { "off" }])
+        .args(if s.gpu { &["-ngl", "99"][..] } else { &[][..] })
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
