@@ -5,7 +5,9 @@
 //!
 //! Short by default (CI): 30 cycles and a 20 s run. `VLM_ENDURANCE=1` runs the full sizes of
 //! issue 10 (1000 cycles, 30 minutes); `VLM_ENDURANCE_CYCLES` and `VLM_ENDURANCE_SECS` set
-//! either size. `cargo test -p gst-plugin-vlm --test endurance -- --nocapture` prints the figures.
+//! either size. The live run takes `VLM_MODEL` / `VLM_MMPROJ` (a timing pair, say) and
+//! `VLM_ENDURANCE_ENCODE`, properties for its `vlmencode`s (default `interval=0 min-change=0`:
+//! every frame encoded; an encoder slower than the camera needs an `interval`). `cargo test -p gst-plugin-vlm --test endurance -- --nocapture` prints the figures.
 
 mod common;
 
@@ -136,15 +138,20 @@ fn report(what: &str, start: f64, end: f64, detail: &str) {
     );
 }
 
+/// What the live run's `vlmencode`s get unless `VLM_ENDURANCE_ENCODE` says otherwise.
+const EVERY_FRAME: &str = "interval=0 min-change=0";
+
 /// `streams` live 64x48 cameras at `fps` into one `vlmcontext` (with `context` added to its
-/// properties), each with its own `vlmquery` named `q0`, `q1`, ...
-fn live(streams: usize, fps: &str, context: &str) -> String {
-    let mut description = format!("vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf {context} ");
+/// properties), each through a `vlmencode` named `enc0`, `enc1`, ... (with `encode`) and with its
+/// own `vlmquery` named `q0`, `q1`, ...
+fn live(streams: usize, fps: &str, context: &str, encode: &str) -> String {
+    let mut description = format!("vlmcontext name=ctx model={} {context} ", model());
     for i in 0..streams {
         description += &format!(
             "videotestsrc is-live=true pattern=ball ! video/x-raw,width=64,height=48,framerate={fps} ! videoconvert \
-             ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 ! ctx.sink_{i} \
-             ctx.src_{i} ! vlmquery name=q{i} max-tokens=4 ! fakesink async=false "
+             ! vlmencode name=enc{i} mmproj={} {encode} ! ctx.sink_{i} \
+             ctx.src_{i} ! vlmquery name=q{i} max-tokens=4 ! fakesink async=false ",
+            mmproj()
         );
     }
     description
@@ -154,7 +161,7 @@ fn live(streams: usize, fps: &str, context: &str) -> String {
 fn null_playing_null_cycles_keep_memory_bounded() {
     let _alone = alone();
     let cycles = size("VLM_ENDURANCE_CYCLES", 30, 1000) as usize;
-    let pipeline = launch(&live(1, "10/1", ""));
+    let pipeline = launch(&live(1, "10/1", "", EVERY_FRAME));
     let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q0").unwrap();
     let frames = count_frames(&q.static_pad("sink").unwrap());
     let bus = pipeline.bus().unwrap();
@@ -260,7 +267,8 @@ fn live_run(context: &str) -> LiveRun {
     let _alone = alone();
     let seconds = size("VLM_ENDURANCE_SECS", 20, 1800);
     let streams = size("VLM_ENDURANCE_STREAMS", 1, 1) as usize;
-    let pipeline = launch(&live(streams, "1/1", context));
+    let encode = std::env::var("VLM_ENDURANCE_ENCODE").unwrap_or_else(|_| EVERY_FRAME.into());
+    let pipeline = launch(&live(streams, "1/1", context, &encode));
     let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
     let qs: Vec<gst::Element> = (0..streams).map(|i| bin.by_name(&format!("q{i}")).unwrap()).collect();
     let counted: Vec<_> = qs.iter().map(|q| count_frames(&q.static_pad("sink").unwrap())).collect();
@@ -297,26 +305,34 @@ fn live_run(context: &str) -> LiveRun {
     let all = pump(&bus, &mut answers, Duration::from_secs(60), |a| ids.iter().all(|id| a.contains_key(id)));
     let end = rss_mib();
     // What vlmcontext counted, read before PAUSED→READY starts its statistics again at zero.
-    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let ctx = bin.by_name("ctx").unwrap();
     let (skipped, dropped, restarts, slides) = (
         ctx.property::<u64>("frames-skipped"),
         ctx.property::<u64>("frames-dropped"),
         ctx.property::<u64>("history-restarts"),
         ctx.property::<u64>("history-slides"),
     );
+    let encoders: Vec<gst::Element> = (0..streams).map(|i| bin.by_name(&format!("enc{i}")).unwrap()).collect();
+    let encoded = encoders.iter().map(|e| e.property::<u64>("frames-encoded")).sum::<u64>();
+    let encoder_skipped = encoders.iter().map(|e| e.property::<u64>("frames-skipped")).sum::<u64>();
     set_state(&pipeline, gst::State::Null, Duration::from_secs(30), "stop");
     assert!(all, "{} of {} questions answered", answers.status.len(), ids.len());
     assert!(ids.len() as u64 >= streams as u64 * (seconds / 3 - 1), "questions refused: {} asked", ids.len());
     for id in &ids {
         assert_eq!(answers.status[id], ["answered"], "{id}");
     }
-    // Every frame joined the history or was counted: skipped under overload (a history restart
-    // replays its kept frames, and a live stream does not wait for that) or dropped.
+    // Every encoded frame joined the history or was counted: skipped under overload (a history
+    // restart replays its kept frames, and a live stream does not wait for that) or dropped; and
+    // with every frame due, every frame was encoded.
     let frames = frames();
+    assert!(
+        frames + skipped + dropped + 2 * streams as u64 >= encoded,
+        "{frames} frames joined the histories, {skipped} skipped, {dropped} dropped of {encoded} encoded"
+    );
     let due = streams as u64 * seconds;
     assert!(
-        frames + skipped + dropped + 2 * streams as u64 >= due,
-        "{frames} frames joined the histories, {skipped} skipped, {dropped} dropped in {seconds} s at 1 frame/s x {streams}"
+        encode != EVERY_FRAME || encoded + 2 * streams as u64 >= due,
+        "{encoded} frames encoded ({encoder_skipped} skipped by the encoder) in {seconds} s at 1 frame/s x {streams}"
     );
     let tenth = |from: Duration, to: Duration| {
         let inside: Vec<f64> = rss.iter().filter(|(at, _)| *at >= from && *at < to).map(|(_, r)| *r).collect();
@@ -331,7 +347,7 @@ fn live_run(context: &str) -> LiveRun {
         start.expect("no answer in the whole run"),
         end,
         &format!(
-            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
+            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
             first,
             last,
             ids.len()
