@@ -7,7 +7,8 @@
 //! issue 10 (1000 cycles, 30 minutes); `VLM_ENDURANCE_CYCLES` and `VLM_ENDURANCE_SECS` set
 //! either size. The live run takes `VLM_MODEL` / `VLM_MMPROJ` (a timing pair, say) and
 //! `VLM_ENDURANCE_ENCODE`, properties for its `vlmencode`s (default `interval=0 min-change=0`:
-//! every frame encoded; an encoder slower than the camera needs an `interval`). `cargo test -p gst-plugin-vlm --test endurance -- --nocapture` prints the figures.
+//! every frame encoded; an encoder slower than the camera needs an `interval`).
+//! `cargo test -p gst-plugin-vlm --test endurance -- --nocapture` prints the figures.
 
 mod common;
 

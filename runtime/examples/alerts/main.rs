@@ -5,11 +5,11 @@
 //!   cargo run --release -p vlm-runtime --example alerts -- [--streams 1,2] [--alerts 1,4] [--fps 1] [--frames 10] [--peer] [--gpu] [--json FILE]
 //!
 //! Each stream has a capture thread: at each due time (its clock: the capture) it encodes a new
-//! picture (libmtmd, CPU) and registers it (overload `skip`: the history never falls behind,
-//! skipped frames are counted), then puts the frame in the stream's one evaluation slot; an
-//! evaluator thread per stream takes the newest frame (an older one still in the slot is thinned,
-//! counted), waits for its version and evaluates every alert on it (`alert::evaluate`: one forced
-//! choice each, all queued at once). An alert's latency is capture to its choice, encode,
+//! picture (libmtmd; on the GPU with `--gpu`) and registers it (overload `skip`: the history never
+//! falls behind, skipped frames are counted), then puts the frame in the stream's one evaluation
+//! slot; an evaluator thread per stream takes the newest frame (an older one still in the slot is
+//! thinned, counted), waits for its version and evaluates every alert on it (`alert::evaluate`:
+//! one forced choice each, all queued at once). An alert's latency is capture to its choice, encode,
 //! ingestion and queueing included; a frame's ("all") is capture to the last of its alerts'
 //! choices (the runtime decides a frame's alerts in one decode, the server one request after
 //! another, so the first server choices come sooner and the last later). With `--peer`, the same streams, frames and alerts through
