@@ -285,11 +285,15 @@ fn live_run(context: &str) -> LiveRun {
     }
     let began = Instant::now();
     let mut ids = vec![];
-    let mut start = None;
-    // RSS every 3 s: the means of the run's first and last tenth are reported.
+    let ctx = bin.by_name("ctx").unwrap();
+    let filled = || ctx.property::<u64>("history-slides") + ctx.property::<u64>("history-restarts");
+    // The RSS after the warm-up: at the first answer after the run's first tenth, or, where every
+    // history fills its context later than that (a slow encoder), once it has (a slide or a
+    // restart per stream: the KV pages a full history touches are resident then).
+    let (mut start, mut start_filled) = (None, None);
+    // RSS every 3 s: the means of the run's first and last tenth, and of every tenth, are reported.
     let mut rss = vec![];
-    // A question every 3 s; the warm-up ends with the first answer after the run's first tenth
-    // (long runs: the KV pages the first history filled are resident by then).
+    // A question every 3 s.
     let warm_up = Duration::from_secs(seconds / 10);
     while began.elapsed() < Duration::from_secs(seconds) {
         for q in &qs {
@@ -302,11 +306,13 @@ fn live_run(context: &str) -> LiveRun {
         if start.is_none() && !answers.status.is_empty() && began.elapsed() >= warm_up {
             start = Some(rss.last().unwrap().1);
         }
+        if start.is_some() && start_filled.is_none() && filled() >= streams as u64 {
+            start_filled = Some(rss.last().unwrap().1);
+        }
     }
     let all = pump(&bus, &mut answers, Duration::from_secs(60), |a| ids.iter().all(|id| a.contains_key(id)));
     let end = rss_mib();
     // What vlmcontext counted, read before PAUSED→READY starts its statistics again at zero.
-    let ctx = bin.by_name("ctx").unwrap();
     let (skipped, dropped, restarts, slides) = (
         ctx.property::<u64>("frames-skipped"),
         ctx.property::<u64>("frames-dropped"),
@@ -343,14 +349,25 @@ fn live_run(context: &str) -> LiveRun {
     let tick = warm_up.max(Duration::from_secs(4));
     let (first, last) =
         (tenth(Duration::ZERO, tick), tenth(Duration::from_secs(seconds).saturating_sub(tick), Duration::MAX));
+    // Each tenth's mean (null where a short run's tenth holds no sample).
+    let tenths: Vec<String> = (0..10)
+        .map(|i| {
+            let (from, to) = (Duration::from_secs(seconds * i / 10), Duration::from_secs(seconds * (i + 1) / 10));
+            match rss.iter().any(|(at, _)| *at >= from && *at < to) {
+                true => format!("{:.1}", tenth(from, to)),
+                false => "null".into(),
+            }
+        })
+        .collect();
     report(
         "live-run",
-        start.expect("no answer in the whole run"),
+        start_filled.or(start).expect("no answer in the whole run"),
         end,
         &format!(
-            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
+            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"rss-tenths-mib\":[{}],\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
             first,
             last,
+            tenths.join(","),
             ids.len()
         ),
     );
