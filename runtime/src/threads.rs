@@ -299,6 +299,16 @@ mod tests {
         (0..steps).filter_map(|_| t.observe(ms(t.threads()), 1)).collect()
     }
 
+    /// A tuner of `kind` over 2 and 1 threads calibrated at `two` and `one` ms, and the count it
+    /// chose.
+    fn calibrated(kind: Kind, two: f64, one: f64) -> (ThreadTuner, i32) {
+        let mut t = ThreadTuner::new(kind, 2, true);
+        t.seed(0, two);
+        t.seed(1, one);
+        let best = t.choose_best();
+        (t, best)
+    }
+
     /// A decode probe's period: steps between two probes plus the probe's own.
     fn period() -> u32 {
         let (every, steps) = Kind::Decode.probing();
@@ -307,23 +317,16 @@ mod tests {
 
     #[test]
     fn calibration_starts_with_the_faster_count() {
-        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
-        assert_eq!(t.candidates(), [2, 1]);
-        t.seed(0, 40.0); // 2 threads while other processes hold the cores
-        t.seed(1, 15.0);
-        assert_eq!(t.choose_best(), 1);
-        let mut quiet = ThreadTuner::new(Kind::Decode, 2, true);
-        quiet.seed(0, 8.0);
-        quiet.seed(1, 13.0);
-        assert_eq!(quiet.choose_best(), 2);
+        assert_eq!(ThreadTuner::new(Kind::Decode, 2, true).candidates(), [2, 1]);
+        // 2 threads while other processes hold the cores.
+        assert_eq!(calibrated(Kind::Decode, 40.0, 15.0).1, 1);
+        assert_eq!(calibrated(Kind::Decode, 8.0, 13.0).1, 2);
     }
 
     #[test]
     fn a_probe_switches_when_the_other_count_became_cheaper_and_returns_when_not() {
-        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
-        t.seed(0, 8.0);
-        t.seed(1, 13.0);
-        assert_eq!(t.choose_best(), 2);
+        let (mut t, best) = calibrated(Kind::Decode, 8.0, 13.0);
+        assert_eq!(best, 2);
         // Quiet: the probe of 1 thread costs more, so it goes back to 2.
         assert_eq!(run(&mut t, period(), |n| if n == 2 { 8.0 } else { 13.0 }), [1, 2]);
         assert_eq!(t.threads(), 2);
@@ -358,10 +361,8 @@ mod tests {
     #[test]
     fn computations_someone_waits_on_never_run_a_probe() {
         let (every, steps) = Kind::Prefill.probing();
-        let mut t = ThreadTuner::new(Kind::Prefill, 2, true);
-        t.seed(0, 3.0);
-        t.seed(1, 5.0);
-        assert_eq!(t.choose_best(), 2);
+        let (mut t, best) = calibrated(Kind::Prefill, 3.0, 5.0);
+        assert_eq!(best, 2);
         let ms = |n: i32| if n == 2 { 3.0 * 36.0 } else { 5.0 * 36.0 };
         // Waited-on chunks count toward the next probe, and the probe begins...
         for _ in 0..every {
@@ -385,10 +386,8 @@ mod tests {
     #[test]
     fn losing_probes_come_less_often_and_a_winning_one_resets_the_period() {
         let (every, steps) = Kind::Decode.probing();
-        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
-        t.seed(0, 8.0);
-        t.seed(1, 13.0);
-        assert_eq!(t.choose_best(), 2);
+        let (mut t, best) = calibrated(Kind::Decode, 8.0, 13.0);
+        assert_eq!(best, 2);
         let quiet = |n: i32| if n == 2 { 8.0 } else { 13.0 };
         // Each losing probe doubles the wait before the next: 64, 128, 256 steps.
         for wait in [every, 2 * every, 4 * every] {
@@ -416,10 +415,9 @@ mod tests {
 
     #[test]
     fn a_capped_tuner_neither_uses_nor_probes_the_wider_count() {
-        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
-        t.seed(0, 8.0); // a lucky window made 2 threads look faster
-        t.seed(1, 13.0);
-        assert_eq!(t.choose_best(), 2);
+        // A lucky window made 2 threads look faster.
+        let (mut t, best) = calibrated(Kind::Decode, 8.0, 13.0);
+        assert_eq!(best, 2);
         t.set_cap(1);
         assert_eq!(t.threads(), 1);
         assert!(run(&mut t, 10 * period(), |_| 40.0).is_empty(), "no probe of 2 threads while capped");
@@ -428,10 +426,8 @@ mod tests {
         assert_eq!(t.threads(), 2);
         assert_eq!(run(&mut t, period(), |n| if n == 2 { 8.0 } else { 13.0 }), [1, 2]);
         // A probe of 2 threads in progress when the cap drops ends there.
-        let mut t = ThreadTuner::new(Kind::Decode, 2, true);
-        t.seed(0, 20.0);
-        t.seed(1, 13.0);
-        assert_eq!(t.choose_best(), 1);
+        let (mut t, best) = calibrated(Kind::Decode, 20.0, 13.0);
+        assert_eq!(best, 1);
         assert_eq!(run(&mut t, Kind::Decode.probing().0, |_| 13.0), [2]);
         t.set_cap(1);
         assert_eq!(t.threads(), 1);
