@@ -7,7 +7,8 @@
 //! issue 10 (1000 cycles, 30 minutes); `VLM_ENDURANCE_CYCLES` and `VLM_ENDURANCE_SECS` set
 //! either size. The live run takes `VLM_MODEL` / `VLM_MMPROJ` (a timing pair, say) and
 //! `VLM_ENDURANCE_ENCODE`, properties for its `vlmencode`s (default `interval=0 min-change=0`:
-//! every frame encoded; an encoder slower than the camera needs an `interval`).
+//! every frame encoded; an encoder slower than the camera needs an `interval`), and
+//! `VLM_ENDURANCE_ASK_SECS`, seconds between questions on each stream (3).
 //! `cargo test -p gst-plugin-vlm --test endurance -- --nocapture` prints the figures.
 
 mod common;
@@ -88,12 +89,13 @@ fn count_frames(pad: &gst::Pad) -> Arc<AtomicU64> {
     count
 }
 
-/// Answers seen on the bus: the statuses of each question id, and (when, TTFT ms) of each
-/// answered one.
+/// Answers seen on the bus: the statuses of each question id, (when, TTFT ms) of each answered
+/// one, and its stream's lag when it was asked (ms the history was behind the camera).
 #[derive(Default)]
 struct Answers {
     status: std::collections::HashMap<String, Vec<String>>,
     ttft: Vec<(Instant, f64)>,
+    lag_ms: Vec<f64>,
 }
 
 /// Read `bus` until `done` or `limit`; errors fail the test, answers are counted per id.
@@ -118,6 +120,7 @@ fn pump(
                     let status = s.get::<String>("status").unwrap();
                     if status == "answered" {
                         answers.ttft.push((Instant::now(), s.get::<f64>("ttft-ms").unwrap()));
+                        answers.lag_ms.push(s.get::<f64>("lag-ms").unwrap_or(0.0));
                     }
                     answers.status.entry(s.get::<String>("id").unwrap()).or_default().push(status);
                 }
@@ -261,7 +264,8 @@ struct LiveRun {
     ttft_last: Vec<f64>,
 }
 
-/// A live run at one frame a second with a question every 3 s on each of `VLM_ENDURANCE_STREAMS`
+/// A live run at one frame a second with a question every few seconds (`VLM_ENDURANCE_ASK_SECS`,
+/// 3) on each of `VLM_ENDURANCE_STREAMS`
 /// streams (1) for `VLM_ENDURANCE_SECS` (20 s, or 30 minutes), `context` added to vlmcontext's
 /// properties: every question answered once, RSS growth bounded.
 fn live_run(context: &str) -> LiveRun {
@@ -269,6 +273,7 @@ fn live_run(context: &str) -> LiveRun {
     let seconds = size("VLM_ENDURANCE_SECS", 20, 1800);
     let streams = size("VLM_ENDURANCE_STREAMS", 1, 1) as usize;
     let encode = std::env::var("VLM_ENDURANCE_ENCODE").unwrap_or_else(|_| EVERY_FRAME.into());
+    let ask_every = size("VLM_ENDURANCE_ASK_SECS", 3, 3).max(1);
     let pipeline = launch(&live(streams, "1/1", context, &encode));
     let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
     let qs: Vec<gst::Element> = (0..streams).map(|i| bin.by_name(&format!("q{i}")).unwrap()).collect();
@@ -291,17 +296,17 @@ fn live_run(context: &str) -> LiveRun {
     // history fills its context later than that (a slow encoder), once it has (a slide or a
     // restart per stream: the KV pages a full history touches are resident then).
     let (mut start, mut start_filled) = (None, None);
-    // RSS every 3 s: the means of the run's first and last tenth, and of every tenth, are reported.
+    // RSS at every question: the means of the run's first and last tenth, and of every tenth,
+    // are reported.
     let mut rss = vec![];
-    // A question every 3 s.
     let warm_up = Duration::from_secs(seconds / 10);
     while began.elapsed() < Duration::from_secs(seconds) {
         for q in &qs {
             ids.extend(q.emit_by_name::<Option<String>>("ask", &[&"What is moving?"]));
         }
         let tick = Instant::now();
-        pump(&bus, &mut answers, Duration::from_secs(3), |_| false);
-        std::thread::sleep(Duration::from_secs(3).saturating_sub(tick.elapsed()));
+        pump(&bus, &mut answers, Duration::from_secs(ask_every), |_| false);
+        std::thread::sleep(Duration::from_secs(ask_every).saturating_sub(tick.elapsed()));
         rss.push((began.elapsed(), rss_mib()));
         if start.is_none() && !answers.status.is_empty() && began.elapsed() >= warm_up {
             start = Some(rss.last().unwrap().1);
@@ -324,7 +329,7 @@ fn live_run(context: &str) -> LiveRun {
     let encoder_skipped = encoders.iter().map(|e| e.property::<u64>("frames-skipped")).sum::<u64>();
     set_state(&pipeline, gst::State::Null, Duration::from_secs(30), "stop");
     assert!(all, "{} of {} questions answered", answers.status.len(), ids.len());
-    assert!(ids.len() as u64 >= streams as u64 * (seconds / 3 - 1), "questions refused: {} asked", ids.len());
+    assert!(ids.len() as u64 >= streams as u64 * (seconds / ask_every - 1), "questions refused: {} asked", ids.len());
     for id in &ids {
         assert_eq!(answers.status[id], ["answered"], "{id}");
     }
@@ -372,12 +377,16 @@ fn live_run(context: &str) -> LiveRun {
         ),
     );
     let ttft: Vec<f64> = answers.ttft.iter().map(|(_, t)| *t).collect();
+    let lag = answers.lag_ms.clone();
     println!(
-        "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0}}}",
+        "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0},\"lag-p50-ms\":{:.0},\"lag-p95-ms\":{:.0},\"lag-max-ms\":{:.0}}}",
         ttft.len(),
         quantile(ttft.clone(), 0.5),
         quantile(ttft.clone(), 0.95),
-        quantile(ttft, 1.0)
+        quantile(ttft, 1.0),
+        quantile(lag.clone(), 0.5),
+        quantile(lag.clone(), 0.95),
+        quantile(lag, 1.0)
     );
     let sixth = Duration::from_secs(seconds / 6);
     let in_window = |from: Instant, to: Instant| -> Vec<f64> {
