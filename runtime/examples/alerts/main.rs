@@ -2,7 +2,7 @@
 //! of its alert evaluations (p50/p95) and evaluations per second, for streams x alerts at a
 //! frame rate, through the runtime alone (no GStreamer): what `vlmquery alerts` runs.
 //!
-//!   cargo run --release -p vlm-runtime --example alerts -- [--streams 1,2] [--alerts 1,4] [--fps 1] [--frames 10] [--peer] [--gpu] [--json FILE]
+//!   cargo run --release -p vlm-runtime --example alerts -- [--streams 1,2] [--alerts 1,4] [--fps 1] [--frames 10] [--peer] [--gpu] [--engines N] [--json FILE]
 //!
 //! Each stream has a capture thread: at each due time (its clock: the capture) it encodes a new
 //! picture (libmtmd; on the GPU with `--gpu`) and registers it (overload `skip`: the history never
@@ -60,6 +60,10 @@ struct Args {
     /// per stream and answer with flash attention (what `vlmcontext` runs on a GPU).
     #[arg(long)]
     gpu: bool,
+    /// Language engines (each a copy of the context on the same device, as `vlmcontext
+    /// engines=g0:gpu,g1:gpu`); streams are dealt out to them in turn.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    engines: u32,
     #[command(flatten)]
     files: common::ModelArgs,
 }
@@ -229,22 +233,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "skipped"
     );
     for &n_streams in &args.streams {
-        let engine = Engine::start(
-            &args.files.model,
-            EngineConfig {
-                context_per_sequence: cells,
-                // (A run's streams are opened anew for each alert count.)
-                max_streams: (n_streams * args.alerts.len()) as u32,
-                max_branches: 8,
-                threads,
-                device: device.clone(),
-                kv_layout: if per_sequence { KvLayout::PerSequence } else { KvLayout::Unified },
-                flash_attention,
-                ..EngineConfig::default()
-            },
-        )?;
-        let yes_no = YesNo::find(engine.model())?;
-        let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT)?);
+        let n_engines = args.engines as usize;
+        let engines = (0..n_engines)
+            .map(|_| {
+                Engine::start(
+                    &args.files.model,
+                    EngineConfig {
+                        context_per_sequence: cells,
+                        // (A run's streams are opened anew for each alert count.)
+                        max_streams: (n_streams.div_ceil(n_engines) * args.alerts.len()) as u32,
+                        max_branches: 8,
+                        threads,
+                        device: device.clone(),
+                        kv_layout: if per_sequence { KvLayout::PerSequence } else { KvLayout::Unified },
+                        flash_attention,
+                        ..EngineConfig::default()
+                    },
+                )
+            })
+            .collect::<vlm_runtime::Result<Vec<_>>>()?;
+        let yes_no = YesNo::find(engines[0].model())?;
+        let prompt = Arc::new(Prompt::new(engines[0].model(), DEFAULT_SYSTEM_PROMPT)?);
         for &n_alerts in &args.alerts {
             let specs: Arc<Vec<AlertSpec>> = Arc::new(specs(n_alerts));
             let latencies = Arc::new(Mutex::new(Vec::<f64>::new()));
@@ -261,7 +270,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         answer_reserve: 96,
                         ..StreamConfig::new(&format!("s{s}"))
                     };
-                    let stream: Arc<Stream> = Stream::open(&engine, Arc::clone(&prompt), config)?;
+                    let stream: Arc<Stream> = Stream::open(&engines[s % n_engines], Arc::clone(&prompt), config)?;
                     let slot = Arc::new((Mutex::new(Slot::default()), Condvar::new()));
                     let (encoder, frames, fps) = (Arc::clone(&encoder), args.frames, args.fps);
                     let (st, sl) = (Arc::clone(&stream), Arc::clone(&slot));
@@ -352,7 +361,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             report(&args, level, &mut rows);
         }
-        engine.stop();
+        for engine in &engines {
+            engine.stop();
+        }
         if let Some(binary) = &server_binary {
             let server = peer::start(&peer::Settings {
                 server: binary,
@@ -377,7 +388,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "benchmark": "alerts-capture-to-choice", "clock": "capture (the frame's due time), encode included",
         "peer": server_binary.map(|p| p.display().to_string()),
         "kv_layout": if per_sequence { "per-sequence" } else { "unified" }, "flash_attention": flash_attention,
-        "device": if args.gpu { "gpu" } else { "cpu" }, "encoder_contexts": contexts,
+        "device": if args.gpu { "gpu" } else { "cpu" }, "engines": args.engines, "encoder_contexts": contexts,
         "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "rows": rows,
     });
     println!("{json}");
