@@ -504,3 +504,29 @@ fn slide_under_a_reader(slide_wait: Duration) -> u64 {
     }
     stream.slides_prefilled()
 }
+
+/// Old versions pin their frames' embeddings: once a frame has slid out of the history, the
+/// versions it is the newest frame of stay bindable only among the newest eight, so an endless
+/// stream pins about two histories' frames, not 64 versions' (a question bound to a frame that
+/// left long ago is refused with the reason); every frame still in the history stays bindable.
+#[test]
+fn versions_of_frames_that_slid_out_long_ago_are_no_longer_retained() {
+    let engine = engine_laid_out(512, KvLayout::PerSequence);
+    let enc = encoder();
+    let stream = open_cached(&engine, "s", true, HistoryPolicy::Slide, None);
+    let never = Arc::new(AtomicBool::new(false));
+    for v in 0..30 {
+        stream.register(frame(&enc, v), &never).unwrap();
+    }
+    let newest = stream.wait_version(30, &never).unwrap();
+    let in_history = newest.frames();
+    assert!(stream.slides() >= 2 && in_history < 12, "{in_history} frames after {} slides", stream.slides());
+    let oldest = 30 - in_history + 1;
+    for n in oldest.min(23)..=30 {
+        assert_eq!(stream.wait_version(n, &never).expect("a recent version").number, n);
+    }
+    match stream.wait_version(5, &never) {
+        Err(Error::BadInput(reason)) => assert!(reason.contains("no longer retained"), "{reason}"),
+        other => panic!("frame 5 left the history 20 frames ago: {:?}", other.map(|v| v.number)),
+    }
+}
