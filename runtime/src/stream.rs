@@ -433,7 +433,7 @@ impl Stream {
         }
         let frames = |h: &[Entry]| frames_in(h) as usize;
         let full = || Error::HistoryFull {
-            frames: frames(&tail.history) as u64,
+            frames: frames_in(&tail.history),
             used: tail.cells as u32,
             cells: self.engine().n_ctx_per_seq(),
         };
