@@ -505,6 +505,79 @@ fn slide_under_a_reader(slide_wait: Duration) -> u64 {
     stream.slides_prefilled()
 }
 
+/// One stream's slide that waits for a reader of its cells (a unified pool) does not hold up
+/// another stream's frames on the same engine: they pass it and are published while the reader
+/// still decodes (before, every later ingestion waited behind the slide).
+#[test]
+fn a_slide_waiting_for_its_reader_lets_another_streams_frames_pass() {
+    // Ingestion earns 9 ms for each ms of decoding (0.25 by default: 1 for 3), so that whether
+    // b's frame passes shows within the reader's first few steps, however loaded the machine.
+    let config = EngineConfig {
+        name: "cpu".into(),
+        context_per_sequence: 512,
+        max_streams: 2,
+        max_branches: 2,
+        kv_layout: KvLayout::Unified,
+        ingest_share: 0.9,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&model_path(), config).expect("engine");
+    let enc = encoder();
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let open = |name: &str| {
+        let config = StreamConfig {
+            history_policy: HistoryPolicy::Slide,
+            slide_wait: Duration::from_secs(600),
+            ..StreamConfig::new(name)
+        };
+        Stream::open(&engine, Arc::clone(&prompt), config).unwrap()
+    };
+    let (a, b) = (open("a"), open("b"));
+    let never = Arc::new(AtomicBool::new(false));
+    // Stream a up to the frame that slides (as in `slide_under_a_reader`).
+    let capacity = engine.n_ctx_per_seq() as i32 - StreamConfig::new("a").answer_reserve;
+    let mut n = 0;
+    let v = loop {
+        n += 1;
+        a.register(frame(&enc, n as u32), &never).unwrap();
+        let v = a.wait_version(n, &never).unwrap();
+        if v.cells + (v.cells - a.wait_version(n - 1, &never).unwrap().cells) > capacity {
+            break v;
+        }
+    };
+    // A long answer reads a's cells; a's sliding frame waits for it to end.
+    let q = vlm_runtime::Question { ignore_eos: true, ..question("Tell me about the picture.", 100) };
+    let (started, decoding) = std::sync::mpsc::channel::<()>();
+    let reading = Arc::new(AtomicBool::new(true));
+    let reader = {
+        let (v, q, never, reading) = (v.clone(), q.clone(), Arc::clone(&never), Arc::clone(&reading));
+        std::thread::spawn(move || {
+            let mut first = Some(started);
+            let read = answer(&v, &q, &never, |_| drop(first.take())).unwrap();
+            reading.store(false, std::sync::atomic::Ordering::Release);
+            read
+        })
+    };
+    let _ = decoding.recv();
+    assert!(a.register(frame(&enc, 100), &never).unwrap().slid, "a's frame slides its history");
+    // b's frame, submitted after a's sliding one, is published while the reader decodes. (Polled,
+    // not waited for: a question waiting for it would put b's frame first anyway.)
+    b.register(frame(&enc, 200), &never).unwrap();
+    let passed = loop {
+        if b.published() >= 1 {
+            break true;
+        }
+        if !reading.load(std::sync::atomic::Ordering::Acquire) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let read = reader.join().unwrap();
+    assert_eq!(read.tokens, 100);
+    assert!(passed, "b's frame waited for a's slide, which waited for a's reader (100 tokens)");
+    a.wait_version(n + 1, &never).expect("a's slide runs once its reader has ended");
+}
+
 /// Old versions pin their frames' embeddings: once a frame has slid out of the history, the
 /// versions it is the newest frame of stay bindable only among the newest eight, so an endless
 /// stream pins about two histories' frames, not 64 versions' (a question bound to a frame that

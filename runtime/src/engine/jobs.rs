@@ -47,8 +47,8 @@ pub(crate) enum Begun {
     Prefill,
     /// Nothing to prefill: the ingestion ended (a prefix-cache hit, or a failure).
     Ended(Result<i32>),
-    /// Not yet (a slide waiting for readers of the stream's cells): asked again at the next
-    /// step; later ingestion waits behind it.
+    /// Not yet (a slide waiting for readers of the stream's cells): asked again when it is at
+    /// the front again; the stream's later ingestion waits behind it, other streams' passes it.
     NotYet,
 }
 /// Gets the worker unless the engine is gone (then the result is an error).
@@ -71,6 +71,8 @@ pub(crate) struct Ingestion {
     pub demand: Arc<AtomicUsize>,
     /// Estimated cost, counted in the engine's ingestion backlog until done.
     pub cost_ms: f64,
+    /// Its `begin` said [`Begun::NotYet`] (set by the scheduler; false when submitted).
+    pub waiting: bool,
 }
 
 impl Ingestion {

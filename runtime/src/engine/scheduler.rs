@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -14,7 +14,8 @@ use crate::llama::{Batch, Token};
 use crate::prefill::{Next, Prefill, batch_together, chunk_len};
 
 /// Ordered work: ingestion and plain jobs, first come first served, except that a stream whose
-/// frames a question waits for goes before other streams' ingestion (`Scheduler::promote_demanded`).
+/// frames a question waits for goes before other streams' ingestion (`Scheduler::promote_demanded`)
+/// and that an ingestion that cannot begin yet lets other streams' pass (`Scheduler::pass_waiting`).
 enum Ordered {
     Run(Work),
     Ingest(Ingestion),
@@ -256,8 +257,12 @@ impl Scheduler {
                     Some(begin) => begin(w, &mut ing.prefill),
                     None => Begun::Prefill,
                 };
+                ing.waiting = matches!(begun, Begun::NotYet);
                 match begun {
-                    Begun::NotYet => return elapsed(),
+                    Begun::NotYet => {
+                        self.pass_waiting();
+                        return elapsed();
+                    }
                     Begun::Ended(result) => Some(result),
                     Begun::Prefill => {
                         ing.begin = None;
@@ -310,21 +315,45 @@ impl Scheduler {
     /// stream's earliest ingestion. (Moving the one read, when the demand rose between reading an
     /// earlier frame of the same stream and it, put a frame before the one it follows: llama.cpp
     /// refused its positions and the stream failed.)
+    ///
+    /// A stream whose earliest ingestion waits to begin is not promoted: it would only go back in
+    /// front of the ingestion that passed it.
     fn promote_demanded(&mut self) {
-        let leading: Vec<&Ingestion> = self
-            .ordered
-            .iter()
-            .map_while(|o| match o {
-                Ordered::Ingest(i) => Some(i),
-                Ordered::Run(_) => None,
-            })
-            .collect();
-        let Some(demanded) = leading.iter().find(|i| i.demand.load(Ordering::Acquire) > 0) else { return };
+        let leading = self.leading();
+        let stream_waits = |d: &Arc<AtomicUsize>| leading.iter().any(|i| i.waiting && Arc::ptr_eq(&i.demand, d));
+        let Some(demanded) = leading.iter().find(|i| i.demand.load(Ordering::Acquire) > 0 && !stream_waits(&i.demand))
+        else {
+            return;
+        };
         let earliest = leading.iter().position(|i| Arc::ptr_eq(&i.demand, &demanded.demand)).expect("found above");
         if earliest > 0 {
             let ingestion = self.ordered.remove(earliest).expect("in range");
             self.ordered.push_front(ingestion);
         }
+    }
+
+    /// The front ingestion cannot begin yet (a slide waiting for its stream's readers): the
+    /// earliest ingestion of another stream goes in front of it, so one stream's wait never holds
+    /// up the others' frames (it is asked again once it is at the front again).
+    fn pass_waiting(&mut self) {
+        let leading = self.leading();
+        let Some(waiting) = leading.first().map(|i| Arc::clone(&i.demand)) else { return };
+        if let Some(other) = leading.iter().position(|i| !Arc::ptr_eq(&i.demand, &waiting)) {
+            let ingestion = self.ordered.remove(other).expect("in range");
+            self.ordered.push_front(ingestion);
+        }
+    }
+
+    /// The ingestions at the front of the ordered work, up to the first plain job (which nothing
+    /// passes).
+    fn leading(&self) -> Vec<&Ingestion> {
+        self.ordered
+            .iter()
+            .map_while(|o| match o {
+                Ordered::Ingest(i) => Some(i),
+                Ordered::Run(_) => None,
+            })
+            .collect()
     }
 
     /// Whether a question waits for frames still being ingested.

@@ -139,6 +139,7 @@ impl Stream {
             cancel: Arc::clone(&self.closing),
             demand: Arc::clone(&self.demand),
             cost_ms,
+            waiting: false,
         })
     }
 
