@@ -90,12 +90,14 @@ fn count_frames(pad: &gst::Pad) -> Arc<AtomicU64> {
 }
 
 /// Answers seen on the bus: the statuses of each question id, (when, TTFT ms) of each answered
-/// one, and its stream's lag when it was asked (ms the history was behind the camera).
+/// one, and its stream's lag when it was asked (ms the history was behind the camera); and the
+/// frames skipped under overload that `vlm-overload` reported, per stream (its latest count).
 #[derive(Default)]
 struct Answers {
     status: std::collections::HashMap<String, Vec<String>>,
     ttft: Vec<(Instant, f64)>,
     lag_ms: Vec<f64>,
+    overload: std::collections::HashMap<String, u64>,
 }
 
 /// Read `bus` until `done` or `limit`; errors fail the test, answers are counted per id.
@@ -116,6 +118,12 @@ fn pump(
         match msg.view() {
             gst::MessageView::Error(e) => panic!("error: {} ({:?})", e.error(), e.debug()),
             gst::MessageView::Element(e) => {
+                if let Some(s) = e.structure().filter(|s| s.name() == "vlm-overload") {
+                    let skipped = s.get::<u64>("skipped").unwrap();
+                    let stream = s.get::<String>("stream").unwrap();
+                    let reported = answers.overload.entry(stream).or_default();
+                    *reported = (*reported).max(skipped);
+                }
                 if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer") {
                     let status = s.get::<String>("status").unwrap();
                     if status == "answered" {
@@ -328,6 +336,8 @@ fn live_run(context: &str) -> LiveRun {
     let encoder_skipped = encoders.iter().map(|e| e.property::<u64>("frames-skipped")).sum::<u64>();
     let tiles = |name: &str| encoders.iter().map(|e| e.property::<u64>(name)).sum::<u64>();
     let (tiles_encoded, tiles_reused) = (tiles("tiles-encoded"), tiles("tiles-reused"));
+    // (The bus once more, for a `vlm-overload` posted as the counts were read.)
+    pump(&bus, &mut answers, Duration::from_millis(200), |_| false);
     set_state(&pipeline, gst::State::Null, Duration::from_secs(30), "stop");
     assert!(all, "{} of {} questions answered", answers.status.len(), ids.len());
     assert!(
@@ -341,6 +351,9 @@ fn live_run(context: &str) -> LiveRun {
     // Every encoded frame joined the history or was counted: skipped under overload (a history
     // restart replays its kept frames, and a live stream does not wait for that) or dropped; and
     // with every frame due, every frame was encoded.
+    // A degradation is said on the bus: a stream's first skipped frame and every tenth.
+    let reported: u64 = answers.overload.values().sum();
+    assert!(skipped == 0 || reported > 0, "{skipped} frames skipped and no vlm-overload message");
     let frames = frames();
     assert!(
         frames + skipped + dropped + 2 * streams as u64 >= encoded,
@@ -387,7 +400,7 @@ fn live_run(context: &str) -> LiveRun {
         start_filled.or(start).expect("no answer in the whole run"),
         end,
         &format!(
-            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"rss-tenths-mib\":[{}],\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"tiles-encoded\":{tiles_encoded},\"tiles-reused\":{tiles_reused},\"frames\":{frames},\"skipped\":{skipped},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
+            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"rss-tenths-mib\":[{}],\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"tiles-encoded\":{tiles_encoded},\"tiles-reused\":{tiles_reused},\"frames\":{frames},\"skipped\":{skipped},\"skipped-reported\":{reported},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
             first,
             last,
             tenths.join(","),
