@@ -257,6 +257,19 @@ fn a_live_run_slides_its_history_without_restarting() {
     );
 }
 
+/// A structure's number and string fields as JSON object members.
+fn json_fields(s: &gst::StructureRef) -> String {
+    s.iter()
+        .map(|(name, value)| match (value.get::<f64>(), value.get::<u64>(), value.get::<String>()) {
+            (Ok(x), _, _) => format!("\"{name}\":{x:.1}"),
+            (_, Ok(n), _) => format!("\"{name}\":{n}"),
+            (_, _, Ok(text)) => format!("\"{name}\":{text:?}"),
+            _ => format!("\"{name}\":null"),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// The `q` quantile of `v` (NaN when empty; 1.0 is the largest).
 fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -336,6 +349,10 @@ fn live_run(context: &str) -> LiveRun {
     let encoder_skipped = encoders.iter().map(|e| e.property::<u64>("frames-skipped")).sum::<u64>();
     let tiles = |name: &str| encoders.iter().map(|e| e.property::<u64>(name)).sum::<u64>();
     let (tiles_encoded, tiles_reused) = (tiles("tiles-encoded"), tiles("tiles-reused"));
+    // Where each engine's time went (a run that cannot keep up says why).
+    for stats in ctx.property::<gst::Array>("engine-stats").iter() {
+        println!("{{\"endurance\":\"engine-stats\",{}}}", json_fields(&stats.get::<gst::Structure>().unwrap()));
+    }
     // (The bus once more, for a `vlm-overload` posted as the counts were read.)
     pump(&bus, &mut answers, Duration::from_millis(200), |_| false);
     set_state(&pipeline, gst::State::Null, Duration::from_secs(30), "stop");

@@ -43,7 +43,7 @@ mod threads;
 
 pub use answer::{AnswerReport, Question, Sampling, answer, answer_frame, answer_on, answer_placed};
 pub use commits::CommitTurn;
-pub use engine::{DecodeRates, Engine, EngineConfig, KvLayout, KvMemory};
+pub use engine::{DecodeRates, Engine, EngineConfig, KvLayout, KvMemory, TimeSplit};
 pub use error::{Error, Result};
 pub use llama::{Device, Gpu, KvType};
 pub use placer::PreparePath;

@@ -48,6 +48,7 @@ pub(super) const PROP_ENGINES: &str = "engines";
 pub(super) const PROP_THREADS: &str = "threads";
 pub(super) const PROP_MODEL_OWNERS: &str = "model-owners";
 pub(super) const PROP_FRAMES_DROPPED: &str = "frames-dropped";
+pub(super) const PROP_ENGINE_STATS: &str = "engine-stats";
 
 /// The specifications of the element's properties, each with its nick, blurb, range and default.
 pub(super) fn specs() -> Vec<glib::ParamSpec> {
@@ -245,6 +246,11 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .blurb("Encoded frames that did not join a history because it was full")
             .read_only()
             .build(),
+        gst::ParamSpecArray::builder(PROP_ENGINE_STATS)
+            .nick("Engine statistics")
+            .blurb("A vlm-engine-stats structure per engine: where its time went (ms) and its measured rates")
+            .read_only()
+            .build(),
     ]
 }
 
@@ -314,6 +320,10 @@ impl VlmContext {
                     config.is_some_and(|c| c.flash_attention).to_value()
                 };
             }
+            PROP_ENGINE_STATS => {
+                let st = self.state.lock();
+                return gst::Array::new(st.engines.iter().map(|e| engine_stats(e).to_send_value())).to_value();
+            }
             PROP_PREFIX_CACHE_HITS => return cache(|s| s.hits),
             PROP_PREFIX_CACHE_MISSES => return cache(|s| s.misses),
             _ => (),
@@ -345,4 +355,24 @@ impl VlmContext {
             _ => unreachable!(),
         }
     }
+}
+
+/// One engine's `vlm-engine-stats`: where its thread's time went since its calibration run (ms)
+/// and the rates it measured.
+fn engine_stats(engine: &vlm_runtime::Engine) -> gst::Structure {
+    let (split, rates) = (engine.time_split(), engine.rates());
+    gst::Structure::builder("vlm-engine-stats")
+        .field("name", engine.name())
+        .field("wall-ms", split.wall_ms)
+        .field("decode-ms", split.decode_ms)
+        .field("start-ms", split.start_ms)
+        .field("ingest-ms", split.ingest_ms)
+        .field("jobs-ms", split.jobs_ms)
+        .field("idle-ms", split.idle_ms)
+        .field("other-ms", split.other_ms())
+        .field("ingest-inputs", split.ingest_inputs)
+        .field("ingest-inputs-per-s", split.ingest_inputs_per_s())
+        .field("prefill-ms-per-input", rates.prefill_ms_per_token)
+        .field("decode-ms-per-step", rates.decode_ms_per_step)
+        .build()
 }

@@ -93,6 +93,8 @@ struct Shared {
     busy_steps: Mutex<(u64, f64)>,
     /// Decode steps run with no ingestion waiting, and their total time (ms).
     idle_steps: Mutex<(u64, f64)>,
+    /// Where the engine thread's time went since calibration.
+    time_split: Mutex<TimeSplit>,
     /// The KV memory as last refreshed (at most 50 ms old while busy, current when idle).
     kv: Mutex<KvMemory>,
     /// Turns of the engine thread's loop (it turns at least every 200 ms while alive): what the
@@ -115,6 +117,40 @@ static FAILURE_HANDLERS: Mutex<Vec<FailureHandler>> = Mutex::new(Vec::new());
 /// on it), so that the engine names none of it. Register each handler once.
 pub(crate) fn on_failure(handler: FailureHandler) {
     FAILURE_HANDLERS.lock().push(handler);
+}
+
+/// Where an engine thread's time went since its calibration run (ms, summed), and what its
+/// ingestion prefilled: what tells an engine that cannot keep up with its streams' frames
+/// because it is busy answering (`decode_ms`, `start_ms`) from one that spends its time
+/// elsewhere (`other_ms`: the loop's own work, KV accounting, jobs' bookkeeping).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TimeSplit {
+    /// Decode steps of answers.
+    pub decode_ms: f64,
+    /// Prefill of answers starting (their history replay and question).
+    pub start_ms: f64,
+    /// Frame ingestion (prefill of frames and committed text).
+    pub ingest_ms: f64,
+    /// Inputs (tokens and embedding rows) ingestion prefilled.
+    pub ingest_inputs: u64,
+    /// Plain jobs: imports, exports, branch copies, slides.
+    pub jobs_ms: f64,
+    /// Waiting for work.
+    pub idle_ms: f64,
+    /// Everything since calibration, the above included.
+    pub wall_ms: f64,
+}
+
+impl TimeSplit {
+    /// The time not in any of the above.
+    pub fn other_ms(&self) -> f64 {
+        (self.wall_ms - self.decode_ms - self.start_ms - self.ingest_ms - self.jobs_ms - self.idle_ms).max(0.0)
+    }
+
+    /// Inputs ingestion prefilled per second of the time it ran (0 before any).
+    pub fn ingest_inputs_per_s(&self) -> f64 {
+        if self.ingest_ms > 0.0 { self.ingest_inputs as f64 * 1e3 / self.ingest_ms } else { 0.0 }
+    }
 }
 
 /// Decode rates an engine observed (see [`Engine::decode_rates`]).
@@ -213,6 +249,7 @@ impl Engine {
             start_backlog: Mutex::new(0.0),
             busy_steps: Mutex::new((0, 0.0)),
             idle_steps: Mutex::new((0, 0.0)),
+            time_split: Mutex::new(TimeSplit::default()),
             kv: Mutex::new(KvMemory::default()),
             turns: Default::default(),
             failure: Mutex::new(None),
@@ -361,6 +398,11 @@ impl Engine {
             idle_steps,
             idle_ms_per_step: mean(idle_steps, idle_ms),
         }
+    }
+
+    /// Where the engine thread's time went since its calibration run.
+    pub fn time_split(&self) -> TimeSplit {
+        *self.shared.time_split.lock()
     }
 
     /// Estimated milliseconds of queued ingestion on this engine (measured costs).

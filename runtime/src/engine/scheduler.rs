@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::calibrate::calibrate;
 use super::jobs::{Begun, Generation, Ingestion, Job, Progress, Work};
-use super::{EngineConfig, Shared, Stage, Worker};
+use super::{EngineConfig, Shared, Stage, TimeSplit, Worker};
 use crate::error::{Error, Result};
 use crate::llama::{Batch, Token};
 use crate::prefill::{Next, Prefill, batch_together, chunk_len};
@@ -44,6 +44,8 @@ struct Scheduler {
     ordered: VecDeque<Ordered>,
     /// Milliseconds of prefill that ingestion has earned while answers decode.
     credit_ms: f64,
+    /// Where the time went (published to `Shared::time_split` after every turn).
+    split: TimeSplit,
 }
 
 impl Scheduler {
@@ -55,7 +57,11 @@ impl Scheduler {
         match job {
             Job::Run(f) => self.ordered.push_back(Ordered::Run(f)),
             Job::Ingest(i) => self.ordered.push_back(Ordered::Ingest(i)),
-            Job::Urgent(f) => f(w),
+            Job::Urgent(f) => {
+                let started = Instant::now();
+                f(w);
+                self.split.jobs_ms += started.elapsed().as_secs_f64() * 1e3;
+            }
             // A user's question goes before the background evaluations still waiting.
             Job::Generate(g, cost) if !g.background() => {
                 let at = self.waiting.iter().position(|(w, _)| w.background()).unwrap_or(self.waiting.len());
@@ -246,6 +252,7 @@ impl Scheduler {
                 if let Some(Ordered::Run(f)) = self.ordered.pop_front() {
                     f(w);
                 }
+                self.split.jobs_ms += elapsed();
                 return elapsed();
             }
             // Begin it: a cache hit, a cancellation or nothing left to prefill ends it at once;
@@ -261,6 +268,7 @@ impl Scheduler {
                 match begun {
                     Begun::NotYet => {
                         self.pass_waiting();
+                        self.split.ingest_ms += elapsed();
                         return elapsed();
                     }
                     Begun::Ended(result) => Some(result),
@@ -275,16 +283,20 @@ impl Scheduler {
         };
         if let Some(result) = ended {
             self.finish(w, shared, 0, result);
+            self.split.ingest_ms += elapsed();
             return elapsed();
         }
         let Some(Ordered::Ingest(ing)) = self.ordered.front_mut() else { unreachable!("checked above") };
         let tokens = (allowed_ms / w.prefill_ms_per_token()) as usize;
         let waited = ing.demand.load(Ordering::Acquire) > 0;
+        let before = ing.prefill.remaining();
         let result = prefill_chunk(w, &mut ing.prefill, tokens.max(MIN_CHUNK), waited);
+        self.split.ingest_inputs += (before - ing.prefill.remaining()) as u64;
         if result.is_err() || ing.prefill.is_done() {
             let end = ing.prefill.pos;
             self.finish(w, shared, 0, result.map(|()| end));
         }
+        self.split.ingest_ms += elapsed();
         elapsed()
     }
 
@@ -365,7 +377,11 @@ impl Scheduler {
     fn step(&mut self, w: &mut Worker, shared: &Shared) {
         self.start_answers(w, shared);
         let decode_ms = self.decode_step(w, shared);
-        if self.prefill_start(w, shared) || self.ordered.is_empty() {
+        self.split.decode_ms += decode_ms;
+        let started = Instant::now();
+        let prefilled = self.prefill_start(w, shared);
+        self.split.start_ms += started.elapsed().as_secs_f64() * 1e3;
+        if prefilled || self.ordered.is_empty() {
             return;
         }
         if self.active.is_empty() {
@@ -450,14 +466,19 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
         active: Vec::new(),
         ordered: VecDeque::new(),
         credit_ms: 0.0,
+        split: TimeSplit::default(),
     };
+    let began = Instant::now();
     loop {
         shared.turns.fetch_add(1, Ordering::Relaxed);
         if crate::llama::exiting() {
             return; // the process is exiting: drop the work, free the context
         }
         let first = if s.idle() {
-            match jobs.recv_timeout(std::time::Duration::from_millis(200)) {
+            let waited = Instant::now();
+            let job = jobs.recv_timeout(std::time::Duration::from_millis(200));
+            s.split.idle_ms += waited.elapsed().as_secs_f64() * 1e3;
+            match job {
                 Ok(job) => Some(job),
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return, // stopped, every job done
@@ -481,6 +502,8 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
                     w.ctx.release_all_pages(); // every stream and answer has ended
                 }
             }
+            s.split.wall_ms = began.elapsed().as_secs_f64() * 1e3;
+            *shared.time_split.lock() = s.split;
         }));
         if let Err(panic) = stepped {
             let what = crate::error::panic_message(panic.as_ref());
