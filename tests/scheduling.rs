@@ -121,7 +121,16 @@ fn a_stream_faster_than_its_ingestion_skips_frames_under_the_overload_policy() {
     let (run, _) = ask_to_eos(&pipeline, |n| if n == 1 { vec!["What is it?"] } else { vec![] });
     let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
     let skipped = ctx.property::<u64>("frames-skipped");
+    let stats = ctx.property::<gst::Array>("engine-stats");
     pipeline.set_state(gst::State::Null).unwrap();
+    // Where the engine's time went: ingestion ran, and the parts do not exceed the whole.
+    assert_eq!(stats.len(), 1, "one engine: {stats:?}");
+    let s = stats.first().unwrap().get::<gst::Structure>().unwrap();
+    let ms = |f: &str| s.get::<f64>(f).unwrap();
+    assert!(s.get::<u64>("ingest-inputs").unwrap() > 0 && ms("ingest-ms") > 0.0, "{s}");
+    let parts: f64 =
+        ["decode-ms", "start-ms", "ingest-ms", "jobs-ms", "idle-ms", "other-ms"].iter().map(|f| ms(f)).sum();
+    assert!((parts - ms("wall-ms")).abs() < 1.0 + ms("wall-ms") * 1e-6, "{s}");
     assert!(run.errors.is_empty(), "{:?}", run.errors);
     assert!(skipped > 0, "no frame skipped out of 100 encoded back to back");
     assert_eq!(run.answers.len(), 1, "{:?} {:?}", run.warnings, run.messages);

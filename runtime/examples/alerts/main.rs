@@ -64,6 +64,9 @@ struct Args {
     /// engines=g0:gpu,g1:gpu`); streams are dealt out to them in turn.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
     engines: u32,
+    /// The engines' `ingest_share` (the engine's default otherwise).
+    #[arg(long, default_value_t = vlm_runtime::engine::DEFAULT_INGEST_SHARE)]
+    ingest_share: f64,
     #[command(flatten)]
     files: common::ModelArgs,
 }
@@ -216,7 +219,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Each sequence (and the server's slot) holds the prompt, every frame and the answer reserve.
     let frame_cells = encoder.encode(&Picture::packed(&picture(0), 64, 48, 192, PixelLayout::Rgb))?.cells() as u32;
     let cells = (96 + frame_cells * args.frames as u32 + 256).next_power_of_two();
-    let mut rows = vec![];
+    let (mut rows, mut engine_time) = (vec![], vec![]);
     println!(
         "{:>12} {:>7} {:>6} {:>5} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
         "config",
@@ -247,6 +250,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         device: device.clone(),
                         kv_layout: if per_sequence { KvLayout::PerSequence } else { KvLayout::Unified },
                         flash_attention,
+                        ingest_share: args.ingest_share,
                         ..EngineConfig::default()
                     },
                 )
@@ -362,6 +366,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             report(&args, level, &mut rows);
         }
         for engine in &engines {
+            let (t, rates) = (engine.time_split(), engine.rates());
+            println!(
+                "{:>12} engine {}: decode {:.0} ms, starts {:.0}, ingestion {:.0} ({:.0} inputs/s), jobs {:.0}, idle {:.0}, other {:.0} of {:.0} ms; prefill {:.3} ms an input",
+                "",
+                engine.name(),
+                t.decode_ms,
+                t.start_ms,
+                t.ingest_ms,
+                t.ingest_inputs_per_s(),
+                t.jobs_ms,
+                t.idle_ms,
+                t.other_ms(),
+                t.wall_ms,
+                rates.prefill_ms_per_token
+            );
+            engine_time.push(serde_json::json!({
+                "streams": n_streams, "engine": engine.name(), "wall_ms": t.wall_ms, "decode_ms": t.decode_ms,
+                "start_ms": t.start_ms, "ingest_ms": t.ingest_ms, "ingest_inputs": t.ingest_inputs, "jobs_ms": t.jobs_ms,
+                "idle_ms": t.idle_ms, "other_ms": t.other_ms(), "prefill_ms_per_input": rates.prefill_ms_per_token,
+            }));
             engine.stop();
         }
         if let Some(binary) = &server_binary {
@@ -389,7 +413,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "peer": server_binary.map(|p| p.display().to_string()),
         "kv_layout": if per_sequence { "per-sequence" } else { "unified" }, "flash_attention": flash_attention,
         "device": if args.gpu { "gpu" } else { "cpu" }, "engines": args.engines, "encoder_contexts": contexts,
-        "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "rows": rows,
+        "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "ingest_share": args.ingest_share,
+        "rows": rows, "engine_time": engine_time,
     });
     println!("{json}");
     if let Some(path) = args.json {
