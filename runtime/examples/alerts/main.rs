@@ -64,6 +64,9 @@ struct Args {
     /// engines=g0:gpu,g1:gpu`); streams are dealt out to them in turn.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
     engines: u32,
+    /// libmtmd encoder contexts (0: 4 on the GPU, 1 on the CPU, as `vlmencode` chooses).
+    #[arg(long, default_value_t = 0)]
+    encoder_contexts: usize,
     /// The engines' `ingest_share` (the engine's default otherwise).
     #[arg(long, default_value_t = vlm_runtime::engine::DEFAULT_INGEST_SHARE)]
     ingest_share: f64,
@@ -205,7 +208,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
     let device = if args.gpu { Device::Gpu(Gpu { index: 0, layers: None }) } else { Device::Cpu };
     let model = models::model(&args.files.model, &device)?;
-    let contexts = if args.gpu { 4 } else { 1 };
+    let contexts = vlm_runtime::encoder::encoder_contexts(args.encoder_contexts, args.gpu);
     let encoder =
         Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, args.gpu, threads, contexts)?));
     let per_sequence = args.per_sequence || args.gpu;
