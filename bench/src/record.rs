@@ -172,13 +172,16 @@ impl AnswerRecord {
     }
 }
 
-/// Decode steps run while frames waited for ingestion (busy) and with none waiting (idle).
+/// Decode steps run while frames waited for ingestion (busy) and with none waiting (idle), and
+/// where the engine threads' time went (`vlm_runtime::TimeSplit`, summed over the engines).
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct DecodeSplit {
     pub busy_steps: u64,
     pub busy_ms: f64,
     pub idle_steps: u64,
     pub idle_ms: f64,
+    #[serde(default)]
+    pub engine_time: EngineTime,
 }
 
 impl DecodeSplit {
@@ -187,6 +190,47 @@ impl DecodeSplit {
         self.busy_ms += other.busy_ms;
         self.idle_steps += other.idle_steps;
         self.idle_ms += other.idle_ms;
+        self.engine_time = self.engine_time.plus(&other.engine_time, 1.0);
+    }
+}
+
+/// Where engine threads' time went (ms; see `vlm_runtime::TimeSplit`), and the inputs their
+/// ingestion prefilled.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct EngineTime {
+    pub wall_ms: f64,
+    pub decode_ms: f64,
+    pub start_ms: f64,
+    pub ingest_ms: f64,
+    pub ingest_inputs: f64,
+    pub jobs_ms: f64,
+    pub idle_ms: f64,
+}
+
+impl EngineTime {
+    pub fn of(t: &vlm_runtime::TimeSplit) -> EngineTime {
+        EngineTime {
+            wall_ms: t.wall_ms,
+            decode_ms: t.decode_ms,
+            start_ms: t.start_ms,
+            ingest_ms: t.ingest_ms,
+            ingest_inputs: t.ingest_inputs as f64,
+            jobs_ms: t.jobs_ms,
+            idle_ms: t.idle_ms,
+        }
+    }
+
+    /// `self + sign * other`, field by field (-1: the time between two readings).
+    pub fn plus(&self, other: &EngineTime, sign: f64) -> EngineTime {
+        EngineTime {
+            wall_ms: self.wall_ms + sign * other.wall_ms,
+            decode_ms: self.decode_ms + sign * other.decode_ms,
+            start_ms: self.start_ms + sign * other.start_ms,
+            ingest_ms: self.ingest_ms + sign * other.ingest_ms,
+            ingest_inputs: self.ingest_inputs + sign * other.ingest_inputs,
+            jobs_ms: self.jobs_ms + sign * other.jobs_ms,
+            idle_ms: self.idle_ms + sign * other.idle_ms,
+        }
     }
 }
 

@@ -511,7 +511,13 @@ mod tests {
             peak_rss_kib: rss_kib,
             window_ms,
             answers,
-            decode_split: Some(DecodeSplit { busy_steps: 10, busy_ms: 500.0, idle_steps: 20, idle_ms: 400.0 }),
+            decode_split: Some(DecodeSplit {
+                busy_steps: 10,
+                busy_ms: 500.0,
+                idle_steps: 20,
+                idle_ms: 400.0,
+                ..Default::default()
+            }),
             ..RunRecord::empty(config, 0, 1)
         }
     }

@@ -15,7 +15,9 @@ use vlm_runtime::{
     Engine, EngineConfig, KvLayout, KvType, Overload, Question, Sampling, Stream, StreamConfig, answer_frame, models,
 };
 
-use crate::record::{AnswerRecord, Config, DecodeSplit, FeedStats, FrameTiming, KvStats, LagStats, WorkerMsg};
+use crate::record::{
+    AnswerRecord, Config, DecodeSplit, EngineTime, FeedStats, FrameTiming, KvStats, LagStats, WorkerMsg,
+};
 use crate::workload::{
     HistorySpec, Workload, instant_of_unix_ms, ms, peak_rss_kib, picture, question_text, sleep_until,
 };
@@ -59,6 +61,7 @@ fn totals(engines: &[Arc<Engine>]) -> DecodeSplit {
             busy_ms: r.busy_ms_per_step * r.busy_steps as f64,
             idle_steps: r.idle_steps,
             idle_ms: r.idle_ms_per_step * r.idle_steps as f64,
+            engine_time: EngineTime::of(&e.time_split()),
         });
     }
     split
@@ -197,6 +200,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         busy_ms: after.busy_ms - before.busy_ms,
         idle_steps: after.idle_steps - before.idle_steps,
         idle_ms: after.idle_ms - before.idle_ms,
+        engine_time: after.engine_time.plus(&before.engine_time, -1.0),
     };
     emit(&WorkerMsg::Done { window_ms, peak_rss_kib: peak_rss_kib(None).unwrap_or(0), kv, decode_split, lag, feed });
     for o in &opened {

@@ -25,8 +25,13 @@ pub const MAX_ENCODER_CONTEXTS: usize = 16;
 /// one image at a time. An encode leases one and, for a frame of several tiles, every other
 /// one free at that moment, so the tiles of a frame and the frames of several streams are
 /// encoded side by side (on a GPU each context has its own streams and graphs).
+///
+/// Leases are served first come, first served: a context returned goes to the encode that has
+/// waited longest, never to one that asks later (a new frame taking it as it comes back would
+/// send the waiting one to the back, again and again under load), and a frame takes contexts
+/// beyond its first only while no other frame waits for one.
 struct Contexts {
-    free: Mutex<Vec<MtmdPtr>>,
+    pool: Mutex<Pool>,
     returned: Condvar,
     /// Every context loaded (freed in the Projector's Drop), the first being the decode view's.
     loaded: Mutex<Vec<MtmdPtr>>,
@@ -47,27 +52,67 @@ impl Lease<'_> {
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
         if let Some(ctx) = self.ctx.take() {
-            self.pool.free.lock().push(ctx);
-            self.pool.returned.notify_one();
+            self.pool.give(ctx);
         }
     }
 }
 
+/// The contexts free now and the encodes waiting for one, in their order of arrival (tickets).
+#[derive(Default)]
+struct Pool {
+    free: Vec<MtmdPtr>,
+    waiting: std::collections::VecDeque<u64>,
+    next_ticket: u64,
+}
+
 impl Contexts {
-    /// A free context, waiting for one.
-    fn lease(&self) -> Lease<'_> {
-        let mut free = self.free.lock();
-        while free.is_empty() {
-            self.returned.wait(&mut free);
+    fn new(first: MtmdPtr) -> Contexts {
+        Contexts {
+            pool: Mutex::new(Pool { free: vec![first], ..Pool::default() }),
+            returned: Condvar::new(),
+            loaded: Mutex::new(vec![first]),
         }
-        Lease { ctx: free.pop(), pool: self }
     }
 
-    /// Up to `n` contexts free now, without waiting.
+    /// A context, waiting behind the encodes that asked before.
+    fn lease(&self) -> Lease<'_> {
+        let mut pool = self.pool.lock();
+        if pool.waiting.is_empty()
+            && let Some(ctx) = pool.free.pop()
+        {
+            return Lease { ctx: Some(ctx), pool: self };
+        }
+        let ticket = pool.next_ticket;
+        pool.next_ticket += 1;
+        pool.waiting.push_back(ticket);
+        while pool.waiting.front() != Some(&ticket) || pool.free.is_empty() {
+            self.returned.wait(&mut pool);
+        }
+        pool.waiting.pop_front();
+        let ctx = pool.free.pop();
+        if !pool.free.is_empty() && !pool.waiting.is_empty() {
+            self.returned.notify_all(); // the next in line takes one too
+        }
+        Lease { ctx, pool: self }
+    }
+
+    /// Up to `n` contexts free now, without waiting; none while another encode waits for one.
     fn lease_free(&self, n: usize) -> Vec<Lease<'_>> {
-        let mut free = self.free.lock();
-        let at = free.len().saturating_sub(n);
-        free.drain(at..).map(|ctx| Lease { ctx: Some(ctx), pool: self }).collect()
+        let mut pool = self.pool.lock();
+        if !pool.waiting.is_empty() {
+            return vec![];
+        }
+        let at = pool.free.len().saturating_sub(n);
+        pool.free.drain(at..).map(|ctx| Lease { ctx: Some(ctx), pool: self }).collect()
+    }
+
+    /// A context back in the pool (returned, or newly loaded): the longest waiting encode gets it.
+    fn give(&self, ctx: MtmdPtr) {
+        let mut pool = self.pool.lock();
+        pool.free.push(ctx);
+        if !pool.waiting.is_empty() {
+            self.returned.notify_all(); // only the front ticket goes on; the others wait again
+        }
     }
 }
 
@@ -283,11 +328,7 @@ impl Projector {
         // SAFETY: the default marker is a static NUL-terminated string.
         let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_owned();
         let projector = Projector {
-            contexts: Contexts {
-                free: Mutex::new(vec![MtmdPtr(first)]),
-                returned: Condvar::new(),
-                loaded: Mutex::new(vec![MtmdPtr(first)]),
-            },
+            contexts: Contexts::new(MtmdPtr(first)),
             decode_view: DecodeView(first),
             path: path.to_path_buf(),
             model,
@@ -306,8 +347,7 @@ impl Projector {
         while loaded.len() < contexts {
             let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts))?;
             loaded.push(MtmdPtr(ctx));
-            self.contexts.free.lock().push(MtmdPtr(ctx));
-            self.contexts.returned.notify_one();
+            self.contexts.give(MtmdPtr(ctx));
         }
         Ok(())
     }
@@ -559,5 +599,56 @@ mod tests {
         assert_eq!(Tile::Cell { row: 2, col: 1, rows: 2, cols: 3 }.region(64, 48), (0, 24, 22, 48));
         assert_eq!(tiles(&[m("<image>")]), [Some(Tile::Whole)]);
         assert_eq!(tiles(&[m(""), m("")]), [None, None], "several images with no markers");
+    }
+
+    /// A pool of stand-in contexts (never dereferenced: only the pool's bookkeeping runs).
+    fn pool(n: usize) -> Contexts {
+        let ptr = || MtmdPtr(NonNull::dangling());
+        let pool = Contexts::new(ptr());
+        for _ in 1..n {
+            pool.give(ptr());
+        }
+        pool
+    }
+
+    fn waiting(pool: &Contexts, n: usize) {
+        while pool.pool.lock().waiting.len() < n {
+            std::thread::yield_now();
+        }
+    }
+
+    /// Three encodes wait, in order, for the one context; its holder returns it and at once asks
+    /// again: the three get it first, in their order, and the holder after them.
+    #[test]
+    fn a_returned_context_goes_to_the_encode_that_waited_longest() {
+        let pool = pool(1);
+        let order = std::sync::Mutex::new(vec![]);
+        let held = pool.lease();
+        std::thread::scope(|scope| {
+            for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+                let (pool, order) = (&pool, &order);
+                scope.spawn(move || {
+                    let _lease = pool.lease();
+                    order.lock().unwrap().push(name);
+                });
+                waiting(pool, i + 1);
+            }
+            drop(held);
+            let _again = pool.lease();
+            order.lock().unwrap().push("holder");
+        });
+        assert_eq!(*order.lock().unwrap(), ["a", "b", "c", "holder"]);
+    }
+
+    /// A frame takes extra contexts only while no other frame waits for one.
+    #[test]
+    fn extra_contexts_are_not_taken_while_another_encode_waits() {
+        let pool = pool(3);
+        let first = pool.lease();
+        pool.pool.lock().waiting.push_back(7); // an encode waiting for a context
+        assert!(pool.lease_free(2).is_empty(), "an extra context taken from a waiting encode");
+        pool.pool.lock().waiting.clear();
+        assert_eq!(pool.lease_free(5).len(), 2, "the free contexts once nobody waits");
+        drop(first);
     }
 }
