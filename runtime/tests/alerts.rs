@@ -137,6 +137,41 @@ fn a_users_question_goes_before_waiting_evaluations() {
     holder.join().unwrap();
 }
 
+/// A frame registered while evaluations wait to start takes turns with them: a history keeps up
+/// with its camera for the alerts read from it (they thin out instead). Eight evaluations that
+/// each re-prefill the history (replays: one after another, none sharing a decode) are queued
+/// on a held engine, then a frame; when the frame's version is published, the evaluations have
+/// not all ended (before the change they all went first).
+#[test]
+fn a_frame_does_not_wait_behind_every_waiting_evaluation() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    let never = Arc::new(AtomicBool::new(false));
+    for v in 0..3 {
+        stream.register(frame(&enc, v), &never).unwrap();
+    }
+    let version = stream.wait_version(3, &never).unwrap();
+    let yes_no = YesNo::find(engine.model()).unwrap();
+    let list = (0..8).map(|i| format!("a{i}:Is there a thing number {i}?")).collect::<Vec<_>>().join(";");
+    let alerts = alert::parse_alerts(&list).unwrap();
+    let (release, holder) = hold(&engine);
+    std::thread::scope(|scope| {
+        let evaluations = scope
+            .spawn(|| alert::evaluate_on(&version, &alerts, yes_no, &engine, PreparePath::Replay, &never).unwrap());
+        while engine.start_backlog_ms() <= 0.0 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        stream.register(frame(&enc, 3), &never).unwrap();
+        release.send(()).unwrap();
+        stream.wait_version(4, &never).unwrap();
+        assert!(!evaluations.is_finished(), "every evaluation ended before the frame joined the history");
+        let done = evaluations.join().unwrap();
+        assert!(done.iter().all(|e| e.as_ref().is_ok_and(|e| e.frame == 3)), "each evaluation read its version");
+    });
+    holder.join().unwrap();
+}
+
 /// The yes and no tokens come from each model's own vocabulary; a model without single-token
 /// answers is a clear error naming it.
 #[test]

@@ -15,7 +15,11 @@
 //!    and runs a chunk when it has a budget's worth, so answers keep `1 - ingest_share` of their
 //!    idle decode rate; while a question waits for frames still being ingested, ingestion gets a
 //!    budget every step (that question is an answer starting); with no answer active, ingestion
-//!    runs back to back.
+//!    runs back to back;
+//! 4. background evaluations (standing alerts) and ingestion take turns: after a step that
+//!    started evaluations, the next chunk of ingestion goes before the next ones, so a history
+//!    keeps up with its camera (the alerts thin out, newest frame first, when the engine cannot
+//!    evaluate them all) and a source never short of frames does not starve the alerts.
 //!
 //! Ingestion that cannot keep up shows as lag on its stream, where the overload policy applies.
 //!

@@ -46,6 +46,8 @@ struct Scheduler {
     credit_ms: f64,
     /// Where the time went (published to `Shared::time_split` after every turn).
     split: TimeSplit,
+    /// The last step started background evaluations: frames waiting go next.
+    frames_turn: bool,
 }
 
 impl Scheduler {
@@ -368,6 +370,16 @@ impl Scheduler {
             .collect()
     }
 
+    /// Whether the front of the ordered work can run now: a plain job, or an ingestion not found
+    /// waiting to begin (a slide waiting for its readers, which may be the evaluations starting).
+    fn ordered_ready(&self) -> bool {
+        match self.ordered.front() {
+            Some(Ordered::Run(_)) => true,
+            Some(Ordered::Ingest(i)) => !i.waiting,
+            None => false,
+        }
+    }
+
     /// Whether a question waits for frames still being ingested.
     fn demanded(&self) -> bool {
         self.ordered.iter().any(|o| matches!(o, Ordered::Ingest(i) if i.demand.load(Ordering::Acquire) > 0))
@@ -378,10 +390,23 @@ impl Scheduler {
         self.start_answers(w, shared);
         let decode_ms = self.decode_step(w, shared);
         self.split.decode_ms += decode_ms;
+        // Background evaluations and frames take turns: a history keeps up with its camera for
+        // the standing alerts read from it (they thin out instead, newest frame first), and a
+        // source that is never short of frames (a file) does not starve the alerts either.
+        let background_next = self.starting.front().is_some_and(|s| s.generation.background());
+        if background_next && self.frames_turn && self.ordered_ready() {
+            self.frames_turn = false;
+            self.ingest(w, shared, self.chunk_budget_ms());
+            return;
+        }
         let started = Instant::now();
         let prefilled = self.prefill_start(w, shared);
         self.split.start_ms += started.elapsed().as_secs_f64() * 1e3;
-        if prefilled || self.ordered.is_empty() {
+        if prefilled {
+            self.frames_turn = background_next;
+            return;
+        }
+        if self.ordered.is_empty() {
             return;
         }
         if self.active.is_empty() {
@@ -467,6 +492,7 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
         ordered: VecDeque::new(),
         credit_ms: 0.0,
         split: TimeSplit::default(),
+        frames_turn: false,
     };
     let began = Instant::now();
     loop {
