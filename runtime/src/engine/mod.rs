@@ -131,7 +131,8 @@ pub(crate) fn on_failure(handler: FailureHandler) {
 pub struct TimeSplit {
     /// Decode steps of answers.
     pub decode_ms: f64,
-    /// Prefill of answers starting (their history replay and question).
+    /// Answers starting: their branches taken (a per-sequence branch copies its version's
+    /// cells) and their history replay and question prefilled.
     pub start_ms: f64,
     /// Frame ingestion (prefill of frames and committed text).
     pub ingest_ms: f64,

@@ -387,7 +387,9 @@ impl Scheduler {
 
     /// One step: decode, then prefill within the budget.
     fn step(&mut self, w: &mut Worker, shared: &Shared) {
+        let started = Instant::now();
         self.start_answers(w, shared);
+        self.split.start_ms += started.elapsed().as_secs_f64() * 1e3;
         let decode_ms = self.decode_step(w, shared);
         self.split.decode_ms += decode_ms;
         // Background evaluations and frames take turns: a history keeps up with its camera for
