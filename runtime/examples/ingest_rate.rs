@@ -4,7 +4,9 @@
 //! `--streams` sequences of a per-sequence KV context sized as an engine's (`--context` cells
 //! each); for each batch size, frames are prefilled one stream at a time in chunks of the batch
 //! (what the engine's scheduler does), and `k` streams' frames in one decode per chunk.
-//! Prints a table (ms a frame, rows/s; the clock is this process's, around each decode) and JSON.
+//! Prints a table (ms a frame, rows/s; the clock is this process's, around each decode) and JSON,
+//! and what the engine's KV account (`Context::kv_bytes_in_use`, every 50 ms while it works)
+//! costs with those histories in place.
 //!
 //!   cargo run -p vlm-runtime --example ingest_rate -- [--gpu] [--batches 512,1024,2048] [--together 1,2,4]
 
@@ -77,6 +79,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for seq in 0..streams as i32 {
             prefill(&mut ctx, &row, 0..args.history, &[seq], n_batch as usize)?;
         }
+        // What the engine's KV account costs (it is refreshed every 50 ms while an engine works).
+        let mut account = vec![];
+        for _ in 0..5 {
+            let t = Instant::now();
+            std::hint::black_box(ctx.kv_bytes_in_use());
+            account.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let account_ms = common::median(&mut account);
+        println!("{n_batch:>6} KV account: {account_ms:.2} ms");
         for &k in &args.together {
             let seqs: Vec<i32> = (0..k as i32).collect();
             let mut ms = vec![];
@@ -96,6 +107,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("{n_batch:>6} {k:>9} {frame_ms:>12.1} {rows_per_s:>10.0}");
             results.push(serde_json::json!({
                 "n-batch": n_batch, "streams-together": k, "ms-a-frame": frame_ms, "rows-per-s": rows_per_s,
+                "kv-account-ms": account_ms,
             }));
         }
     }

@@ -151,7 +151,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecUInt64::builder(PROP_KV_BYTES)
             .nick("KV bytes in use")
-            .blurb("Bytes of KV cells in use on every engine, a cell shared by several sequences counted once (refreshed every 50 ms while an engine works, and when it goes idle)")
+            .blurb("Bytes of KV cells in use on every engine, a cell shared by several sequences counted once (refreshed every 50 ms or more while an engine works, and when it goes idle)")
             .read_only()
             .build(),
         glib::ParamSpecString::builder(PROP_ACTIVE_KV_LAYOUT)

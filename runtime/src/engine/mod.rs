@@ -99,7 +99,8 @@ struct Shared {
     idle_steps: Mutex<(u64, f64)>,
     /// Where the engine thread's time went since calibration.
     time_split: Mutex<TimeSplit>,
-    /// The KV memory as last refreshed (at most 50 ms old while busy, current when idle).
+    /// The KV memory as last refreshed (while busy, at most 50 ms old or 50 times what the last
+    /// refresh cost; current when idle).
     kv: Mutex<KvMemory>,
     /// Turns of the engine thread's loop (it turns at least every 200 ms while alive): what the
     /// RPC watchdog reads to tell a busy engine from one stuck on a failed server.
@@ -375,7 +376,8 @@ impl Engine {
         }
     }
 
-    /// The KV memory, shared cells counted once: refreshed every 50 ms while the engine is busy
+    /// The KV memory, shared cells counted once: refreshed while the engine is busy every 50 ms,
+    /// or less often where the count itself costs more than 1 ms (it walks every cell in use),
     /// and whenever it goes idle.
     pub fn kv_memory(&self) -> KvMemory {
         *self.shared.kv.lock()
