@@ -131,6 +131,7 @@ fn a_stream_faster_than_its_ingestion_skips_frames_under_the_overload_policy() {
     let parts: f64 =
         ["decode-ms", "start-ms", "ingest-ms", "jobs-ms", "idle-ms", "other-ms"].iter().map(|f| ms(f)).sum();
     assert!((parts - ms("wall-ms")).abs() < 1.0 + ms("wall-ms") * 1e-6, "{s}");
+    assert!(s.get::<i32>("threads").unwrap() >= 1 && s.get::<bool>("merge-frames").is_ok(), "{s}");
     assert!(run.errors.is_empty(), "{:?}", run.errors);
     assert!(skipped > 0, "no frame skipped out of 100 encoded back to back");
     assert_eq!(run.answers.len(), 1, "{:?} {:?}", run.warnings, run.messages);

@@ -357,8 +357,8 @@ impl VlmContext {
     }
 }
 
-/// One engine's `vlm-engine-stats`: where its thread's time went since its calibration run (ms)
-/// and the rates it measured.
+/// One engine's `vlm-engine-stats`: where its thread's time went since its calibration run (ms),
+/// the rates it measured and what it chose by measurement (its thread count now, frames merged).
 fn engine_stats(engine: &vlm_runtime::Engine) -> gst::Structure {
     let (split, rates) = (engine.time_split(), engine.rates());
     gst::Structure::builder("vlm-engine-stats")
@@ -374,5 +374,7 @@ fn engine_stats(engine: &vlm_runtime::Engine) -> gst::Structure {
         .field("ingest-inputs-per-s", split.ingest_inputs_per_s())
         .field("prefill-ms-per-input", rates.prefill_ms_per_token)
         .field("decode-ms-per-step", rates.decode_ms_per_step)
+        .field("threads", engine.threads_now())
+        .field("merge-frames", engine.merges_frames())
         .build()
 }
