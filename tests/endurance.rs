@@ -257,14 +257,19 @@ fn a_live_run_slides_its_history_without_restarting() {
     );
 }
 
-/// A structure's number and string fields as JSON object members.
+/// A structure's number, boolean and string fields as JSON object members.
 fn json_fields(s: &gst::StructureRef) -> String {
     s.iter()
-        .map(|(name, value)| match (value.get::<f64>(), value.get::<u64>(), value.get::<String>()) {
-            (Ok(x), _, _) => format!("\"{name}\":{x:.1}"),
-            (_, Ok(n), _) => format!("\"{name}\":{n}"),
-            (_, _, Ok(text)) => format!("\"{name}\":{text:?}"),
-            _ => format!("\"{name}\":null"),
+        .map(|(name, value)| {
+            let json = if let Ok(x) = value.get::<f64>() {
+                format!("{x:.1}")
+            } else if let Ok(text) = value.get::<String>() {
+                format!("{text:?}")
+            } else {
+                // u64, i32 and bool print as JSON does.
+                value.serialize().map_or("null".into(), |v| v.to_string())
+            };
+            format!("\"{name}\":{json}")
         })
         .collect::<Vec<_>>()
         .join(",")
