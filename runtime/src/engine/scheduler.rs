@@ -21,6 +21,17 @@ enum Ordered {
     Ingest(Ingestion),
 }
 
+/// What [`Scheduler::run_ordered`] ran (its time is counted under it).
+enum Ran {
+    Job,
+    Ingestion,
+}
+
+/// Milliseconds since `t`.
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
 /// An answer prefilling its history or question.
 struct Starting {
     generation: Box<dyn Generation>,
@@ -62,7 +73,7 @@ impl Scheduler {
             Job::Urgent(f) => {
                 let started = Instant::now();
                 f(w);
-                self.split.jobs_ms += started.elapsed().as_secs_f64() * 1e3;
+                self.split.jobs_ms += ms_since(started);
             }
             // A user's question goes before the background evaluations still waiting.
             Job::Generate(g, cost) if !g.background() => {
@@ -230,7 +241,7 @@ impl Scheduler {
             if let Err(e) = prefill_chunk(w, &mut s.prefill, tokens.max(MIN_CHUNK), true) {
                 break Err(e);
             }
-            spent += started.elapsed().as_secs_f64() * 1e3;
+            spent += ms_since(started);
         };
         let mut s = self.starting.pop_front().expect("front");
         let progress = Self::first_token(&mut s, result.and_then(|()| w.ctx.last_logits()));
@@ -245,17 +256,27 @@ impl Scheduler {
     /// per-sequence KV), a batch of two streams' chunks took several times as long as the two
     /// chunks one after the other, and whole frames even less.
     fn ingest(&mut self, w: &mut Worker, shared: &Shared, allowed_ms: f64) -> f64 {
-        self.promote_demanded();
         let started = Instant::now();
-        let elapsed = || started.elapsed().as_secs_f64() * 1e3;
+        let ran = self.run_ordered(w, shared, allowed_ms);
+        let ms = ms_since(started);
+        match ran {
+            Some(Ran::Job) => self.split.jobs_ms += ms,
+            Some(Ran::Ingestion) => self.split.ingest_ms += ms,
+            None => (),
+        }
+        ms
+    }
+
+    /// The body of [`Scheduler::ingest`]: what ran, if anything.
+    fn run_ordered(&mut self, w: &mut Worker, shared: &Shared, allowed_ms: f64) -> Option<Ran> {
+        self.promote_demanded();
         let ended = match self.ordered.front_mut() {
-            None => return 0.0,
+            None => return None,
             Some(Ordered::Run(_)) => {
                 if let Some(Ordered::Run(f)) = self.ordered.pop_front() {
                     f(w);
                 }
-                self.split.jobs_ms += elapsed();
-                return elapsed();
+                return Some(Ran::Job);
             }
             // Begin it: a cache hit, a cancellation or nothing left to prefill ends it at once;
             // one that cannot begin yet stays in front, asked again at the next step.
@@ -270,8 +291,7 @@ impl Scheduler {
                 match begun {
                     Begun::NotYet => {
                         self.pass_waiting();
-                        self.split.ingest_ms += elapsed();
-                        return elapsed();
+                        return Some(Ran::Ingestion);
                     }
                     Begun::Ended(result) => Some(result),
                     Begun::Prefill => {
@@ -285,8 +305,7 @@ impl Scheduler {
         };
         if let Some(result) = ended {
             self.finish(w, shared, 0, result);
-            self.split.ingest_ms += elapsed();
-            return elapsed();
+            return Some(Ran::Ingestion);
         }
         let Some(Ordered::Ingest(ing)) = self.ordered.front_mut() else { unreachable!("checked above") };
         let tokens = (allowed_ms / w.prefill_ms_per_token()) as usize;
@@ -298,8 +317,7 @@ impl Scheduler {
             let end = ing.prefill.pos;
             self.finish(w, shared, 0, result.map(|()| end));
         }
-        self.split.ingest_ms += elapsed();
-        elapsed()
+        Some(Ran::Ingestion)
     }
 
     fn finish(&mut self, w: &mut Worker, shared: &Shared, index: usize, result: Result<i32>) {
@@ -389,7 +407,7 @@ impl Scheduler {
     fn step(&mut self, w: &mut Worker, shared: &Shared) {
         let started = Instant::now();
         self.start_answers(w, shared);
-        self.split.start_ms += started.elapsed().as_secs_f64() * 1e3;
+        self.split.start_ms += ms_since(started);
         let decode_ms = self.decode_step(w, shared);
         self.split.decode_ms += decode_ms;
         // Background evaluations and frames take turns: a history keeps up with its camera for
@@ -403,7 +421,7 @@ impl Scheduler {
         }
         let started = Instant::now();
         let prefilled = self.prefill_start(w, shared);
-        self.split.start_ms += started.elapsed().as_secs_f64() * 1e3;
+        self.split.start_ms += ms_since(started);
         if prefilled {
             self.frames_turn = background_next;
             return;
@@ -516,7 +534,7 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
         let first = if s.idle() {
             let waited = Instant::now();
             let job = jobs.recv_timeout(std::time::Duration::from_millis(200));
-            s.split.idle_ms += waited.elapsed().as_secs_f64() * 1e3;
+            s.split.idle_ms += ms_since(waited);
             match job {
                 Ok(job) => Some(job),
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
@@ -543,7 +561,7 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
                     w.ctx.release_all_pages(); // every stream and answer has ended
                 }
             }
-            s.split.wall_ms = began.elapsed().as_secs_f64() * 1e3;
+            s.split.wall_ms = ms_since(began);
             *shared.time_split.lock() = s.split;
         }));
         if let Err(panic) = stepped {
