@@ -354,7 +354,19 @@ fn live_run(context: &str) -> LiveRun {
     let encoder_skipped = encoders.iter().map(|e| e.property::<u64>("frames-skipped")).sum::<u64>();
     let tiles = |name: &str| encoders.iter().map(|e| e.property::<u64>(name)).sum::<u64>();
     let (tiles_encoded, tiles_reused) = (tiles("tiles-encoded"), tiles("tiles-reused"));
-    // Where each engine's time went (a run that cannot keep up says why).
+    // Where a frame's encode went (the means weighted by each encoder's frames), and each
+    // engine's time (a run that cannot keep up says why).
+    let mean_of = |name: &str| {
+        let sum: f64 =
+            encoders.iter().map(|e| e.property::<f64>(name) * e.property::<u64>("frames-encoded") as f64).sum();
+        sum / encoded.max(1) as f64
+    };
+    println!(
+        "{{\"endurance\":\"encoder-time\",\"mean-encode-ms\":{:.1},\"mean-prepare-ms\":{:.1},\"mean-context-wait-ms\":{:.1}}}",
+        mean_of("mean-encode-ms"),
+        mean_of("mean-prepare-ms"),
+        mean_of("mean-context-wait-ms")
+    );
     for stats in ctx.property::<gst::Array>("engine-stats").iter() {
         println!("{{\"endurance\":\"engine-stats\",{}}}", json_fields(&stats.get::<gst::Structure>().unwrap()));
     }

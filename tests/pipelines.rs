@@ -489,8 +489,12 @@ fn vlmencode_reports_its_slowest_encoding_as_latency() {
     let (own_live, min, _) = query(enc.static_pad("src").unwrap());
     pipeline.set_state(gst::State::Null).unwrap();
     let mean_ms = enc.property::<f64>("mean-encode-ms");
+    let (prepare_ms, wait_ms) = (enc.property::<f64>("mean-prepare-ms"), enc.property::<f64>("mean-context-wait-ms"));
     assert!(live && own_live);
     assert!(mean_ms > 0.0);
+    // Its parts: the picture's preparation took time, and the parts fit in the whole.
+    assert!(prepare_ms > 0.0 && wait_ms >= 0.0, "prepared in {prepare_ms} ms, waited {wait_ms} ms");
+    assert!(prepare_ms + wait_ms < mean_ms, "{prepare_ms} + {wait_ms} ms of {mean_ms} ms");
     // The slowest encoding is at least the mean one.
     let added_ms = (min - upstream_min).nseconds() as f64 / 1e6;
     assert!(added_ms >= mean_ms, "latency adds {added_ms:.2} ms, mean encoding {mean_ms:.2} ms");

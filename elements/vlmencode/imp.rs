@@ -147,6 +147,9 @@ struct Stats {
     /// Due frames not encoded because of max-rate or, when leaky, a full encoder.
     skipped: u64,
     encode_ms_total: f64,
+    /// Of `encode_ms_total`: preparing pictures on the CPU, and waiting for an encoder context.
+    prepare_ms_total: f64,
+    wait_ms_total: f64,
     /// The slowest encoding so far (ms): the latency this element reports.
     slowest_ms: f64,
     /// Most due frames ever waiting for the encoder at once.
@@ -156,6 +159,13 @@ struct Stats {
     /// Images (tiles) of encoded frames encoded, and taken from the frame before.
     tiles_encoded: u64,
     tiles_reused: u64,
+}
+
+impl Stats {
+    /// A total's mean over the frames encoded (0 before the first).
+    fn mean(&self, total: impl Fn(&Stats) -> f64) -> f64 {
+        if self.encoded == 0 { 0.0 } else { total(self) / self.encoded as f64 }
+    }
 }
 
 #[derive(Default)]
@@ -652,6 +662,22 @@ impl ObjectImpl for VlmEncode {
                     .blurb("Mean time to encode one frame, in milliseconds")
                     .read_only()
                     .build(),
+                glib::ParamSpecDouble::builder("mean-prepare-ms")
+                    .nick("Mean preparation time")
+                    .blurb(
+                        "Of mean-encode-ms: preparing the picture on the CPU (the projector's resize, tiling and \
+                         normalisation), in milliseconds",
+                    )
+                    .read_only()
+                    .build(),
+                glib::ParamSpecDouble::builder("mean-context-wait-ms")
+                    .nick("Mean wait for an encoder context")
+                    .blurb(
+                        "Of mean-encode-ms: waiting for a free encoder context (other frames of the process \
+                         encoding), in milliseconds",
+                    )
+                    .read_only()
+                    .build(),
             ]
         });
         PROPS.as_ref()
@@ -706,10 +732,9 @@ impl ObjectImpl for VlmEncode {
             "tiles-reused" => self.stats.lock().tiles_reused.to_value(),
             "frames-seen" => self.stats.lock().seen.to_value(),
             "frames-encoded" => self.stats.lock().encoded.to_value(),
-            "mean-encode-ms" => {
-                let st = self.stats.lock();
-                (if st.encoded == 0 { 0.0 } else { st.encode_ms_total / st.encoded as f64 }).to_value()
-            }
+            "mean-encode-ms" => self.stats.lock().mean(|st| st.encode_ms_total).to_value(),
+            "mean-prepare-ms" => self.stats.lock().mean(|st| st.prepare_ms_total).to_value(),
+            "mean-context-wait-ms" => self.stats.lock().mean(|st| st.wait_ms_total).to_value(),
             _ => unreachable!(),
         }
     }

@@ -94,7 +94,9 @@
 //! - `tile-reuse` (`off`/`exact`/`threshold`, `threshold`): see above.
 //! - Read-only: `active-backend`, `frames-seen`, `frames-encoded`, `frames-skipped`,
 //!   `frames-unchanged` (due frames the gate held), `tiles-encoded` and `tiles-reused` (images of
-//!   encoded frames), `peak-pending`, `cache-hits`, `cache-misses`, `mean-encode-ms`.
+//!   encoded frames), `peak-pending`, `cache-hits`, `cache-misses`, `mean-encode-ms` (of which
+//!   `mean-prepare-ms`, the picture prepared on the CPU, and `mean-context-wait-ms`, waiting for an
+//!   encoder context).
 //!
 //! ## Messages
 //!

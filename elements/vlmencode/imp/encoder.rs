@@ -149,13 +149,17 @@ impl VlmEncode {
         gst::debug!(
             CAT,
             imp = self,
-            "frame {:?}: {} in {:.1} ms ({} images encoded on {} contexts, {} reused)",
+            "frame {:?}: {} in {:.1} ms ({} images encoded on {} contexts, {} reused; prepared in {:.1} ms, \
+             {:.1} ms waiting for a context, {:.1} ms encoding)",
             buffer.pts(),
             if hit { "cache hit" } else { "encoded" },
             ms,
             tiles.encoded,
             tiles.contexts,
-            tiles.reused
+            tiles.reused,
+            tiles.prepare_ms,
+            tiles.wait_ms,
+            tiles.encode_ms
         );
         if !hit && tiles.tiles.len() <= 1 && !matches!(reuse, TileReuse::Off) && !self.state.lock().untiled_said {
             self.state.lock().untiled_said = true;
@@ -172,6 +176,8 @@ impl VlmEncode {
             st.tiles_encoded += tiles.encoded as u64;
             st.tiles_reused += tiles.reused as u64;
             st.encode_ms_total += ms;
+            st.prepare_ms_total += tiles.prepare_ms;
+            st.wait_ms_total += tiles.wait_ms;
             // Frames leave an encoding later: a live pipeline must know, or its sinks drop them.
             // Grown by a quarter or more, the latency is reported again.
             let grown = ms > st.slowest_ms * 1.25;

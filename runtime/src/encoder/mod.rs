@@ -257,7 +257,12 @@ pub trait VisionEncoder: Send + Sync {
         let images = segments.iter().filter(|s| matches!(s, Segment::Image(_))).count();
         Ok((
             segments,
-            TileCount { encoded: images, reused: 0, contexts: usize::from(images > 0), tiles: vec![None; images] },
+            TileCount {
+                encoded: images,
+                contexts: usize::from(images > 0),
+                tiles: vec![None; images],
+                ..TileCount::default()
+            },
         ))
     }
 

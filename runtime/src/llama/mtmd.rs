@@ -272,6 +272,11 @@ pub struct TileCount {
     pub contexts: usize,
     /// One per image segment, in order.
     pub tiles: Vec<Option<Tile>>,
+    /// Where the call's time went (ms): preparing the picture on the CPU (libmtmd's resize,
+    /// tiling and normalisation), waiting for an encoder context, and encoding on the contexts.
+    pub prepare_ms: f64,
+    pub wait_ms: f64,
+    pub encode_ms: f64,
 }
 
 /// What one image becomes in the language sequence: the projector's wrapper text around it (for
@@ -422,6 +427,7 @@ impl Projector {
                 parse_special: true,
             };
             let bitmaps = [bitmap as *const sys::mtmd_bitmap];
+            let started = std::time::Instant::now();
             // Tokenizing (resizing, tiling and normalising the picture on the CPU) reads only what
             // loading fixed, as llama-server's request threads do beside its encodes: no context
             // is leased for it, so frames are prepared side by side while others encode.
@@ -453,6 +459,7 @@ impl Projector {
                         }
                     }
                     count.tiles = tiles(&markers);
+                    count.prepare_ms = started.elapsed().as_secs_f64() * 1e3;
                     // Each image's rows: reused, or encoded (below) on the contexts free now.
                     let images: Vec<ChunkPtr> = all.iter().copied().filter(|&c| !is_text(c)).collect();
                     let mut rows_of: Vec<Option<Box<[f32]>>> = images
@@ -466,8 +473,10 @@ impl Projector {
                     count.reused = rows_of.iter().flatten().count();
                     let todo: Vec<usize> = (0..images.len()).filter(|&i| rows_of[i].is_none()).collect();
                     count.encoded = todo.len();
-                    let (encoded, contexts) = self.encode_chunks(&images, &todo, n_embd)?;
+                    let (encoded, contexts, wait_ms) = self.encode_chunks(&images, &todo, n_embd)?;
                     count.contexts = contexts;
+                    count.wait_ms = wait_ms;
+                    count.encode_ms = started.elapsed().as_secs_f64() * 1e3 - count.prepare_ms - wait_ms;
                     for (i, rows) in encoded {
                         rows_of[i] = Some(rows);
                     }
@@ -512,7 +521,7 @@ impl Projector {
 
     /// Encode `images[i]` for each `i` of `todo` on a context (waiting for one) and on every other
     /// context free then (one thread each, taking the next image as they finish): each image's
-    /// rows by its index, and how many contexts encoded them.
+    /// rows by its index, how many contexts encoded them and how long the first took to come (ms).
     ///
     /// # Safety
     /// The chunks are valid image chunks of this projector's tokenization, alive for the call.
@@ -521,11 +530,13 @@ impl Projector {
         images: &[ChunkPtr],
         todo: &[usize],
         n_embd: usize,
-    ) -> Result<(Vec<EncodedImage>, usize)> {
+    ) -> Result<(Vec<EncodedImage>, usize, f64)> {
         if todo.is_empty() {
-            return Ok((vec![], 0));
+            return Ok((vec![], 0, 0.0));
         }
+        let asked = std::time::Instant::now();
         let mut leases = vec![self.contexts.lease()];
+        let wait_ms = asked.elapsed().as_secs_f64() * 1e3;
         leases.extend(self.contexts.lease_free(todo.len() - 1));
         let used = leases.len();
         let next = std::sync::atomic::AtomicUsize::new(0);
@@ -552,7 +563,7 @@ impl Projector {
         let mut leases = leases.into_iter();
         let first = leases.next().expect("the first lease");
         if leases.len() == 0 {
-            return Ok((encode_on(&first)?, used));
+            return Ok((encode_on(&first)?, used, wait_ms));
         }
         let encode_on = &encode_on;
         std::thread::scope(|scope| {
@@ -566,7 +577,7 @@ impl Projector {
                     (Err(_), _) => {}
                 }
             }
-            Ok((all?, used))
+            Ok((all?, used, wait_ms))
         })
     }
 }
