@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use clap::Args;
 use serde::Serialize;
-use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
+use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, Rgb, VisionEncoder};
 use vlm_runtime::{Device, models};
 
 use crate::workload::picture;
@@ -47,6 +47,9 @@ struct Level {
     /// A frame's encode call, mean and p95 (ms).
     encode_mean_ms: f64,
     encode_p95_ms: f64,
+    /// Of the mean: the picture prepared on the CPU, and waiting for an encoder context (ms).
+    prepare_mean_ms: f64,
+    wait_mean_ms: f64,
     /// frames/s over the one-context level's at the same stream count.
     speedup: Option<f64>,
 }
@@ -74,6 +77,7 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
     let encode_rgb =
         |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));
     let encode = |stream: usize, frame: usize| encode_rgb(&picture(stream, frame, w.width, w.height));
+    let encoder_ref = &encoder;
     let images = |frame: &vlm_runtime::Frame| {
         frame.segments.iter().filter(|s| matches!(s, vlm_runtime::llama::Segment::Image(_))).count()
     };
@@ -98,32 +102,40 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
                 }
             });
             let started = Instant::now();
-            let results: Vec<Result<(Vec<f64>, usize), String>> = std::thread::scope(|s| {
+            type Stream = (Vec<f64>, usize, f64, f64);
+            let results: Vec<Result<Stream, String>> = std::thread::scope(|s| {
                 let threads: Vec<_> = (0..streams)
                     .map(|stream| {
                         s.spawn(move || {
-                            let mut times = vec![];
-                            let mut tiles = 0;
+                            let (mut times, mut tiles, mut prepare_ms, mut wait_ms) = (vec![], 0, 0.0, 0.0);
                             for frame in 0..a.frames {
-                                let rgb = picture(stream, 2 + frame, w.width, w.height);
+                                let rgb = Rgb {
+                                    data: picture(stream, 2 + frame, w.width, w.height),
+                                    width: w.width,
+                                    height: w.height,
+                                };
                                 let t = Instant::now();
-                                let frame = encode_rgb(&rgb).map_err(|e| e.to_string())?;
+                                let (_, count) =
+                                    encoder_ref.encode_rgb_tiles(&rgb, &mut |_, _| None).map_err(|e| e.to_string())?;
                                 times.push(t.elapsed().as_secs_f64() * 1e3);
-                                tiles += images(&frame);
+                                tiles += count.encoded;
+                                prepare_ms += count.prepare_ms;
+                                wait_ms += count.wait_ms;
                             }
-                            Ok((times, tiles))
+                            Ok((times, tiles, prepare_ms, wait_ms))
                         })
                     })
                     .collect();
                 threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err("an encode panicked".into()))).collect()
             });
             let wall_ms = started.elapsed().as_secs_f64() * 1e3;
-            let mut times = vec![];
-            let mut tiles = 0;
+            let (mut times, mut tiles, mut prepare_ms, mut wait_ms) = (vec![], 0, 0.0, 0.0);
             for r in results {
-                let (t, n) = r?;
+                let (t, n, p, wt) = r?;
                 times.extend(t);
                 tiles += n;
+                prepare_ms += p;
+                wait_ms += wt;
             }
             times.sort_by(f64::total_cmp);
             let frames = times.len();
@@ -142,29 +154,39 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
                 tiles_per_s: tiles as f64 / wall_ms * 1e3,
                 encode_mean_ms: times.iter().sum::<f64>() / frames as f64,
                 encode_p95_ms: times[((frames as f64 * 0.95).ceil() as usize).clamp(1, frames) - 1],
+                prepare_mean_ms: prepare_ms / frames as f64,
+                wait_mean_ms: wait_ms / frames as f64,
                 speedup,
             };
             eprintln!(
-                "contexts {contexts:>2}, streams {streams:>3}: {:.2} frames/s, {:.1} tiles/s, encode {:.0} ms mean, {:.0} ms p95",
-                level.frames_per_s, level.tiles_per_s, level.encode_mean_ms, level.encode_p95_ms
+                "contexts {contexts:>2}, streams {streams:>3}: {:.2} frames/s, {:.1} tiles/s, encode {:.0} ms mean \
+                 (prepared {:.0}, waited {:.0}), {:.0} ms p95",
+                level.frames_per_s,
+                level.tiles_per_s,
+                level.encode_mean_ms,
+                level.prepare_mean_ms,
+                level.wait_mean_ms,
+                level.encode_p95_ms
             );
             levels.push(level);
         }
     }
     let mut table = format!(
         "Vision encoding throughput (clock: wall time of each level; peer: {} context(s) at the same streams)\n\n\
-         | contexts | streams | frames/s | tiles/s | encode mean ms | encode p95 ms | x {} context(s) |\n\
-         |---:|---:|---:|---:|---:|---:|---:|\n",
+         | contexts | streams | frames/s | tiles/s | encode mean ms | of which prepared / waiting | encode p95 ms | x {} context(s) |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
         a.contexts[0], a.contexts[0]
     );
     for l in &levels {
         table.push_str(&format!(
-            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.0} | {} |\n",
+            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.0} / {:.0} | {:.0} | {} |\n",
             l.contexts,
             l.streams,
             l.frames_per_s,
             l.tiles_per_s,
             l.encode_mean_ms,
+            l.prepare_mean_ms,
+            l.wait_mean_ms,
             l.encode_p95_ms,
             l.speedup.map_or("-".into(), |s| format!("{s:.2}"))
         ));
