@@ -8,6 +8,8 @@ pub const QUESTION: &str = "vlm-question";
 pub const STREAM: &str = "vlm-stream";
 /// Name of the query vlmencode sends downstream to learn the language model.
 pub const MODEL_QUERY: &str = "vlm-model";
+/// Name of the query vlmencode sends downstream to learn its stream's demand.
+pub const DEMAND_QUERY: &str = "vlm-demand";
 
 /// A question, as carried by a serialized custom downstream event named `vlm-question`.
 #[derive(Debug, Clone, PartialEq)]
@@ -93,5 +95,34 @@ impl ModelQuery {
 
     pub fn model(query: &gst::QueryRef) -> Option<String> {
         query.structure()?.get::<String>("model").ok().filter(|m| !m.is_empty())
+    }
+}
+
+/// A stream's demand carried in a query's structure: how many readers wait for its next frames.
+#[derive(Clone, glib::Boxed)]
+#[boxed_type(name = "GstVlmDemand")]
+struct DemandValue(vlm_runtime::llama::Demand);
+
+/// The `vlm-demand` query: vlmencode asks downstream for the demand of the stream its frames
+/// feed, so that while a question waits on the stream (or a standing alert reads it) its frames
+/// are encoded before other streams' (the process's encoder contexts are shared); vlmcontext
+/// answers once the pad's stream is open.
+pub struct DemandQuery;
+
+impl DemandQuery {
+    pub fn query() -> gst::query::Custom<gst::Query> {
+        gst::query::Custom::new(gst::Structure::new_empty(DEMAND_QUERY))
+    }
+
+    pub fn is(query: &gst::QueryRef) -> bool {
+        query.structure().is_some_and(|s| s.name() == DEMAND_QUERY)
+    }
+
+    pub fn answer(query: &mut gst::QueryRef, demand: vlm_runtime::llama::Demand) {
+        query.structure_mut().set("demand", DemandValue(demand));
+    }
+
+    pub fn demand(query: &gst::QueryRef) -> Option<vlm_runtime::llama::Demand> {
+        query.structure()?.get::<DemandValue>("demand").ok().map(|d| d.0)
     }
 }

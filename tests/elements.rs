@@ -10,7 +10,7 @@ use common::*;
 use gst::prelude::*;
 use gst_check::Harness;
 use gst_video::prelude::*;
-use gst_vlm_elements::events::{ModelQuery, QuestionEvent, StreamEvent};
+use gst_vlm_elements::events::{DemandQuery, ModelQuery, QuestionEvent, StreamEvent};
 use gst_vlm_elements::meta::VlmFrameMeta;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
@@ -127,7 +127,7 @@ fn frame(enc: &MtmdEncoder, variant: u32) -> Arc<Frame> {
 }
 
 #[test]
-fn vlmcontext_registers_frames_in_order_and_answers_the_model_query() {
+fn vlmcontext_registers_frames_in_order_and_answers_the_model_and_demand_queries() {
     init();
     let e = gst::ElementFactory::make("vlmcontext").property("model", model()).build().unwrap();
     let mut h = Harness::with_element(&e, Some("sink_0"), Some("src_0"));
@@ -156,6 +156,16 @@ fn vlmcontext_registers_frames_in_order_and_answers_the_model_query() {
     let mut q = ModelQuery::query();
     assert!(h.srcpad().unwrap().peer_query(&mut q));
     assert_eq!(ModelQuery::model(&q).as_deref(), Some(model().as_str()));
+    // ...and the demand of the stream its frames feed: the stream's own count of the readers
+    // waiting on it (its encodes go first while it is not zero).
+    let mut q = DemandQuery::query();
+    assert!(h.srcpad().unwrap().peer_query(&mut q));
+    let demand = DemandQuery::demand(&q).expect("the stream's demand");
+    assert_eq!(demand.load(Ordering::Acquire), 0);
+    let watch = stream.watch();
+    assert_eq!(demand.load(Ordering::Acquire), 1, "a reader waiting on the stream is not seen");
+    drop(watch);
+    assert_eq!(demand.load(Ordering::Acquire), 0);
 }
 
 #[test]

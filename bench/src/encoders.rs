@@ -115,8 +115,9 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
                                     height: w.height,
                                 };
                                 let t = Instant::now();
-                                let (_, count) =
-                                    encoder_ref.encode_rgb_tiles(&rgb, &mut |_, _| None).map_err(|e| e.to_string())?;
+                                let (_, count) = encoder_ref
+                                    .encode_rgb_tiles(&rgb, &mut |_, _| None, None)
+                                    .map_err(|e| e.to_string())?;
                                 times.push(t.elapsed().as_secs_f64() * 1e3);
                                 tiles += count.encoded;
                                 prepare_ms += count.prepare_ms;

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
+use vlm_runtime::llama::Demand;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
     Engine, EngineConfig, KvLayout, KvType, Overload, Question, Sampling, Stream, StreamConfig, answer_frame, models,
@@ -116,9 +117,11 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         w.encoder_threads as i32,
         w.encoder_contexts,
     )?);
-    let encode =
-        |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));
-    let warm = encode(&picture(99, 0, w.width, w.height))?;
+    // (A stream's demand puts its frames first while a question waits on it, as vlmencode's do.)
+    let encode = |rgb: &[u8], demand: Option<&Demand>| {
+        encoder.encode_for(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb), demand)
+    };
+    let warm = encode(&picture(99, 0, w.width, w.height), None)?;
     let frame_cells = warm.n_pos().max(warm.cells()) as u32;
     let cells = Workload { frame_cells: Some(frame_cells), ..w.clone() }.sequence_cells();
     for c in &mut configs {
@@ -220,7 +223,7 @@ struct Opened {
     placement: String,
 }
 
-type Encode<'a> = dyn Fn(&[u8]) -> vlm_runtime::Result<vlm_runtime::Frame> + Sync + 'a;
+type Encode<'a> = dyn Fn(&[u8], Option<&Demand>) -> vlm_runtime::Result<vlm_runtime::Frame> + Sync + 'a;
 
 /// The encoder's busy time: the union of the intervals during which at least one frame was
 /// being encoded (so encodes of several streams that overlap count once, whether the encoder
@@ -271,7 +274,7 @@ impl Window<'_> {
         let rgb = picture(o.gs, number, w.width, w.height);
         let start = Instant::now();
         self.encoder.lock().expect("no panics hold it").start(start);
-        let frame = (self.encode)(&rgb);
+        let frame = (self.encode)(&rgb, Some(&o.stream.demand()));
         let end = Instant::now();
         self.encoder.lock().expect("no panics hold it").end(end, frame.is_ok());
         frame

@@ -9,7 +9,8 @@
 //! number, so that `vlmquery` binds a question to exactly the history before it. Frames without
 //! embeddings pass untouched and do not join the history. After each `stream-start`, `src_%u`
 //! sends a sticky custom downstream event `vlm-stream` (`id`, `name`) naming its stream for
-//! `vlmquery`; `vlmcontext` answers `vlmencode`'s `vlm-model` query with its `model`.
+//! `vlmquery`; `vlmcontext` answers `vlmencode`'s `vlm-model` query with its `model` and its
+//! `vlm-demand` query with the demand of the pad's stream.
 //!
 //! The model starts loading on a worker thread at NULL→READY, with `Progress` messages (code
 //! `load-model`); READY→PAUSED returns ASYNC while that load runs (or loads again if the

@@ -184,6 +184,8 @@ struct State {
     gate_passed: Option<gst::ClockTime>,
     /// `tile-reuse` met a projector that encodes a frame as one image (said once).
     untiled_said: bool,
+    /// The demand of the stream downstream (the `vlm-demand` query), once a vlmcontext answered.
+    demand: Option<vlm_runtime::llama::Demand>,
 }
 
 /// A frame to encode: the caps to read it by, and its sampling by the change gate (for tile

@@ -22,7 +22,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::engine::Engine;
 pub use crate::entry::{Entry, Frame};
 use crate::error::{Error, Result};
-use crate::llama::{Segment, Token};
+use crate::llama::{Demand, Segment, Token};
 use crate::prefix::PrefixKey;
 use crate::prompt::Prompt;
 use crate::snapshot::PrefixCache;
@@ -259,8 +259,8 @@ pub struct Stream {
     /// Set when the stream closes: queued ingestion is dropped.
     closing: Arc<AtomicBool>,
     /// Questions waiting for frames not yet published (the engine gives their ingestion more
-    /// time).
-    demand: Arc<AtomicUsize>,
+    /// time, the encoder their frames' encodes).
+    demand: Demand,
     timeline: Mutex<Timeline>,
     changed: Condvar,
 }
@@ -610,6 +610,12 @@ impl Stream {
             }
             Err(e) => t.failed = Some(e),
         }
+    }
+
+    /// The stream's demand, for whatever encodes its frames: while a reader waits on the stream,
+    /// its frames' encodes go before other streams' ([`crate::encoder::FrameEncoder::encode_reusing`]).
+    pub fn demand(&self) -> Demand {
+        Arc::clone(&self.demand)
     }
 
     /// Count a reader in the stream's demand while the returned guard lives: its frames are

@@ -11,7 +11,7 @@ use gst::subclass::prelude::*;
 use vlm_runtime::{DEFAULT_ANSWER_RESERVE, Error, HistoryPolicy, Overload, Stream, StreamConfig};
 
 use super::{CAT, HistoryPolicyKind, OverloadKind, StreamPads, VlmContext};
-use crate::events::{ModelQuery, StreamEvent};
+use crate::events::{DemandQuery, ModelQuery, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
 impl VlmContext {
@@ -261,6 +261,12 @@ impl VlmContext {
             }
             drop(st);
             ModelQuery::answer(query, &self.settings.lock().model);
+            return true;
+        }
+        if DemandQuery::is(query) {
+            // (Only a stream already open: a query opens none.)
+            let Some(stream) = pads.stream.lock().clone() else { return false };
+            DemandQuery::answer(query, stream.demand());
             return true;
         }
         pads.src.peer_query(query)

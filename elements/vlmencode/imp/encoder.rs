@@ -12,7 +12,7 @@ use vlm_runtime::encoder::{EncoderBackend, FrameEncoder, TileReuse, open_encoder
 use vlm_runtime::{Device, models};
 
 use super::{Backend, CAT, Due, TileReuseKind, VlmEncode, pixel_format};
-use crate::events::ModelQuery;
+use crate::events::{DemandQuery, ModelQuery};
 use crate::meta::VlmFrameMeta;
 
 impl VlmEncode {
@@ -117,6 +117,21 @@ impl VlmEncode {
         false
     }
 
+    /// The demand of the stream these frames feed, asked downstream (`vlm-demand`) until a
+    /// vlmcontext answers: while a reader waits on it, this element's encodes go first.
+    fn demand(&self) -> Option<vlm_runtime::llama::Demand> {
+        if let Some(d) = self.state.lock().demand.clone() {
+            return Some(d);
+        }
+        let mut q = DemandQuery::query();
+        if !self.obj().static_pad("src").expect("src pad").peer_query(&mut q) {
+            return None;
+        }
+        let demand = DemandQuery::demand(&q)?;
+        self.state.lock().demand = Some(demand.clone());
+        Some(demand)
+    }
+
     /// Encode one frame (or take it from the cache, or some of its tiles from the frame before)
     /// and attach the embeddings.
     pub(super) fn encode(&self, buffer: &mut gst::Buffer, due: &Due) -> Result<(), gst::FlowError> {
@@ -139,7 +154,8 @@ impl VlmEncode {
                 gst::element_imp_error!(self, gst::StreamError::Format, ("cannot map a video frame of {:?}", info));
                 gst::FlowError::Error
             })?;
-            encoder.encode_reusing(&super::picture(&vframe, info, format), reuse).map_err(|e| {
+            let demand = self.demand();
+            encoder.encode_reusing(&super::picture(&vframe, info, format), reuse, demand.as_ref()).map_err(|e| {
                 gst::element_imp_error!(self, gst::StreamError::Decode, ("vision encoding failed: {}", e));
                 gst::FlowError::Error
             })?

@@ -4,6 +4,7 @@ use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 use std::ptr::{NonNull, null_mut};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use llama_cpp_sys_2 as sys;
 use parking_lot::{Condvar, Mutex};
@@ -26,16 +27,23 @@ pub const MAX_ENCODER_CONTEXTS: usize = 16;
 /// one free at that moment, so the tiles of a frame and the frames of several streams are
 /// encoded side by side (on a GPU each context has its own streams and graphs).
 ///
-/// Leases are served first come, first served: a context returned goes to the encode that has
-/// waited longest, never to one that asks later (a new frame taking it as it comes back would
-/// send the waiting one to the back, again and again under load), and a frame takes contexts
-/// beyond its first only while no other frame waits for one.
+/// A context returned goes to the encode that has waited longest among those of streams a
+/// reader waits on (a question waiting for the frame, a standing alert: the stream's
+/// [`Demand`]), and otherwise to the encode that has waited longest: never to one that asks
+/// later (a new frame taking it as it comes back would send the waiting one to the back, again
+/// and again under load). A frame takes contexts beyond its first only while no other frame
+/// waits for one.
 struct Contexts {
     pool: Mutex<Pool>,
     returned: Condvar,
     /// Every context loaded (freed in the Projector's Drop), the first being the decode view's.
     loaded: Mutex<Vec<MtmdPtr>>,
 }
+
+/// How many readers wait for a stream's next frames (questions waiting for a frame not yet
+/// published, standing alerts): the stream's (`Stream::demand`), read by the encoder to put
+/// that stream's frames first and by the engine to put their ingestion first.
+pub type Demand = Arc<std::sync::atomic::AtomicUsize>;
 
 /// One context leased from the pool, returned when dropped.
 struct Lease<'a> {
@@ -57,12 +65,47 @@ impl Drop for Lease<'_> {
     }
 }
 
-/// The contexts free now and the encodes waiting for one, in their order of arrival (tickets).
+/// An encode waiting for a context: its place in the order of arrival, its stream's demand and,
+/// once granted, its context.
+struct Waiter {
+    ticket: u64,
+    demand: Option<Demand>,
+    granted: Option<MtmdPtr>,
+}
+
+/// The contexts free now and the encodes waiting for one, in their order of arrival.
 #[derive(Default)]
 struct Pool {
     free: Vec<MtmdPtr>,
-    waiting: std::collections::VecDeque<u64>,
+    waiting: std::collections::VecDeque<Waiter>,
     next_ticket: u64,
+}
+
+impl Pool {
+    /// Hand the free contexts to the waiting encodes whose turn it is: a waited-on stream's
+    /// longest-waiting encode first, then the longest-waiting. Whether anything was granted.
+    fn grant(&mut self) -> bool {
+        let mut granted = false;
+        while !self.free.is_empty() {
+            let ungranted = |w: &&mut Waiter| w.granted.is_none();
+            let waited = |w: &&mut Waiter| w.demand.as_ref().is_some_and(|d| d.load(Ordering::Acquire) > 0);
+            let mut open = self.waiting.iter_mut().filter(ungranted);
+            let Some(first) = open.next() else { break };
+            let next = match waited(&first) {
+                true => first,
+                false => open.find(waited).unwrap_or(first),
+            };
+            next.granted = self.free.pop();
+            granted = true;
+        }
+        granted
+    }
+
+    /// An encode that waits no longer: its context, if one was granted, goes to the next.
+    fn leave(&mut self, ticket: u64) -> Option<MtmdPtr> {
+        let at = self.waiting.iter().position(|w| w.ticket == ticket).expect("a waiting encode");
+        self.waiting.remove(at).expect("in range").granted
+    }
 }
 
 impl Contexts {
@@ -74,8 +117,8 @@ impl Contexts {
         }
     }
 
-    /// A context, waiting behind the encodes that asked before.
-    fn lease(&self) -> Lease<'_> {
+    /// A context, waiting behind the encodes whose turn comes first (see [`Contexts`]).
+    fn lease(&self, demand: Option<&Demand>) -> Lease<'_> {
         let mut pool = self.pool.lock();
         if pool.waiting.is_empty()
             && let Some(ctx) = pool.free.pop()
@@ -84,16 +127,14 @@ impl Contexts {
         }
         let ticket = pool.next_ticket;
         pool.next_ticket += 1;
-        pool.waiting.push_back(ticket);
-        while pool.waiting.front() != Some(&ticket) || pool.free.is_empty() {
+        pool.waiting.push_back(Waiter { ticket, demand: demand.cloned(), granted: None });
+        if pool.grant() {
+            self.returned.notify_all();
+        }
+        while pool.waiting.iter().any(|w| w.ticket == ticket && w.granted.is_none()) {
             self.returned.wait(&mut pool);
         }
-        pool.waiting.pop_front();
-        let ctx = pool.free.pop();
-        if !pool.free.is_empty() && !pool.waiting.is_empty() {
-            self.returned.notify_all(); // the next in line takes one too
-        }
-        Lease { ctx, pool: self }
+        Lease { ctx: pool.leave(ticket), pool: self }
     }
 
     /// Up to `n` contexts free now, without waiting; none while another encode waits for one.
@@ -106,12 +147,13 @@ impl Contexts {
         pool.free.drain(at..).map(|ctx| Lease { ctx: Some(ctx), pool: self }).collect()
     }
 
-    /// A context back in the pool (returned, or newly loaded): the longest waiting encode gets it.
+    /// A context back in the pool (returned, or newly loaded): granted to the encode whose turn
+    /// it is.
     fn give(&self, ctx: MtmdPtr) {
         let mut pool = self.pool.lock();
         pool.free.push(ctx);
-        if !pool.waiting.is_empty() {
-            self.returned.notify_all(); // only the front ticket goes on; the others wait again
+        if pool.grant() {
+            self.returned.notify_all();
         }
     }
 }
@@ -383,23 +425,25 @@ impl Projector {
     #[doc(hidden)]
     pub fn hold_encoder(&self) -> impl Sized + '_ {
         let n = self.contexts();
-        (0..n).map(|_| self.contexts.lease()).collect::<Vec<_>>()
+        (0..n).map(|_| self.contexts.lease(None)).collect::<Vec<_>>()
     }
 
     /// Encode one packed RGB image (width × height × 3 bytes) into the segments it becomes in
     /// the language sequence.
     pub fn encode(self: &Arc<Self>, rgb: &[u8], width: u32, height: u32) -> Result<Vec<Segment>> {
-        Ok(self.encode_tiles(rgb, width, height, &mut |_, _| None)?.0)
+        Ok(self.encode_tiles(rgb, width, height, &mut |_, _| None, None)?.0)
     }
 
     /// [`Projector::encode`], asking `reuse` first for each image (its tile, its rows): rows of
-    /// an earlier encode of the same tile are taken instead of encoding it.
+    /// an earlier encode of the same tile are taken instead of encoding it. `demand`: the
+    /// stream's, whose waiting readers put its encode before other streams' (see [`Contexts`]).
     pub fn encode_tiles(
         self: &Arc<Self>,
         rgb: &[u8],
         width: u32,
         height: u32,
         reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
+        demand: Option<&Demand>,
     ) -> Result<(Vec<Segment>, TileCount)> {
         if width == 0 || height == 0 || rgb.len() != width as usize * height as usize * 3 {
             return Err(Error::BadInput(format!(
@@ -473,7 +517,7 @@ impl Projector {
                     count.reused = rows_of.iter().flatten().count();
                     let todo: Vec<usize> = (0..images.len()).filter(|&i| rows_of[i].is_none()).collect();
                     count.encoded = todo.len();
-                    let (encoded, contexts, wait_ms) = self.encode_chunks(&images, &todo, n_embd)?;
+                    let (encoded, contexts, wait_ms) = self.encode_chunks(&images, &todo, n_embd, demand)?;
                     count.contexts = contexts;
                     count.wait_ms = wait_ms;
                     count.encode_ms = started.elapsed().as_secs_f64() * 1e3 - count.prepare_ms - wait_ms;
@@ -530,12 +574,13 @@ impl Projector {
         images: &[ChunkPtr],
         todo: &[usize],
         n_embd: usize,
+        demand: Option<&Demand>,
     ) -> Result<(Vec<EncodedImage>, usize, f64)> {
         if todo.is_empty() {
             return Ok((vec![], 0, 0.0));
         }
         let asked = std::time::Instant::now();
-        let mut leases = vec![self.contexts.lease()];
+        let mut leases = vec![self.contexts.lease(demand)];
         let wait_ms = asked.elapsed().as_secs_f64() * 1e3;
         leases.extend(self.contexts.lease_free(todo.len() - 1));
         let used = leases.len();
@@ -634,29 +679,55 @@ mod tests {
     fn a_returned_context_goes_to_the_encode_that_waited_longest() {
         let pool = pool(1);
         let order = std::sync::Mutex::new(vec![]);
-        let held = pool.lease();
+        let held = pool.lease(None);
         std::thread::scope(|scope| {
             for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
                 let (pool, order) = (&pool, &order);
                 scope.spawn(move || {
-                    let _lease = pool.lease();
+                    let _lease = pool.lease(None);
                     order.lock().unwrap().push(name);
                 });
                 waiting(pool, i + 1);
             }
             drop(held);
-            let _again = pool.lease();
+            let _again = pool.lease(None);
             order.lock().unwrap().push("holder");
         });
         assert_eq!(*order.lock().unwrap(), ["a", "b", "c", "holder"]);
+    }
+
+    /// Encodes of three streams wait for the one context, in order; a question starts waiting on
+    /// the last stream's frame, then on the second's: the context goes to the last stream's
+    /// encode (the longest-waiting of waited-on streams), then the second's, then the first's.
+    #[test]
+    fn a_stream_a_reader_waits_on_is_encoded_first() {
+        let pool = pool(1);
+        let order = std::sync::Mutex::new(vec![]);
+        let demands: Vec<Demand> = (0..3).map(|_| Demand::default()).collect();
+        let held = pool.lease(None);
+        std::thread::scope(|scope| {
+            for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+                let (pool, order, demand) = (&pool, &order, &demands[i]);
+                scope.spawn(move || {
+                    let _lease = pool.lease(Some(demand));
+                    order.lock().unwrap().push(name);
+                });
+                waiting(pool, i + 1);
+            }
+            demands[2].fetch_add(1, Ordering::AcqRel);
+            demands[1].fetch_add(1, Ordering::AcqRel);
+            drop(held);
+        });
+        assert_eq!(*order.lock().unwrap(), ["b", "c", "a"]);
     }
 
     /// A frame takes extra contexts only while no other frame waits for one.
     #[test]
     fn extra_contexts_are_not_taken_while_another_encode_waits() {
         let pool = pool(3);
-        let first = pool.lease();
-        pool.pool.lock().waiting.push_back(7); // an encode waiting for a context
+        let first = pool.lease(None);
+        // An encode waiting for a context.
+        pool.pool.lock().waiting.push_back(Waiter { ticket: 7, demand: None, granted: None });
         assert!(pool.lease_free(2).is_empty(), "an extra context taken from a waiting encode");
         pool.pool.lock().waiting.clear();
         assert_eq!(pool.lease_free(5).len(), 2, "the free contexts once nobody waits");
