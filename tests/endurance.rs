@@ -358,16 +358,17 @@ fn live_run(context: &str) -> LiveRun {
         ctx.property::<u64>("history-slides"),
     );
     let encoders: Vec<gst::Element> = (0..streams).map(|i| bin.by_name(&format!("enc{i}")).unwrap()).collect();
-    let encoded = encoders.iter().map(|e| e.property::<u64>("frames-encoded")).sum::<u64>();
-    let encoder_skipped = encoders.iter().map(|e| e.property::<u64>("frames-skipped")).sum::<u64>();
-    let tiles = |name: &str| encoders.iter().map(|e| e.property::<u64>(name)).sum::<u64>();
-    let (tiles_encoded, tiles_reused) = (tiles("tiles-encoded"), tiles("tiles-reused"));
+    let sum = |name: &str| encoders.iter().map(|e| e.property::<u64>(name)).sum::<u64>();
+    let (encoded, encoder_skipped) = (sum("frames-encoded"), sum("frames-skipped"));
+    let (tiles_encoded, tiles_reused) = (sum("tiles-encoded"), sum("tiles-reused"));
+    // Due frames the change gate held (nothing changed enough to encode them).
+    let unchanged = sum("frames-unchanged");
     // Where a frame's encode went (the means weighted by each encoder's frames), and each
     // engine's time (a run that cannot keep up says why).
     let mean_of = |name: &str| {
-        let sum: f64 =
+        let total: f64 =
             encoders.iter().map(|e| e.property::<f64>(name) * e.property::<u64>("frames-encoded") as f64).sum();
-        sum / encoded.max(1) as f64
+        total / encoded.max(1) as f64
     };
     println!(
         "{{\"endurance\":\"encoder-time\",\"mean-encode-ms\":{:.1},\"mean-prepare-ms\":{:.1},\"mean-context-wait-ms\":{:.1}}}",
@@ -442,7 +443,7 @@ fn live_run(context: &str) -> LiveRun {
         start_filled.or(start).expect("no answer in the whole run"),
         end,
         &format!(
-            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"rss-tenths-mib\":[{}],\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"tiles-encoded\":{tiles_encoded},\"tiles-reused\":{tiles_reused},\"frames\":{frames},\"skipped\":{skipped},\"skipped-reported\":{reported},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
+            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"rss-tenths-mib\":[{}],\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"frames-unchanged\":{unchanged},\"tiles-encoded\":{tiles_encoded},\"tiles-reused\":{tiles_reused},\"frames\":{frames},\"skipped\":{skipped},\"skipped-reported\":{reported},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
             first,
             last,
             tenths.join(","),
