@@ -108,6 +108,8 @@ struct Answers {
     ttft: Vec<(Instant, f64)>,
     lag_ms: Vec<f64>,
     overload: std::collections::HashMap<String, u64>,
+    /// Answers by how they were prepared (`resident`, `import`, `replay`).
+    paths: std::collections::BTreeMap<String, u64>,
 }
 
 /// Read `bus` until `done` or `limit`; errors fail the test, answers are counted per id.
@@ -139,6 +141,7 @@ fn pump(
                     if status == "answered" {
                         answers.ttft.push((Instant::now(), s.get::<f64>("ttft-ms").unwrap()));
                         answers.lag_ms.push(s.get::<f64>("lag-ms").unwrap_or(0.0));
+                        *answers.paths.entry(s.get::<String>("path").unwrap_or_default()).or_default() += 1;
                     }
                     answers.status.entry(s.get::<String>("id").unwrap()).or_default().push(status);
                 }
@@ -429,14 +432,15 @@ fn live_run(context: &str) -> LiveRun {
     let ttft: Vec<f64> = answers.ttft.iter().map(|(_, t)| *t).collect();
     let lag = answers.lag_ms.clone();
     println!(
-        "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0},\"lag-p50-ms\":{:.0},\"lag-p95-ms\":{:.0},\"lag-max-ms\":{:.0}}}",
+        "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0},\"lag-p50-ms\":{:.0},\"lag-p95-ms\":{:.0},\"lag-max-ms\":{:.0},\"paths\":{:?}}}",
         ttft.len(),
         quantile(ttft.clone(), 0.5),
         quantile(ttft.clone(), 0.95),
         quantile(ttft, 1.0),
         quantile(lag.clone(), 0.5),
         quantile(lag.clone(), 0.95),
-        quantile(lag, 1.0)
+        quantile(lag, 1.0),
+        answers.paths
     );
     report(
         "live-run",
