@@ -154,10 +154,6 @@ pub struct CommonArgs {
     /// The runtime's encoder contexts (vlmencode's encoder-contexts; 0: 4 on a GPU, 1 on the CPU).
     #[arg(long, default_value_t = 0)]
     encoder_contexts: usize,
-    /// Encode frames first come, first served, as before the demand order (by default a stream
-    /// a question waits on has its frames encoded first): the peer of that order.
-    #[arg(long)]
-    encode_fifo: bool,
     /// The engines' KV layout: per-sequence or unified (vlmcontext's kv-layout).
     #[arg(long, default_value = "per-sequence")]
     kv_layout: String,
@@ -255,7 +251,6 @@ fn build_workload(
         encoder_gpu,
         encoder_threads,
         encoder_contexts: vlm_runtime::encoder::encoder_contexts(c.encoder_contexts, encoder_gpu),
-        encode_fifo: c.encode_fifo,
         streams,
         frames,
         fps,

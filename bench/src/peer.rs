@@ -582,7 +582,6 @@ mod tests {
             merge_frames: "auto".into(),
             encoder_threads: 1,
             encoder_contexts: 1,
-            encode_fifo: false,
         }
     }
 

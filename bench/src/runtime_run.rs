@@ -274,8 +274,7 @@ impl Window<'_> {
         let rgb = picture(o.gs, number, w.width, w.height);
         let start = Instant::now();
         self.encoder.lock().expect("no panics hold it").start(start);
-        let demand = (!w.encode_fifo).then(|| o.stream.demand());
-        let frame = (self.encode)(&rgb, demand.as_ref());
+        let frame = (self.encode)(&rgb, Some(&o.stream.demand()));
         let end = Instant::now();
         self.encoder.lock().expect("no panics hold it").end(end, frame.is_ok());
         frame

@@ -61,9 +61,6 @@ pub struct Workload {
     /// The runtime's encoder contexts (resolved: never 0).
     #[serde(default = "one")]
     pub encoder_contexts: usize,
-    /// Frames encoded first come, first served (`--encode-fifo`), not a waited-on stream's first.
-    #[serde(default)]
-    pub encode_fifo: bool,
 }
 
 fn auto() -> String {
