@@ -399,6 +399,59 @@ fn vlmquery_flush_cancels_the_answer_in_progress_and_recovers() {
     assert!(answer.size() > 0);
 }
 
+/// A timed question from the query pad waits for the video to pass its time; meanwhile its
+/// stream's demand counts it, so the stream's frames are encoded and ingested first (a
+/// `vlmencode` learns the demand through the `vlm-demand` query). Once bound, it counts no more.
+#[test]
+fn a_timed_question_waiting_for_its_frame_puts_its_stream_first() {
+    init();
+    let stream = runtime_stream("timed");
+    let never = AtomicBool::new(false);
+    let enc = encoder();
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    h.element().unwrap().set_property("max-tokens", 4u32);
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    assert!(h.push_event(StreamEvent::event(stream.id(), "timed")));
+    let video = |variant: u32, seconds: u64| {
+        let f = frame(&enc, variant);
+        let number = stream.register(f.clone(), &never).unwrap().number;
+        let mut buf = picture(gst_video::VideoFormat::Rgb, variant);
+        let b = buf.get_mut().unwrap();
+        b.set_pts(gst::ClockTime::from_seconds(seconds));
+        VlmFrameMeta::add(b, f).set_position(stream.id(), number);
+        buf
+    };
+    assert_eq!(h.push(video(0, 0)), Ok(gst::FlowSuccess::Ok));
+    let query = h.element().unwrap().static_pad("query").unwrap();
+    assert!(query.send_event(gst::event::StreamStart::new("questions")));
+    assert!(query.send_event(gst::event::Caps::new(&gst::Caps::builder("text/x-raw").field("format", "utf8").build())));
+    assert!(query.send_event(gst::event::Segment::new(&gst::FormattedSegment::<gst::ClockTime>::new())));
+    let demand = stream.demand();
+    let settles = |want: usize| {
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while demand.load(Ordering::Acquire) != want && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        demand.load(Ordering::Acquire)
+    };
+    std::thread::scope(|s| {
+        let asked = s.spawn(|| {
+            let mut q = gst::Buffer::from_slice(b"What is shown?".to_vec());
+            q.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(2));
+            query.chain(q)
+        });
+        let waiting = settles(1);
+        // (The frame that lets the question go comes before any assertion: a failed one must
+        // not leave it waiting for ever.)
+        assert_eq!(h.push(video(1, 3)), Ok(gst::FlowSuccess::Ok));
+        assert_eq!(asked.join().unwrap(), Ok(gst::FlowSuccess::Ok));
+        assert_eq!(waiting, 1, "the question waiting for its frame does not count in the demand");
+    });
+    assert!(h.pull().unwrap().size() > 0, "the timed question is answered");
+    assert_eq!(settles(0), 0, "the bound question still counts in the demand");
+}
+
 #[test]
 fn vlmquery_streams_the_answer_so_far_frame_by_frame_where_it_is_drawn() {
     // With video_src linked (the answers drawn on that video) the text pad follows it: each

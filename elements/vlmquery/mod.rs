@@ -12,7 +12,8 @@
 //!   newest registered frame;
 //! - text buffers on the `query` pad (`utf8`, or `pango-markup` as `subparse` emits it, tags
 //!   stripped), one question per buffer, bound to the frames whose running time is at or before
-//!   the buffer's, waiting for the video to get there;
+//!   the buffer's, waiting for the video to get there (meanwhile the stream's frames are
+//!   encoded and prefilled before other streams', through its demand: `vlm-demand`);
 //! - `caption-prompt`, asked automatically about the newest frame every `caption-interval` of
 //!   running time (periodic captions, same outputs).
 //!

@@ -552,7 +552,10 @@ impl VlmQuery {
         let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
         let (frames, pts) = match t {
             Some(t) => {
-                // Wait for the video to pass the question's time, so every frame up to it is known.
+                // Wait for the video to pass the question's time, so every frame up to it is known;
+                // meanwhile its stream's frames go first (encoded and ingested before other
+                // streams' where the process shares an encoder or an engine).
+                let _waiting = shared.video.stream.as_ref().map(|s| s.watch());
                 while !shared.flushing
                     && !shared.query_flushing
                     && !shared.video.eos
