@@ -12,23 +12,6 @@ use common::*;
 use vlm_runtime::PreparePath;
 use vlm_runtime::alert::{self, AlertSpec, YesNo};
 
-/// Hold `engine`'s thread in a call (it is inside when this returns) until the sender is used.
-fn hold(engine: &Arc<vlm_runtime::Engine>) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<Option<()>>) {
-    let (release, held) = std::sync::mpsc::channel::<()>();
-    let (entered, holding) = std::sync::mpsc::channel::<()>();
-    let engine = Arc::clone(engine);
-    let holder = std::thread::spawn(move || {
-        engine
-            .call(move |_| {
-                let _ = entered.send(());
-                held.recv().ok()
-            })
-            .unwrap()
-    });
-    holding.recv().unwrap();
-    (release, holder)
-}
-
 fn alerts() -> Vec<AlertSpec> {
     alert::parse_alerts("door:Is the door open?;person:Is there a person in the picture?;red:Is it red?").unwrap()
 }

@@ -155,18 +155,11 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
     assert_eq!((imported.engine.as_str(), imported.path), ("b", PreparePath::Import), "{imported:?}");
     assert_eq!(imported.text, idle.text);
 
-    // Keep `a` busy for real: its thread holds a job (until the answer below is placed, or for
-    // 10 s should that answer need an export from `a`), and a re-prefill of a 12-frame history
-    // waits behind it, counted in `a`'s answer starts (without the hold it could start at once,
-    // and the placement see `a` idle again: a race a fast machine lost).
-    let (held_tx, held) = std::sync::mpsc::channel();
-    let (placed, placement_made) = std::sync::mpsc::channel::<()>();
-    a.submit(move |_| {
-        let _ = held_tx.send(());
-        let _ = placement_made.recv_timeout(std::time::Duration::from_secs(10));
-    })
-    .unwrap();
-    held.recv().unwrap();
+    // Keep `a` busy for real: its thread is held (until the answer below is placed) and a
+    // re-prefill of a 12-frame history waits behind it, counted in `a`'s answer starts (without
+    // the hold it could start at once, and the placement see `a` idle again: a race a fast
+    // machine lost).
+    let (placed, holder) = hold(&a);
     let long = stream_on(&a, &[&a, &b], "long", 16, false);
     for v in 20..32 {
         long.register(frame(&enc, v), &never()).unwrap();
@@ -181,6 +174,7 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
     assert!(a.start_backlog_ms() > 1000.0, "a: {} ms of answer starts ahead", a.start_backlog_ms());
     let moved = answer_placed(&version, &question("What is in the picture?", 8), "auto", &never(), |_| {}).unwrap();
     let _ = placed.send(());
+    holder.join().unwrap();
     assert_eq!(moved.engine, "b", "waiting for a cost more: {moved:?}");
     assert_ne!(moved.path, PreparePath::Resident);
     assert_eq!(moved.text, idle.text);

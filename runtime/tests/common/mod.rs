@@ -107,3 +107,21 @@ pub fn question(text: &str, max_tokens: u32) -> Question {
         arrival: std::time::Instant::now(),
     }
 }
+
+/// Hold `engine`'s thread in a call (it is inside when this returns) until the sender is used
+/// or dropped, or 60 s pass (a test that needs the engine meanwhile is slow, never stuck).
+pub fn hold(engine: &Arc<vlm_runtime::Engine>) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<Option<()>>) {
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let (entered, holding) = std::sync::mpsc::channel::<()>();
+    let engine = Arc::clone(engine);
+    let holder = std::thread::spawn(move || {
+        engine
+            .call(move |_| {
+                let _ = entered.send(());
+                held.recv_timeout(std::time::Duration::from_secs(60)).ok()
+            })
+            .unwrap()
+    });
+    holding.recv().unwrap();
+    (release, holder)
+}
