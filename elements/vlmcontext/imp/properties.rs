@@ -230,7 +230,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecUInt::builder(PROP_THREADS)
             .nick("Threads")
-            .blurb("CPU threads of the language engine")
+            .blurb("CPU threads of each language engine whose entry in engines names none (at most 4 for a gpu engine with every layer on the GPU)")
             .minimum(1)
             .maximum(256)
             .default_value(d.threads)
