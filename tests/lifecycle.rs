@@ -1,7 +1,8 @@
 //! State changes that must always complete: shutdown after a start-up error with every pad
 //! linked (the query pad fed by `subparse` too), fast PLAYING⇄NULL cycles of one pipeline, and
 //! NULL after a stream's `sink_%u` pad was released during ingestion, the model loading in the
-//! background from READY, NULL→PLAYING returning ASYNC while it loads, and a stop racing its completion. Each is repeated; a state
+//! background from READY, NULL→PLAYING returning ASYNC while it loads, a stop racing its completion, and a stop while a frame
+//! waits for the encoder context another stream holds. Each is repeated; a state
 //! change that does not return within its bound fails the test instead of hanging it.
 
 mod common;
@@ -11,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use gst::prelude::*;
+use vlm_runtime::models;
 
 /// Set `state` on another thread; fail if it does not return within `within`.
 fn set_state_within(pipeline: &gst::Element, state: gst::State, within: Duration, what: &str) {
@@ -392,4 +394,42 @@ fn a_stop_racing_the_asynchronous_completion_leaves_ready() {
         "the last start"
     );
     set_state_within(&pipeline, gst::State::Null, Duration::from_secs(30), "the end");
+}
+
+/// The process's encoder contexts are shared by its `vlmencode`s: a frame may wait for one while
+/// other streams' frames encode (seconds each on a CPU). A stop must not wait behind them: with
+/// the only context held (by the test, as another stream's long encode would), a frame waiting
+/// for it gives up at the flush, and PLAYING→NULL returns while the context is still held.
+/// (Before, the stop waited until the context came back, then for the frame's own encode.)
+#[test]
+fn a_stop_does_not_wait_for_an_encoder_context_held_by_another_stream() {
+    init();
+    let lm = models::model(std::path::Path::new(&model()), &vlm_runtime::Device::Cpu).unwrap();
+    let projector = models::projector(std::path::Path::new(&mmproj()), &lm, false, 1, 1).unwrap();
+    for round in 0..3 {
+        let held = projector.hold_encoder();
+        let pipeline = launch(&format!(
+            "videotestsrc num-buffers=4 ! video/x-raw,width=64,height=48 \
+             ! vlmencode name=enc backend=cpu interval=0 mmproj={} model={} ! fakesink",
+            mmproj(),
+            model()
+        ));
+        let enc = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
+        set_state_within(&pipeline, gst::State::Playing, Duration::from_secs(60), "start");
+        // A frame has reached the encoder (the others wait in its queue behind it).
+        let until = Instant::now() + Duration::from_secs(60);
+        while enc.property::<u32>("peak-pending") == 0 {
+            assert!(Instant::now() < until, "round {round}: no frame reached the encoder");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (tx, rx) = mpsc::channel();
+        let p = pipeline.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(p.set_state(gst::State::Null));
+        });
+        let stopped = rx.recv_timeout(Duration::from_secs(60));
+        drop(held);
+        assert!(stopped.is_ok(), "round {round}: NULL waited for the encoder context");
+        assert_eq!(enc.property::<u64>("frames-encoded"), 0, "round {round}: a frame was encoded on a held context");
+    }
 }

@@ -10,6 +10,7 @@ use std::time::Instant;
 use clap::Args;
 use serde::Serialize;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, Rgb, VisionEncoder};
+use vlm_runtime::llama::Turn;
 use vlm_runtime::{Device, models};
 
 use crate::workload::picture;
@@ -116,7 +117,7 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
                                 };
                                 let t = Instant::now();
                                 let (_, count) = encoder_ref
-                                    .encode_rgb_tiles(&rgb, &mut |_, _| None, None)
+                                    .encode_rgb_tiles(&rgb, &mut |_, _| None, Turn::default())
                                     .map_err(|e| e.to_string())?;
                                 times.push(t.elapsed().as_secs_f64() * 1e3);
                                 tiles += count.encoded;

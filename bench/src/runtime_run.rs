@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
-use vlm_runtime::llama::Demand;
+use vlm_runtime::llama::{Demand, Turn};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::{
     Engine, EngineConfig, KvLayout, KvType, Overload, Question, Sampling, Stream, StreamConfig, answer_frame, models,
@@ -119,7 +119,10 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     )?);
     // (A stream's demand puts its frames first while a question waits on it, as vlmencode's do.)
     let encode = |rgb: &[u8], demand: Option<&Demand>| {
-        encoder.encode_for(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb), demand)
+        encoder.encode_for(
+            &Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb),
+            Turn::of(demand),
+        )
     };
     let warm = encode(&picture(99, 0, w.width, w.height), None)?;
     let frame_cells = warm.n_pos().max(warm.cells()) as u32;

@@ -224,6 +224,10 @@ pub struct VlmEncode {
     stats: Mutex<Stats>,
     queue: Mutex<Queue>,
     changed: Condvar,
+    /// The queue is flushing (a mirror of its flag read without its lock): the frame being
+    /// encoded gives up waiting for the encoder, so a flush or a stop never waits behind other
+    /// streams' encodes.
+    flushing: std::sync::atomic::AtomicBool,
     /// Held while the projector loads, so that the encoding task and a background load never
     /// load it twice.
     load: Mutex<()>,
@@ -504,6 +508,7 @@ impl ObjectSubclass for VlmEncode {
             stats: Mutex::default(),
             queue: Mutex::default(),
             changed: Condvar::new(),
+            flushing: std::sync::atomic::AtomicBool::new(false),
             load: Mutex::new(()),
         }
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use vlm_runtime::encoder::gate::{ChangeGate, Decision};
 use vlm_runtime::encoder::{FrameEncoder, MtmdEncoder, Picture, PixelLayout, TileReuse};
-use vlm_runtime::llama::{Segment, Tile};
+use vlm_runtime::llama::{Segment, Tile, Turn};
 use vlm_runtime::{Device, Frame, models};
 
 const W: u32 = 64;
@@ -55,22 +55,22 @@ fn images(frame: &Frame) -> Vec<&[f32]> {
 fn a_changed_corner_encodes_its_tile_and_the_overview_and_reuses_the_rest_exactly() {
     let enc = encoder("idefics3");
     let a = common::picture(0);
-    let first = enc.encode_reusing(&picture(&a), TileReuse::Exact, None).unwrap();
+    let first = enc.encode_reusing(&picture(&a), TileReuse::Exact, Turn::default()).unwrap();
     let cell = |row, col| Some(Tile::Cell { row, col, rows: 2, cols: 2 });
     assert_eq!(first.tiles.tiles, [cell(1, 1), cell(1, 2), cell(2, 1), cell(2, 2), Some(Tile::Whole)]);
     assert_eq!((first.tiles.encoded, first.tiles.reused), (5, 0));
     // A square well inside the top-left tile (0..32 x 0..24).
     let b = with_square(4, 4, 12);
-    let second = enc.encode_reusing(&picture(&b), TileReuse::Exact, None).unwrap();
+    let second = enc.encode_reusing(&picture(&b), TileReuse::Exact, Turn::default()).unwrap();
     assert_eq!((second.tiles.encoded, second.tiles.reused), (2, 3));
     // What a full encode of the new pixels gives, tile for tile, bit for bit.
-    let fresh = encoder("idefics3").encode_reusing(&picture(&b), TileReuse::Off, None).unwrap();
+    let fresh = encoder("idefics3").encode_reusing(&picture(&b), TileReuse::Off, Turn::default()).unwrap();
     assert_eq!((fresh.tiles.encoded, fresh.tiles.reused), (5, 0));
     assert_eq!(images(&second.frame), images(&fresh.frame));
     assert_ne!(images(&second.frame)[0], images(&first.frame)[0], "the changed tile is new");
     // After forget_last (a flush, new caps), nothing is reused.
     enc.forget_last();
-    let third = enc.encode_reusing(&picture(&b), TileReuse::Exact, None).unwrap();
+    let third = enc.encode_reusing(&picture(&b), TileReuse::Exact, Turn::default()).unwrap();
     assert_eq!((third.tiles.encoded, third.tiles.reused), (5, 0));
 }
 
@@ -85,7 +85,7 @@ fn threshold_reuse_follows_the_gate_from_the_pixels_a_tile_was_encoded_from() {
             Decision::Changed(_, l) | Decision::Unchanged(_, l) => Arc::new(l),
         };
         gate.encoded(Arc::clone(&luma));
-        let e = enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma), None).unwrap();
+        let e = enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma), Turn::default()).unwrap();
         (e.tiles.encoded, e.tiles.reused)
     };
     assert_eq!(encode(&common::picture(0)), (5, 0));
@@ -101,13 +101,13 @@ fn threshold_reuse_follows_the_gate_from_the_pixels_a_tile_was_encoded_from() {
 fn a_projector_without_tiles_encodes_the_picture_whole() {
     let enc = encoder("qwen2vl");
     let a = common::picture(0);
-    let first = enc.encode_reusing(&picture(&a), TileReuse::Exact, None).unwrap();
-    let second = enc.encode_reusing(&picture(&a), TileReuse::Exact, None).unwrap();
+    let first = enc.encode_reusing(&picture(&a), TileReuse::Exact, Turn::default()).unwrap();
+    let second = enc.encode_reusing(&picture(&a), TileReuse::Exact, Turn::default()).unwrap();
     assert_eq!(first.tiles.tiles, [Some(Tile::Whole)]);
     // The same pixels: the one image is reused whole.
     assert_eq!((second.tiles.encoded, second.tiles.reused), (0, 1));
     let b = with_square(4, 4, 12);
-    let third = enc.encode_reusing(&picture(&b), TileReuse::Exact, None).unwrap();
+    let third = enc.encode_reusing(&picture(&b), TileReuse::Exact, Turn::default()).unwrap();
     assert_eq!((third.tiles.encoded, third.tiles.reused), (1, 0));
 }
 
@@ -133,19 +133,21 @@ fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_fram
     let reference: Vec<_> = pictures
         .iter()
         .map(|p| {
-            let (segments, count) = one.encode_tiles(p, W, H, &mut |_, _| None, None).unwrap();
+            let (segments, count) = one.encode_tiles(p, W, H, &mut |_, _| None, Turn::default()).unwrap();
             assert_eq!((count.encoded, count.contexts), (5, 1));
             rows(&segments)
         })
         .collect();
     // One frame alone: its 5 tiles spread over the 3 contexts, the same rows bit for bit.
-    let (segments, count) = three.encode_tiles(&pictures[0], W, H, &mut |_, _| None, None).unwrap();
+    let (segments, count) = three.encode_tiles(&pictures[0], W, H, &mut |_, _| None, Turn::default()).unwrap();
     assert_eq!((count.encoded, count.contexts), (5, 3));
     assert_eq!(rows(&segments), reference[0]);
     // Four frames at once on the 3 contexts: each frame's own rows.
     std::thread::scope(|s| {
-        let threads: Vec<_> =
-            pictures.iter().map(|p| s.spawn(|| three.encode_tiles(p, W, H, &mut |_, _| None, None).unwrap())).collect();
+        let threads: Vec<_> = pictures
+            .iter()
+            .map(|p| s.spawn(|| three.encode_tiles(p, W, H, &mut |_, _| None, Turn::default()).unwrap()))
+            .collect();
         for (i, t) in threads.into_iter().enumerate() {
             let (segments, count) = t.join().unwrap();
             assert_eq!(count.encoded, 5);
@@ -154,7 +156,8 @@ fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_fram
         }
     });
     // A reused tile is not encoded, and a frame with nothing to encode uses no context.
-    let (_, count) =
-        three.encode_tiles(&pictures[1], W, H, &mut |_, n| Some(vec![0.0; n * model.n_embd()].into()), None).unwrap();
+    let (_, count) = three
+        .encode_tiles(&pictures[1], W, H, &mut |_, n| Some(vec![0.0; n * model.n_embd()].into()), Turn::default())
+        .unwrap();
     assert_eq!((count.encoded, count.reused, count.contexts), (0, 5, 0));
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 use vlm_runtime::encoder::{EncoderBackend, FrameEncoder, TileReuse, open_encoder};
+use vlm_runtime::llama::Turn;
 use vlm_runtime::{Device, models};
 
 use super::{Backend, CAT, Due, TileReuseKind, VlmEncode, pixel_format};
@@ -155,9 +156,14 @@ impl VlmEncode {
                 gst::FlowError::Error
             })?;
             let demand = self.demand();
-            encoder.encode_reusing(&super::picture(&vframe, info, format), reuse, demand.as_ref()).map_err(|e| {
-                gst::element_imp_error!(self, gst::StreamError::Decode, ("vision encoding failed: {}", e));
-                gst::FlowError::Error
+            let flushing = || self.flushing.load(std::sync::atomic::Ordering::Acquire);
+            let turn = Turn { demand: demand.as_ref(), cancelled: Some(&flushing) };
+            encoder.encode_reusing(&super::picture(&vframe, info, format), reuse, turn).map_err(|e| match e {
+                vlm_runtime::Error::Cancelled => gst::FlowError::Flushing,
+                e => {
+                    gst::element_imp_error!(self, gst::StreamError::Decode, ("vision encoding failed: {}", e));
+                    gst::FlowError::Error
+                }
             })?
         };
         let (frame, hit, tiles) = (encoded.frame, encoded.hit, encoded.tiles);

@@ -77,6 +77,7 @@ impl VlmEncode {
     pub(super) fn set_flushing(&self, flushing: bool) {
         let mut q = self.queue.lock();
         q.flushing = flushing;
+        self.flushing.store(flushing, std::sync::atomic::Ordering::Release);
         let dropped: Vec<Item> = q.items.drain(..).collect();
         q.pending = 0;
         q.busy = false;

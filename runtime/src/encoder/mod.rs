@@ -12,7 +12,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::cache::{BoundedCache, CacheStats, Weighted};
 use crate::error::{Error, Result};
-use crate::llama::{Demand, Projector, Segment, Tile, TileCount};
+use crate::llama::{Projector, Segment, Tile, TileCount, Turn};
 use crate::stream::Frame;
 use parking_lot::Mutex;
 
@@ -247,13 +247,14 @@ pub trait VisionEncoder: Send + Sync {
     fn encode_rgb(&self, rgb: &Rgb) -> Result<Vec<Segment>>;
 
     /// [`VisionEncoder::encode_rgb`], asking `reuse` for each image (its tile and rows) before
-    /// encoding it; `demand`, the stream's, puts it before other streams' encodes while a reader
-    /// waits on the stream. An encoder without separate tiles encodes the picture whole.
+    /// encoding it; `turn`: the stream's demand puts it before other streams' encodes while a
+    /// reader waits on the stream, and a cancelled turn gives up waiting for the encoder
+    /// ([`Turn`]). An encoder without separate tiles encodes the picture whole.
     fn encode_rgb_tiles(
         &self,
         rgb: &Rgb,
         _reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
-        _demand: Option<&Demand>,
+        _turn: Turn<'_>,
     ) -> Result<(Vec<Segment>, TileCount)> {
         let segments = self.encode_rgb(rgb)?;
         let images = segments.iter().filter(|s| matches!(s, Segment::Image(_))).count();
@@ -270,13 +271,12 @@ pub trait VisionEncoder: Send + Sync {
 
     /// Preprocess and encode one picture.
     fn encode(&self, picture: &Picture<'_>) -> Result<Frame> {
-        self.encode_for(picture, None)
+        self.encode_for(picture, Turn::default())
     }
 
-    /// [`VisionEncoder::encode`] for the stream whose `demand` is given (see
-    /// [`VisionEncoder::encode_rgb_tiles`]).
-    fn encode_for(&self, picture: &Picture<'_>, demand: Option<&Demand>) -> Result<Frame> {
-        let (segments, _) = self.encode_rgb_tiles(&picture.to_rgb()?, &mut |_, _| None, demand)?;
+    /// [`VisionEncoder::encode`] in `turn` (see [`VisionEncoder::encode_rgb_tiles`]).
+    fn encode_for(&self, picture: &Picture<'_>, turn: Turn<'_>) -> Result<Frame> {
+        let (segments, _) = self.encode_rgb_tiles(&picture.to_rgb()?, &mut |_, _| None, turn)?;
         Ok(Frame { content_hash: picture.identity(self.id()), segments })
     }
 }
@@ -307,9 +307,9 @@ impl VisionEncoder for MtmdEncoder {
         &self,
         rgb: &Rgb,
         reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
-        demand: Option<&Demand>,
+        turn: Turn<'_>,
     ) -> Result<(Vec<Segment>, TileCount)> {
-        self.projector.encode_tiles(&rgb.data, rgb.width, rgb.height, reuse, demand)
+        self.projector.encode_tiles(&rgb.data, rgb.width, rgb.height, reuse, turn)
     }
 }
 
@@ -499,20 +499,14 @@ impl FrameEncoder {
     /// The frame's embeddings, from the cache when the same picture was encoded before (then
     /// the same shared handle is returned). The flag says whether it was a cache hit.
     pub fn encode(&self, picture: &Picture<'_>) -> Result<(Arc<Frame>, bool)> {
-        let e = self.encode_reusing(picture, TileReuse::Off, None)?;
+        let e = self.encode_reusing(picture, TileReuse::Off, Turn::default())?;
         Ok((e.frame, e.hit))
     }
 
     /// [`FrameEncoder::encode`], taking the tiles `reuse` allows from the frame this encoder
     /// encoded last (same size; the caller says when the stream starts afresh:
-    /// [`FrameEncoder::forget_last`]); `demand` is the stream's (see
-    /// [`VisionEncoder::encode_rgb_tiles`]).
-    pub fn encode_reusing(
-        &self,
-        picture: &Picture<'_>,
-        reuse: TileReuse<'_>,
-        demand: Option<&Demand>,
-    ) -> Result<Encoded> {
+    /// [`FrameEncoder::forget_last`]), in `turn` (see [`VisionEncoder::encode_rgb_tiles`]).
+    pub fn encode_reusing(&self, picture: &Picture<'_>, reuse: TileReuse<'_>, turn: Turn<'_>) -> Result<Encoded> {
         let content_hash = picture.identity(self.encoder.id());
         let mut last = self.last.lock();
         if let Some(frame) = self.cache.get(&content_hash) {
@@ -553,7 +547,7 @@ impl FrameEncoder {
                 data
             })
         };
-        let (segments, tiles) = self.encoder.encode_rgb_tiles(&rgb, &mut lookup, demand)?;
+        let (segments, tiles) = self.encoder.encode_rgb_tiles(&rgb, &mut lookup, turn)?;
         let now = match reuse {
             TileReuse::Unchanged(now) => Some(now),
             _ => None,

@@ -45,7 +45,9 @@ pub use batch::Batch;
 pub use context::{Context, ContextParams, KvType};
 pub use gguf::{projector_type, projector_type_non_causal};
 pub use model::{Model, check_readable};
-pub use mtmd::{Demand, ImageEmbeddings, MAX_ENCODER_CONTEXTS, Projector, ProjectorKey, Segment, Tile, TileCount};
+pub use mtmd::{
+    Demand, ImageEmbeddings, MAX_ENCODER_CONTEXTS, Projector, ProjectorKey, Segment, Tile, TileCount, Turn,
+};
 
 /// A token id of the language model's vocabulary.
 pub type Token = i32;

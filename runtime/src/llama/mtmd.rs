@@ -45,6 +45,30 @@ struct Contexts {
 /// that stream's frames first and by the engine to put their ingestion first.
 pub type Demand = Arc<std::sync::atomic::AtomicUsize>;
 
+/// What an encode goes with: its stream's [`Demand`] (while a reader waits on the stream, its
+/// encodes go first) and what says it is no longer wanted (its element flushing or stopping):
+/// it then stops waiting for a context and encodes no further image, ending in
+/// [`Error::Cancelled`], so a flush or a state change never waits behind other streams' encodes.
+#[derive(Clone, Copy, Default)]
+pub struct Turn<'a> {
+    pub demand: Option<&'a Demand>,
+    pub cancelled: Option<&'a (dyn Fn() -> bool + Sync)>,
+}
+
+impl<'a> Turn<'a> {
+    /// The turn of an encode for the stream whose demand is given.
+    pub fn of(demand: Option<&'a Demand>) -> Turn<'a> {
+        Turn { demand, cancelled: None }
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancelled.is_some_and(|c| c())
+    }
+}
+
+/// How often an encode waiting for a context looks whether it is still wanted.
+const CANCEL_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// One context leased from the pool, returned when dropped.
 struct Lease<'a> {
     ctx: Option<MtmdPtr>,
@@ -117,24 +141,35 @@ impl Contexts {
         }
     }
 
-    /// A context, waiting behind the encodes whose turn comes first (see [`Contexts`]).
-    fn lease(&self, demand: Option<&Demand>) -> Lease<'_> {
+    /// A context, waiting behind the encodes whose turn comes first (see [`Contexts`]), or
+    /// [`Error::Cancelled`] once the turn is no longer wanted.
+    fn lease(&self, turn: Turn<'_>) -> Result<Lease<'_>> {
         let mut pool = self.pool.lock();
         if pool.waiting.is_empty()
             && let Some(ctx) = pool.free.pop()
         {
-            return Lease { ctx: Some(ctx), pool: self };
+            return Ok(Lease { ctx: Some(ctx), pool: self });
         }
         let ticket = pool.next_ticket;
         pool.next_ticket += 1;
-        pool.waiting.push_back(Waiter { ticket, demand: demand.cloned(), granted: None });
+        pool.waiting.push_back(Waiter { ticket, demand: turn.demand.cloned(), granted: None });
         if pool.grant() {
             self.returned.notify_all();
         }
         while pool.waiting.iter().any(|w| w.ticket == ticket && w.granted.is_none()) {
-            self.returned.wait(&mut pool);
+            if turn.cancelled() {
+                // A context granted meanwhile goes to the next in turn.
+                if let Some(ctx) = pool.leave(ticket) {
+                    pool.free.push(ctx);
+                    if pool.grant() {
+                        self.returned.notify_all();
+                    }
+                }
+                return Err(Error::Cancelled);
+            }
+            self.returned.wait_for(&mut pool, CANCEL_POLL);
         }
-        Lease { ctx: pool.leave(ticket), pool: self }
+        Ok(Lease { ctx: pool.leave(ticket), pool: self })
     }
 
     /// Up to `n` contexts free now, without waiting; none while another encode waits for one.
@@ -425,25 +460,26 @@ impl Projector {
     #[doc(hidden)]
     pub fn hold_encoder(&self) -> impl Sized + '_ {
         let n = self.contexts();
-        (0..n).map(|_| self.contexts.lease(None)).collect::<Vec<_>>()
+        (0..n).map(|_| self.contexts.lease(Turn::default()).expect("never cancelled")).collect::<Vec<_>>()
     }
 
     /// Encode one packed RGB image (width × height × 3 bytes) into the segments it becomes in
     /// the language sequence.
     pub fn encode(self: &Arc<Self>, rgb: &[u8], width: u32, height: u32) -> Result<Vec<Segment>> {
-        Ok(self.encode_tiles(rgb, width, height, &mut |_, _| None, None)?.0)
+        Ok(self.encode_tiles(rgb, width, height, &mut |_, _| None, Turn::default())?.0)
     }
 
     /// [`Projector::encode`], asking `reuse` first for each image (its tile, its rows): rows of
-    /// an earlier encode of the same tile are taken instead of encoding it. `demand`: the
-    /// stream's, whose waiting readers put its encode before other streams' (see [`Contexts`]).
+    /// an earlier encode of the same tile are taken instead of encoding it. `turn`: the
+    /// stream's demand, whose waiting readers put its encode before other streams' (see
+    /// [`Contexts`]), and when to give up ([`Turn`]).
     pub fn encode_tiles(
         self: &Arc<Self>,
         rgb: &[u8],
         width: u32,
         height: u32,
         reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
-        demand: Option<&Demand>,
+        turn: Turn<'_>,
     ) -> Result<(Vec<Segment>, TileCount)> {
         if width == 0 || height == 0 || rgb.len() != width as usize * height as usize * 3 {
             return Err(Error::BadInput(format!(
@@ -517,7 +553,7 @@ impl Projector {
                     count.reused = rows_of.iter().flatten().count();
                     let todo: Vec<usize> = (0..images.len()).filter(|&i| rows_of[i].is_none()).collect();
                     count.encoded = todo.len();
-                    let (encoded, contexts, wait_ms) = self.encode_chunks(&images, &todo, n_embd, demand)?;
+                    let (encoded, contexts, wait_ms) = self.encode_chunks(&images, &todo, n_embd, turn)?;
                     count.contexts = contexts;
                     count.wait_ms = wait_ms;
                     count.encode_ms = started.elapsed().as_secs_f64() * 1e3 - count.prepare_ms - wait_ms;
@@ -574,13 +610,13 @@ impl Projector {
         images: &[ChunkPtr],
         todo: &[usize],
         n_embd: usize,
-        demand: Option<&Demand>,
+        turn: Turn<'_>,
     ) -> Result<(Vec<EncodedImage>, usize, f64)> {
         if todo.is_empty() {
             return Ok((vec![], 0, 0.0));
         }
         let asked = std::time::Instant::now();
-        let mut leases = vec![self.contexts.lease(demand)];
+        let mut leases = vec![self.contexts.lease(turn)?];
         let wait_ms = asked.elapsed().as_secs_f64() * 1e3;
         leases.extend(self.contexts.lease_free(todo.len() - 1));
         let used = leases.len();
@@ -588,6 +624,9 @@ impl Projector {
         let encode_on = |ctx: &Lease<'_>| -> Result<Vec<EncodedImage>> {
             let mut out = vec![];
             while let Some(&i) = todo.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                if turn.cancelled() {
+                    return Err(Error::Cancelled);
+                }
                 let c = images[i].0;
                 // SAFETY: the caller's chunks; the context is leased to this thread; its output
                 // holds the chunk's rows after a successful encode.
@@ -679,18 +718,18 @@ mod tests {
     fn a_returned_context_goes_to_the_encode_that_waited_longest() {
         let pool = pool(1);
         let order = std::sync::Mutex::new(vec![]);
-        let held = pool.lease(None);
+        let held = pool.lease(Turn::default()).unwrap();
         std::thread::scope(|scope| {
             for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
                 let (pool, order) = (&pool, &order);
                 scope.spawn(move || {
-                    let _lease = pool.lease(None);
+                    let _lease = pool.lease(Turn::default()).unwrap();
                     order.lock().unwrap().push(name);
                 });
                 waiting(pool, i + 1);
             }
             drop(held);
-            let _again = pool.lease(None);
+            let _again = pool.lease(Turn::default()).unwrap();
             order.lock().unwrap().push("holder");
         });
         assert_eq!(*order.lock().unwrap(), ["a", "b", "c", "holder"]);
@@ -704,12 +743,12 @@ mod tests {
         let pool = pool(1);
         let order = std::sync::Mutex::new(vec![]);
         let demands: Vec<Demand> = (0..3).map(|_| Demand::default()).collect();
-        let held = pool.lease(None);
+        let held = pool.lease(Turn::default()).unwrap();
         std::thread::scope(|scope| {
             for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
                 let (pool, order, demand) = (&pool, &order, &demands[i]);
                 scope.spawn(move || {
-                    let _lease = pool.lease(Some(demand));
+                    let _lease = pool.lease(Turn::of(Some(demand))).unwrap();
                     order.lock().unwrap().push(name);
                 });
                 waiting(pool, i + 1);
@@ -721,11 +760,38 @@ mod tests {
         assert_eq!(*order.lock().unwrap(), ["b", "c", "a"]);
     }
 
+    /// An encode whose turn is cancelled (its element flushing) stops waiting while the context
+    /// is still held, and leaves its place to the encode behind it.
+    #[test]
+    fn an_encode_no_longer_wanted_stops_waiting_for_a_context() {
+        let pool = pool(1);
+        let held = pool.lease(Turn::default()).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let cancelled = || stop.load(Ordering::Acquire);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            let pool = &pool;
+            scope.spawn(move || {
+                let turn = Turn { demand: None, cancelled: Some(&cancelled) };
+                let _ = tx.send(pool.lease(turn).err());
+            });
+            waiting(pool, 1);
+            let next = scope.spawn(|| pool.lease(Turn::default()).is_ok());
+            waiting(pool, 2);
+            stop.store(true, Ordering::Release);
+            let gave_up = rx.recv_timeout(std::time::Duration::from_secs(60));
+            drop(held);
+            assert!(matches!(gave_up, Ok(Some(Error::Cancelled))), "still waiting: {gave_up:?}");
+            assert!(next.join().unwrap(), "the encode behind it got the context");
+        });
+        assert_eq!(pool.pool.lock().waiting.len(), 0);
+    }
+
     /// A frame takes extra contexts only while no other frame waits for one.
     #[test]
     fn extra_contexts_are_not_taken_while_another_encode_waits() {
         let pool = pool(3);
-        let first = pool.lease(None);
+        let first = pool.lease(Turn::default()).unwrap();
         // An encode waiting for a context.
         pool.pool.lock().waiting.push_back(Waiter { ticket: 7, demand: None, granted: None });
         assert!(pool.lease_free(2).is_empty(), "an extra context taken from a waiting encode");
