@@ -22,10 +22,7 @@ fn the_forced_choice_equals_the_logits_of_a_re_prefilled_branch() {
     let enc = encoder();
     let stream = open(&engine, "s", true);
     let never = Arc::new(AtomicBool::new(false));
-    for v in 0..2 {
-        stream.register(frame(&enc, v), &never).unwrap();
-    }
-    let version = stream.wait_version(2, &never).unwrap();
+    let version = with_frames(&stream, &enc, 2);
     let yes_no = YesNo::find(engine.model()).expect("the test model has yes and no tokens");
     assert_ne!(yes_no.yes, yes_no.no);
     let alerts = alerts();
@@ -131,10 +128,7 @@ fn a_frame_does_not_wait_behind_every_waiting_evaluation() {
     let enc = encoder();
     let stream = open(&engine, "s", true);
     let never = Arc::new(AtomicBool::new(false));
-    for v in 0..3 {
-        stream.register(frame(&enc, v), &never).unwrap();
-    }
-    let version = stream.wait_version(3, &never).unwrap();
+    let version = with_frames(&stream, &enc, 3);
     let yes_no = YesNo::find(engine.model()).unwrap();
     let list = (0..8).map(|i| format!("a{i}:Is there a thing number {i}?")).collect::<Vec<_>>().join(";");
     let alerts = alert::parse_alerts(&list).unwrap();

@@ -278,10 +278,7 @@ fn committed_answers_become_history_in_question_order() {
     let enc = encoder();
     let never = Arc::new(AtomicBool::new(false));
     let stream = open(&engine, "s", true);
-    for v in 0..2 {
-        stream.register(frame(&enc, v), &never).unwrap();
-    }
-    let v2 = stream.wait_version(2, &never).unwrap();
+    let v2 = with_frames(&stream, &enc, 2);
     let q1 = answer(&v2, &question("What is in the picture?", 8), &never, |_| {}).unwrap();
     let r = stream.commit("What is in the picture?", &q1.token_ids, &never).unwrap();
     assert_eq!(r.number, 2, "a commit adds no frame");
@@ -588,10 +585,7 @@ fn versions_of_frames_that_slid_out_long_ago_are_no_longer_retained() {
     let enc = encoder();
     let stream = open_cached(&engine, "s", true, HistoryPolicy::Slide, None);
     let never = Arc::new(AtomicBool::new(false));
-    for v in 0..30 {
-        stream.register(frame(&enc, v), &never).unwrap();
-    }
-    let newest = stream.wait_version(30, &never).unwrap();
+    let newest = with_frames(&stream, &enc, 30);
     let in_history = newest.frames();
     assert!(stream.slides() >= 2 && in_history < 12, "{in_history} frames after {} slides", stream.slides());
     let oldest = 30 - in_history + 1;

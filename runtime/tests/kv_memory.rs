@@ -37,10 +37,7 @@ fn eight_answers(layout: KvLayout) -> (usize, usize, usize) {
     let enc = encoder();
     let stream = open(&engine, "s", true);
     let never = Arc::new(AtomicBool::new(false));
-    for v in 0..3 {
-        stream.register(frame(&enc, v), &never).unwrap();
-    }
-    let version = stream.wait_version(3, &never).expect("version");
+    let version = with_frames(&stream, &enc, 3);
     let history = cells_in_use(&engine);
     assert!(history as i32 >= version.cells, "{history} cells in use for a history of {}", version.cells);
     let q = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture.", 48) };
@@ -85,10 +82,7 @@ fn a_shared_prefix_answers_as_a_copied_one() {
         .map(|layout| {
             let engine = engine_kv(layout, KvType::F16, false).expect("engine");
             let stream = open(&engine, "s", true);
-            for v in 0..2 {
-                stream.register(frame(&enc, v), &never).unwrap();
-            }
-            let version = stream.wait_version(2, &never).expect("version");
+            let version = with_frames(&stream, &enc, 2);
             // One answer at a time on one stream: the pool holds the history's cells, then the
             // answer's, in position order, as a sequence of its own would.
             answer(&version, &question("What is in the picture?", 16), &never, |_| {}).expect("answer").text

@@ -53,10 +53,7 @@ fn kv_pages_are_resident_only_where_cells_were_written() {
 
         let stream = open(&engine, "s", true);
         let never = Arc::new(AtomicBool::new(false));
-        for v in 0..2 {
-            stream.register(frame(&enc, v), &never).unwrap();
-        }
-        let version = stream.wait_version(2, &never).expect("version");
+        let version = with_frames(&stream, &enc, 2);
         let q = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture.", 8) };
         let before_answer = rss_mib();
         assert_eq!(answer(&version, &q, &never, |_| {}).expect("answer").tokens, 8);

@@ -58,8 +58,8 @@ pub const DEFAULT_INGEST_SHARE: f64 = 0.25;
 
 /// Most of `threads` a `gpu` engine with every layer on the GPU takes unless its entry names a
 /// count: its CPU threads only gather token embeddings (llama.cpp keeps the input layer on the
-/// CPU), and a thread per core meets at OpenMP barriers that spin on the cores the encoders'
-/// picture preparation and the other engines need. Measured on an H200 (16 cores), 32 live
+/// CPU), so more of them only compete for the cores that the encoders' picture preparation and
+/// the other engines need. Measured on an H200 (16 cores), 32 live
 /// SmolVLM-500M cameras on two GPU engines, 4 threads against 16 in alternating runs: p95 TTFT
 /// 905 and 1385 ms against 1627 and 2088, frames skipped 34 and 152 against 126 and 216; at 16
 /// staggered streams (capacity, from capture) level (p95 474 and 447 ms against 550 and 434).

@@ -17,7 +17,7 @@ use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
 use vlm_runtime::snapshot::PrefixCache;
 use vlm_runtime::{
-    Device, Engine, EngineConfig, Frame, HistoryPolicy, Question, Sampling, Stream, StreamConfig, models,
+    Device, Engine, EngineConfig, Frame, HistoryPolicy, Question, Sampling, Stream, StreamConfig, Version, models,
 };
 
 /// The repository's models/: found from the package directory cargo names when it runs the
@@ -75,6 +75,16 @@ pub fn picture(variant: u32) -> Vec<u8> {
 pub fn frame(encoder: &MtmdEncoder, variant: u32) -> Arc<Frame> {
     let rgb = picture(variant);
     Arc::new(encoder.encode(&Picture::packed(&rgb, 64, 48, 64 * 3, PixelLayout::Rgb)).expect("encode"))
+}
+
+/// Register `n` frames (picture variants 0, 1, ...) on `stream` and wait for the version that
+/// holds them.
+pub fn with_frames(stream: &Arc<Stream>, encoder: &MtmdEncoder, n: u32) -> Version {
+    let never = std::sync::atomic::AtomicBool::new(false);
+    for v in 0..n {
+        stream.register(frame(encoder, v), &never).unwrap();
+    }
+    stream.wait_version(n as u64, &never).expect("version")
 }
 
 pub fn open(engine: &Arc<Engine>, name: &str, retain: bool) -> Arc<Stream> {
