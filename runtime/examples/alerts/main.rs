@@ -211,6 +211,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let contexts = vlm_runtime::encoder::encoder_contexts(args.encoder_contexts, args.gpu);
     let encoder =
         Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, args.gpu, threads, contexts)?));
+    // The engines' threads as vlmcontext gives them: at most GPU_ENGINE_THREADS on a GPU.
+    let engine_threads = if args.gpu { threads.min(vlm_runtime::engine::GPU_ENGINE_THREADS) } else { threads };
     let per_sequence = args.per_sequence || args.gpu;
     let flash_attention = args.gpu || !args.per_sequence;
     let server_binary = match args.peer {
@@ -249,7 +251,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         // (A run's streams are opened anew for each alert count.)
                         max_streams: (n_streams.div_ceil(n_engines) * args.alerts.len()) as u32,
                         max_branches: 8,
-                        threads,
+                        threads: engine_threads,
                         device: device.clone(),
                         kv_layout: if per_sequence { KvLayout::PerSequence } else { KvLayout::Unified },
                         flash_attention,
@@ -416,7 +418,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "peer": server_binary.map(|p| p.display().to_string()),
         "kv_layout": if per_sequence { "per-sequence" } else { "unified" }, "flash_attention": flash_attention,
         "device": if args.gpu { "gpu" } else { "cpu" }, "engines": args.engines, "encoder_contexts": contexts,
-        "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "ingest_share": args.ingest_share,
+        "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "engine_threads": engine_threads, "ingest_share": args.ingest_share,
         "rows": rows, "engine_time": engine_time,
     });
     println!("{json}");
