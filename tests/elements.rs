@@ -115,6 +115,17 @@ fn runtime_stream(name: &str) -> Arc<Stream> {
     Stream::open(&engine, prompt, StreamConfig::new(name)).unwrap()
 }
 
+/// A playing `vlmquery` answering up to `max_tokens` a question, fed RGB video of `stream`
+/// (named `name`).
+fn playing_vlmquery(stream: &Stream, name: &str, max_tokens: u32) -> Harness {
+    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
+    h.element().unwrap().set_property("max-tokens", max_tokens);
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    assert!(h.push_event(StreamEvent::event(stream.id(), name)));
+    h
+}
+
 fn encoder() -> MtmdEncoder {
     let m = models::model(std::path::Path::new(&model()), &Device::Cpu).unwrap();
     MtmdEncoder::new(models::projector(std::path::Path::new(&mmproj()), &m, false, 2, 1).unwrap())
@@ -174,11 +185,7 @@ fn vlmquery_answers_a_question_event_from_the_frames_before_it() {
     let stream = runtime_stream("test");
     let enc = encoder();
 
-    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
-    h.element().unwrap().set_property("max-tokens", 8u32);
-    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
-    h.play();
-    assert!(h.push_event(StreamEvent::event(stream.id(), "test")));
+    let mut h = playing_vlmquery(&stream, "test", 8);
     let never = AtomicBool::new(false);
     for i in 0..3u32 {
         let f = frame(&enc, i);
@@ -408,11 +415,7 @@ fn a_timed_question_waiting_for_its_frame_puts_its_stream_first() {
     let stream = runtime_stream("timed");
     let never = AtomicBool::new(false);
     let enc = encoder();
-    let mut h = Harness::with_padnames("vlmquery", Some("sink"), Some("src"));
-    h.element().unwrap().set_property("max-tokens", 4u32);
-    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
-    h.play();
-    assert!(h.push_event(StreamEvent::event(stream.id(), "timed")));
+    let mut h = playing_vlmquery(&stream, "timed", 4);
     let video = |variant: u32, seconds: u64| {
         let f = frame(&enc, variant);
         let number = stream.register(f.clone(), &never).unwrap().number;

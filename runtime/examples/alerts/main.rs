@@ -211,8 +211,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let contexts = vlm_runtime::encoder::encoder_contexts(args.encoder_contexts, args.gpu);
     let encoder =
         Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, args.gpu, threads, contexts)?));
-    // The engines' threads as vlmcontext gives them: at most GPU_ENGINE_THREADS on a GPU.
-    let engine_threads = if args.gpu { threads.min(vlm_runtime::engine::GPU_ENGINE_THREADS) } else { threads };
+    // The engines' threads as vlmcontext gives them.
+    let engine_threads = vlm_runtime::engine::default_threads(&device, threads);
     let per_sequence = args.per_sequence || args.gpu;
     let flash_attention = args.gpu || !args.per_sequence;
     let server_binary = match args.peer {

@@ -65,6 +65,15 @@ pub const DEFAULT_INGEST_SHARE: f64 = 0.25;
 /// staggered streams (capacity, from capture) level (p95 474 and 447 ms against 550 and 434).
 pub const GPU_ENGINE_THREADS: i32 = 4;
 
+/// The threads an engine on `device` takes of `threads` when it is given no count of its own:
+/// at most [`GPU_ENGINE_THREADS`] on a GPU holding every layer, all of them elsewhere.
+pub fn default_threads(device: &Device, threads: i32) -> i32 {
+    match device {
+        Device::Gpu(Gpu { layers: None, .. }) => threads.min(GPU_ENGINE_THREADS),
+        _ => threads,
+    }
+}
+
 /// Most inputs one `llama_decode` of an engine on `device` takes (its `n_batch` and
 /// `n_ubatch`): 2048 on a GPU, where a SmolVLM-500M frame (862 rows) then goes in one decode
 /// instead of two: measured with `examples/ingest_rate.rs` on an H100 (the frame after a
@@ -147,7 +156,8 @@ impl EngineConfig {
     /// Engines from a list such as `cpu`, `cpu,gpu`, `big:cpu:4:4-7,little:cpu:4:0-3` or
     /// `cpu,far:rpc:10.0.0.2:50052`: each entry is `NAME[:DEVICE[:THREADS[:CORES]]]`, DEVICE `cpu`
     /// or `gpu` (default: `gpu` for a name starting with "gpu", else `cpu`), THREADS defaulting to
-    /// `base.threads` (at most [`GPU_ENGINE_THREADS`] for a `gpu` engine with every layer on it), CORES a list of cores and ranges joined by `+` (`0-3`, `4+6`), or
+    /// `base.threads` ([`default_threads`]), CORES a list of cores and ranges joined by `+`
+    /// (`0-3`, `4+6`), or
     /// `NAME:rpc:HOST:PORT[+HOST:PORT...]` (llama.cpp `rpc-server`s). Other fields come from
     /// `base` (a `gpu` engine's GPU and layers from `base.gpu`). The parsing itself is [`crate::engine_spec::parse_list`].
     pub fn parse_list(spec: &str, base: &EngineConfig) -> Result<Vec<EngineConfig>> {
@@ -160,10 +170,7 @@ impl EngineConfig {
                     SpecDevice::Gpu => Device::Gpu(base.gpu.clone()),
                     SpecDevice::Rpc(endpoints) => Device::Rpc(endpoints),
                 };
-                let threads = e.threads.unwrap_or(match &device {
-                    Device::Gpu(Gpu { layers: None, .. }) => base.threads.min(GPU_ENGINE_THREADS),
-                    _ => base.threads,
-                });
+                let threads = e.threads.unwrap_or_else(|| default_threads(&device, base.threads));
                 EngineConfig { name: e.name, device, threads, cores: e.cores, ..base.clone() }
             })
             .collect())
