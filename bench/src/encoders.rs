@@ -74,6 +74,9 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
     let w = crate::build_workload(&a.common, 1, 1, 1.0, vec![1], 1)?;
     let model = models::model(&w.model, &Device::Cpu)?;
     let projector = models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32, a.contexts[0])?;
+    if let Some(threads) = w.prepare_threads {
+        projector.set_prepare_threads(threads);
+    }
     let encoder = MtmdEncoder::new(Arc::clone(&projector));
     let encode_rgb =
         |rgb: &[u8]| encoder.encode(&Picture::packed(rgb, w.width, w.height, w.width as usize * 3, PixelLayout::Rgb));

@@ -154,6 +154,10 @@ pub struct CommonArgs {
     /// The runtime's encoder contexts (vlmencode's encoder-contexts; 0: 4 on a GPU, 1 on the CPU).
     #[arg(long, default_value_t = 0)]
     encoder_contexts: usize,
+    /// Threads resizing each picture of a tiled (SmolVLM) projector before libmtmd cuts it (0:
+    /// libmtmd resizes it on the encode's thread, as before the resize moved; default: up to 4).
+    #[arg(long)]
+    prepare_threads: Option<usize>,
     /// The engines' KV layout: per-sequence or unified (vlmcontext's kv-layout).
     #[arg(long, default_value = "per-sequence")]
     kv_layout: String,
@@ -251,6 +255,7 @@ fn build_workload(
         encoder_gpu,
         encoder_threads,
         encoder_contexts: vlm_runtime::encoder::encoder_contexts(c.encoder_contexts, encoder_gpu),
+        prepare_threads: c.prepare_threads,
         streams,
         frames,
         fps,

@@ -582,6 +582,7 @@ mod tests {
             merge_frames: "auto".into(),
             encoder_threads: 1,
             encoder_contexts: 1,
+            prepare_threads: None,
         }
     }
 

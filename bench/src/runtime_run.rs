@@ -110,13 +110,11 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     // model is the first engine's copy (vlmencode takes any loaded copy), so a GPU engine's
     // weights are not loaded a second time on the CPU.
     let model = models::model(&w.model, &configs[0].device)?;
-    let encoder = MtmdEncoder::new(models::projector(
-        &w.mmproj,
-        &model,
-        w.encoder_gpu,
-        w.encoder_threads as i32,
-        w.encoder_contexts,
-    )?);
+    let projector = models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32, w.encoder_contexts)?;
+    if let Some(threads) = w.prepare_threads {
+        projector.set_prepare_threads(threads);
+    }
+    let encoder = MtmdEncoder::new(projector);
     // (A stream's demand puts its frames first while a question waits on it, as vlmencode's do.)
     let encode = |rgb: &[u8], demand: Option<&Demand>| {
         encoder.encode_for(

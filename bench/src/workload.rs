@@ -61,6 +61,10 @@ pub struct Workload {
     /// The runtime's encoder contexts (resolved: never 0).
     #[serde(default = "one")]
     pub encoder_contexts: usize,
+    /// Threads resizing each picture of a tiled projector before libmtmd (`None`: the
+    /// projector's default; 0: libmtmd resizes it).
+    #[serde(default)]
+    pub prepare_threads: Option<usize>,
 }
 
 fn auto() -> String {

@@ -161,3 +161,33 @@ fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_fram
         .unwrap();
     assert_eq!((count.encoded, count.reused, count.contexts), (0, 5, 0));
 }
+
+#[test]
+fn a_picture_resized_before_libmtmd_gives_libmtmds_own_tiles_bit_for_bit() {
+    let dir = common::models_dir();
+    let (lm, mmproj) = (dir.join("test-idefics3-lm.gguf"), dir.join("test-idefics3-mmproj.gguf"));
+    let model = models::model(&lm, &Device::Cpu).expect("model");
+    let projector = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, model, false, 1, 1).unwrap());
+    assert!(projector.resizes_pictures(), "the idefics3 pair's pictures are resized before libmtmd");
+    let rows = |rgb: &[u8], w: u32, h: u32| -> Vec<Vec<f32>> {
+        let (segments, _) = projector.encode_tiles(rgb, w, h, &mut |_, _| None, Turn::default()).unwrap();
+        segments
+            .iter()
+            .filter_map(|s| match s {
+                Segment::Image(i) => Some(i.data.to_vec()),
+                Segment::Text(_) => None,
+            })
+            .collect()
+    };
+    // Up (both edges, then to whole tiles), portrait, down, odd sizes, and already whole tiles.
+    for (w, h) in [(64, 48), (48, 90), (300, 200), (37, 23), (128, 128), (131, 64)] {
+        let rgb: Vec<u8> = (0..w * h * 3).map(|i| ((i * 7919) ^ (i / 3 * 31)) as u8).collect();
+        projector.set_prepare_threads(0);
+        let libmtmd = rows(&rgb, w, h);
+        for threads in [1, 3] {
+            projector.set_prepare_threads(threads);
+            // (Not assert_eq: a failure would print every row of the frame.)
+            assert!(rows(&rgb, w, h) == libmtmd, "{w}x{h} on {threads} thread(s): other rows than libmtmd's own");
+        }
+    }
+}

@@ -70,6 +70,10 @@ struct Args {
     /// The engines' `ingest_share` (the engine's default otherwise).
     #[arg(long, default_value_t = vlm_runtime::engine::DEFAULT_INGEST_SHARE)]
     ingest_share: f64,
+    /// Threads resizing each picture of a tiled (SmolVLM) projector before libmtmd (0: libmtmd
+    /// resizes it on the encode's thread; default: up to 4).
+    #[arg(long)]
+    prepare_threads: Option<usize>,
     #[command(flatten)]
     files: common::ModelArgs,
 }
@@ -209,8 +213,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let device = if args.gpu { Device::Gpu(Gpu { index: 0, layers: None }) } else { Device::Cpu };
     let model = models::model(&args.files.model, &device)?;
     let contexts = vlm_runtime::encoder::encoder_contexts(args.encoder_contexts, args.gpu);
-    let encoder =
-        Arc::new(MtmdEncoder::new(models::projector(&args.files.mmproj, &model, args.gpu, threads, contexts)?));
+    let projector = models::projector(&args.files.mmproj, &model, args.gpu, threads, contexts)?;
+    if let Some(n) = args.prepare_threads {
+        projector.set_prepare_threads(n);
+    }
+    let resized_before_libmtmd = projector.resizes_pictures();
+    let encoder = Arc::new(MtmdEncoder::new(projector));
     // The engines' threads as vlmcontext gives them.
     let engine_threads = vlm_runtime::engine::default_threads(&device, threads);
     let per_sequence = args.per_sequence || args.gpu;
@@ -419,6 +427,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "kv_layout": if per_sequence { "per-sequence" } else { "unified" }, "flash_attention": flash_attention,
         "device": if args.gpu { "gpu" } else { "cpu" }, "engines": args.engines, "encoder_contexts": contexts,
         "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "engine_threads": engine_threads, "ingest_share": args.ingest_share,
+        "pictures_resized_before_libmtmd": resized_before_libmtmd,
         "rows": rows, "engine_time": engine_time,
     });
     println!("{json}");

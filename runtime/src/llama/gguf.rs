@@ -38,6 +38,26 @@ pub fn projector_type(path: &Path) -> Result<String> {
         .ok_or_else(|| bad("projector file has no clip.projector_type"))
 }
 
+fn u32_value(gguf: &GgufContext, key: &str) -> Option<u32> {
+    let idx = gguf.find_key(key);
+    (idx >= 0 && gguf.kv_type(idx) == sys::GGUF_TYPE_UINT32).then(|| gguf.val_u32(idx))
+}
+
+/// A tiled (`idefics3`: SmolVLM) projector's tile size and the longest edge its preprocessor
+/// resizes a picture to (`clip.vision.image_size`, `clip.vision.preproc_image_size`); `None`
+/// for other projector types or a file without a longest edge.
+pub fn tile_geometry(path: &Path) -> Option<(u32, u32)> {
+    let gguf = GgufContext::from_file(path)?;
+    let projector_type =
+        string_value(&gguf, "clip.projector_type").or_else(|| string_value(&gguf, "clip.vision.projector_type"))?;
+    if projector_type != "idefics3" {
+        return None;
+    }
+    let tile = u32_value(&gguf, "clip.vision.image_size")?;
+    let longest_edge = u32_value(&gguf, "clip.vision.preproc_image_size")?;
+    (tile > 0 && longest_edge > 0).then_some((tile, longest_edge))
+}
+
 /// libmtmd's rule for whether the images of a projector type attend to each other (decoded
 /// whole, non-causally): `mtmd_decode_use_non_causal` in tools/mtmd/mtmd.cpp of the pinned
 /// llama.cpp. `n_embd` is the projector's output width (the language model's input width):

@@ -38,6 +38,7 @@ mod mtmd;
 #[cfg(feature = "reference")]
 #[doc(hidden)]
 pub mod reference;
+mod resample;
 pub(crate) mod rpc;
 mod token_rows;
 

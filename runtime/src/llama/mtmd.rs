@@ -227,7 +227,15 @@ pub struct Projector {
     model: Arc<Model>,
     marker: CString,
     use_gpu: bool,
+    /// A tiled projector's tile size and longest edge, where its pictures are resized here
+    /// ([`resample`](super::resample)) before libmtmd cuts them.
+    tiled: Option<(u32, u32)>,
+    /// Threads that resize a picture (0: libmtmd resizes it on the encode's thread).
+    prepare_threads: std::sync::atomic::AtomicUsize,
 }
+
+/// The most threads one picture's resize is split over.
+pub const PREPARE_THREADS: usize = 4;
 
 /// Projected embeddings of one image, as the language model consumes them.
 pub struct ImageEmbeddings {
@@ -416,6 +424,10 @@ impl Projector {
             model,
             marker,
             use_gpu,
+            // Handed its tiled size, libmtmd copies a picture instead of resizing it only where
+            // the longest edge is whole tiles (otherwise it resizes it back to that edge).
+            tiled: super::gguf::tile_geometry(path).filter(|(tile, edge)| edge % tile == 0),
+            prepare_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(PREPARE_THREADS)).into(),
         };
         projector.ensure_contexts(contexts, threads)?;
         Ok(projector)
@@ -432,6 +444,36 @@ impl Projector {
             self.contexts.give(MtmdPtr(ctx));
         }
         Ok(())
+    }
+
+    /// Split each picture's resize over `threads` threads (0: leave it to libmtmd, on the
+    /// encode's thread, as before; for comparisons).
+    pub fn set_prepare_threads(&self, threads: usize) {
+        self.prepare_threads.store(threads, Ordering::Relaxed);
+    }
+
+    /// Whether pictures are resized here before libmtmd sees them (a tiled projector, threads
+    /// set).
+    pub fn resizes_pictures(&self) -> bool {
+        self.tiled.is_some() && self.prepare_threads.load(Ordering::Relaxed) > 0
+    }
+
+    /// The picture as libmtmd's tiled preprocessor resizes it, resized here on several threads
+    /// (bit for bit the same), or `None` where libmtmd resizes it itself.
+    fn presized(&self, rgb: &[u8], width: u32, height: u32) -> Option<(Vec<u8>, u32, u32)> {
+        let (tile, edge) = self.tiled?;
+        let threads = self.prepare_threads.load(Ordering::Relaxed);
+        let ((rw, rh), (tw, th)) = super::resample::tiled_sizes(width, height, tile, edge);
+        if threads == 0 || (tw, th) == (width, height) {
+            return None;
+        }
+        let (w, h) = (width as usize, height as usize);
+        let mut picture = super::resample::resize_lanczos(rgb, w, h, rw as usize, rh as usize, threads);
+        if (rw, rh) != (tw, th) {
+            picture =
+                super::resample::resize_lanczos(&picture, rw as usize, rh as usize, tw as usize, th as usize, threads);
+        }
+        Some((picture, tw, th))
     }
 
     /// How many encoder contexts are loaded.
@@ -490,6 +532,9 @@ impl Projector {
         let n_embd = self.model.n_embd();
         let mut segments = Vec::new();
         let mut count = TileCount::default();
+        let started = std::time::Instant::now();
+        let presized = self.presized(rgb, width, height);
+        let (rgb, width, height) = presized.as_ref().map_or((rgb, width, height), |(p, w, h)| (&p[..], *w, *h));
         // SAFETY: the bitmap copies `rgb` (w*h*3 bytes, checked above); the input text points at
         // the marker, alive for the call; chunks are freed before return, after the scoped
         // threads that encode them; each output embedding buffer holds n_tokens*n_embd floats
@@ -507,7 +552,6 @@ impl Projector {
                 parse_special: true,
             };
             let bitmaps = [bitmap as *const sys::mtmd_bitmap];
-            let started = std::time::Instant::now();
             // Tokenizing (resizing, tiling and normalising the picture on the CPU) reads only what
             // loading fixed, as llama-server's request threads do beside its encodes: no context
             // is leased for it, so frames are prepared side by side while others encode.
