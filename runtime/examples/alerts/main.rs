@@ -251,10 +251,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for &n_streams in &args.streams {
         let n_engines = args.engines as usize;
         let engines = (0..n_engines)
-            .map(|_| {
+            .map(|i| {
                 Engine::start(
                     &args.files.model,
                     EngineConfig {
+                        name: format!("{}{i}", if args.gpu { "g" } else { "c" }),
                         context_per_sequence: cells,
                         // (A run's streams are opened anew for each alert count.)
                         max_streams: (n_streams.div_ceil(n_engines) * args.alerts.len()) as u32,
