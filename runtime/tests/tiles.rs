@@ -40,15 +40,18 @@ fn with_square(x: u32, y: u32, side: u32) -> Vec<u8> {
     rgb
 }
 
-fn images(frame: &Frame) -> Vec<&[f32]> {
-    frame
-        .segments
+fn image_rows(segments: &[Segment]) -> Vec<&[f32]> {
+    segments
         .iter()
         .filter_map(|s| match s {
             Segment::Image(i) => Some(&*i.data),
             Segment::Text(_) => None,
         })
         .collect()
+}
+
+fn images(frame: &Frame) -> Vec<&[f32]> {
+    image_rows(&frame.segments)
 }
 
 #[test]
@@ -120,15 +123,8 @@ fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_fram
     let one = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, 1, 1).unwrap());
     let three = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, 3, 3).unwrap());
     assert_eq!((one.contexts(), three.contexts()), (1, 3));
-    let rows = |segments: &[Segment]| -> Vec<Vec<f32>> {
-        segments
-            .iter()
-            .filter_map(|s| match s {
-                Segment::Image(i) => Some(i.data.to_vec()),
-                Segment::Text(_) => None,
-            })
-            .collect()
-    };
+    let rows =
+        |segments: &[Segment]| -> Vec<Vec<f32>> { image_rows(segments).into_iter().map(<[f32]>::to_vec).collect() };
     let pictures: Vec<Vec<u8>> = (0..4).map(|i| with_square(4 + 8 * i, 4 + 4 * i, 12)).collect();
     let reference: Vec<_> = pictures
         .iter()
@@ -171,13 +167,7 @@ fn a_picture_resized_before_libmtmd_gives_libmtmds_own_tiles_bit_for_bit() {
     assert!(projector.resizes_pictures(), "the idefics3 pair's pictures are resized before libmtmd");
     let rows = |rgb: &[u8], w: u32, h: u32| -> Vec<Vec<f32>> {
         let (segments, _) = projector.encode_tiles(rgb, w, h, &mut |_, _| None, Turn::default()).unwrap();
-        segments
-            .iter()
-            .filter_map(|s| match s {
-                Segment::Image(i) => Some(i.data.to_vec()),
-                Segment::Text(_) => None,
-            })
-            .collect()
+        image_rows(&segments).into_iter().map(<[f32]>::to_vec).collect()
     };
     // Up (both edges, then to whole tiles), portrait, down, odd sizes, and already whole tiles.
     for (w, h) in [(64, 48), (48, 90), (300, 200), (37, 23), (128, 128), (131, 64)] {

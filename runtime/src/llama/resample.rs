@@ -3,9 +3,11 @@
 //!
 //! libmtmd prepares a SmolVLM frame on the calling thread: it resizes the picture so that its
 //! longest edge is the projector's `clip.vision.preproc_image_size` (2048 px for SmolVLM), then
-//! stretches it to whole tiles, and only then cuts the tiles and the overview. For a camera's
-//! 640x480 frame the two resizes are most of a frame's preparation, on one core, on the
-//! capture clock of every frame. Here the same two resizes run first, bit for bit as libmtmd's
+//! stretches it to whole tiles, and only then cuts the tiles, resizes the overview from them and
+//! normalises all of them, on one core, on the capture clock of every frame. The two first
+//! resizes are a third of a 1080p frame's preparation and a tenth of a 320x240 one's (measured:
+//! docs/benchmarks.md, "The picture resized before libmtmd"); the rest stays libmtmd's, since
+//! nothing in its interface takes a prepared tile. Here the same two resizes run first, bit for bit as libmtmd's
 //! `resize_pillow` computes them (Pillow's fixed-point convolution with its Lanczos filter:
 //! the same weights from the same double arithmetic, the same 22-bit rounding), the rows of
 //! each pass split over threads. libmtmd is then handed the picture at its tiled size, where
@@ -88,8 +90,8 @@ const ROUNDING: i32 = 1 << (PRECISION_BITS - 1);
 
 /// Each pass is compiled twice on x86-64: for the baseline target (SSE2, which has no 32-bit
 /// vector multiply) and with AVX2, taken where the CPU has it, so the multiply-adds vectorize
-/// eight lanes wide (measured on this project's 2-core machine: the 320x240 to 2048x1536 resize
-/// 40 ms on the baseline, 26 ms with AVX2, on one thread). The arithmetic is the same integer
+/// eight lanes wide (measured on this project's 2-core machine beside a build: the 320x240 to
+/// 2048x1536 resize took 40 ms on the baseline and 26 ms with AVX2, on one thread). The arithmetic is the same integer
 /// arithmetic either way.
 macro_rules! multiversion {
     ($($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $body:block)*) => {$(
