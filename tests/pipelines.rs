@@ -8,8 +8,19 @@ use common::*;
 use gst::prelude::*;
 use gst_vlm_elements::events::QuestionEvent;
 
-const FIELDS: [&str; 10] =
-    ["id", "question", "text", "stream", "engine", "path", "ttft-ms", "wait-ms", "tokens", "total-ms"];
+const FIELDS: [&str; 11] = [
+    "id",
+    "question",
+    "text",
+    "stream",
+    "engine",
+    "path",
+    "ttft-ms",
+    "ttft-from-capture-ms",
+    "wait-ms",
+    "tokens",
+    "total-ms",
+];
 
 fn check_answer(a: &gst::Structure) {
     for f in FIELDS.iter().chain(&["frames"]) {
@@ -18,6 +29,8 @@ fn check_answer(a: &gst::Structure) {
     let (wait, ttft, total) =
         (a.get::<f64>("wait-ms").unwrap(), a.get::<f64>("ttft-ms").unwrap(), a.get::<f64>("total-ms").unwrap());
     assert!(0.0 <= wait && wait <= ttft && ttft <= total, "inconsistent timings: {a}");
+    let from_capture = a.get::<f64>("ttft-from-capture-ms").unwrap();
+    assert!(from_capture == -1.0 || from_capture >= 0.0, "{a}");
     // The model may end an answer at once (0 tokens); then its text is empty.
     assert_eq!(a.get::<u32>("tokens").unwrap() == 0, a.get::<String>("text").unwrap().is_empty(), "{a}");
     // ... and says so.
@@ -720,5 +733,31 @@ fn the_default_kv_layout_resolves_at_load_and_says_so() {
             "{extra}"
         );
         pipeline.set_state(gst::State::Null).unwrap();
+    }
+}
+
+/// `ttft-from-capture-ms` on a live camera: each answer's first token comes after its frame's
+/// capture (the frame's running time, which a live source stamps) and before the run's end on
+/// the same clock; a source that is not live gives -1 or a time, never a negative one.
+#[test]
+fn an_answer_on_a_live_camera_counts_its_ttft_from_the_frames_capture() {
+    let pipeline = launch(
+        "videotestsrc is-live=true pattern=ball num-buffers=80 ! video/x-raw,width=160,height=120,framerate=10/1 \
+         ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=500000000 min-change=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=4 ! fakesink \
+         filesrc location=pipelines/questions.srt ! subparse ! q.query",
+    );
+    let run = run_to_eos(&pipeline, 120);
+    let end = pipeline.current_running_time().expect("a live pipeline has a clock");
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let answered: Vec<_> =
+        run.answers.iter().filter(|a| a.get::<String>("status").as_deref() == Ok("answered")).collect();
+    assert!(answered.len() >= 2, "the questions at 2.5 s and 5.5 s at least: {:?}", run.answers);
+    for a in answered {
+        let from_capture = a.get::<f64>("ttft-from-capture-ms").unwrap();
+        let pts = a.get::<Option<gst::ClockTime>>("pts").unwrap().expect("a timed frame");
+        let bound_ms = (end - pts).nseconds() as f64 / 1e6;
+        assert!(from_capture > 0.0 && from_capture <= bound_ms, "{from_capture} ms, at most {bound_ms}: {a}");
     }
 }

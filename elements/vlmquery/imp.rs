@@ -150,6 +150,8 @@ struct Pending {
     /// running time from its frame's capture, which with `vlmencode min-change` includes the
     /// unchanged frames it stood for.
     picture_age_ms: Option<f64>,
+    /// The question's arrival (where `ttft-ms` starts) in running time on the pipeline clock.
+    arrival_rt: Option<gst::ClockTime>,
 }
 
 /// What the video sink pad has seen.

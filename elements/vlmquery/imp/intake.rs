@@ -125,9 +125,12 @@ impl VlmQuery {
             .time_of(job.frames)
             .zip(job.at)
             .map(|(frame, at)| at.saturating_sub(frame).nseconds() as f64 / 1e6);
+        let since_arrival = gst::ClockTime::from_nseconds(job.question.arrival.elapsed().as_nanos() as u64);
+        let arrival_rt = self.obj().current_running_time().map(|now| now.saturating_sub(since_arrival));
         let pending = Arc::new(Pending {
             lag: stream.as_ref().map(|s| s.lag()).unwrap_or_default(),
             picture_age_ms,
+            arrival_rt,
             job: Job { stream, ..job },
             cancel: Arc::new(AtomicBool::new(false)),
             outcome: Mutex::new(None),

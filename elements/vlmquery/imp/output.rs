@@ -443,6 +443,19 @@ impl VlmQuery {
         let _ = self.obj().post_message(gst::message::Element::builder(message.clone()).src(&*self.obj()).build());
     }
 
+    /// Milliseconds from the capture of the question's frame to the answer's first token, both
+    /// in running time on the pipeline clock (a live source stamps a frame's capture as its
+    /// running time); -1 without a clock, or where the frame's running time is ahead of the
+    /// clock (a source that is not live, read faster than real time).
+    fn ttft_from_capture_ms(&self, p: &Pending, ttft_ms: f64) -> f64 {
+        let ms = |t: gst::ClockTime| t.nseconds() as f64 / 1e6;
+        let frame = self.shared.lock().video.time_of(p.job.frames);
+        match (frame, p.arrival_rt) {
+            (Some(frame), Some(arrival)) if ms(arrival) + ttft_ms >= ms(frame) => ms(arrival) + ttft_ms - ms(frame),
+            _ => -1.0,
+        }
+    }
+
     /// The question's `vlm-answer` (a failed one's warning is posted here).
     fn answer_message(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
         let q = &p.job.question;
@@ -479,6 +492,7 @@ impl VlmQuery {
                     .field("engine", &r.engine)
                     .field("path", r.path.name())
                     .field("ttft-ms", r.ttft_ms)
+                    .field("ttft-from-capture-ms", self.ttft_from_capture_ms(p, r.ttft_ms))
                     .field("wait-ms", r.wait_ms)
                     .field("queue-ms", r.queue_ms)
                     .field("prepare-ms", r.prepare_ms)
