@@ -2,7 +2,7 @@
 # then capacity at 16 streams and alerts 16 x 4, the picture resized before libmtmd (4 threads)
 # and by libmtmd (0), alternating (ROUNDS, default 1: a machine sends back at most 8 files).
 # JSON and logs under $OUT.
-. .device/setup.sh || exit 1
+. "$(dirname "${BASH_SOURCE[0]}")/setup.sh" || exit 1
 prepare --model models/timing/smolvlm-500m-lm.gguf --mmproj models/timing/smolvlm-500m-mmproj.gguf \
     --threads 0,1,2,4 --frames 10 --sizes 320x240,640x480,1920x1080,2048x1536 > "$OUT/prepare.log" 2>&1
 grep -E "^\|" "$OUT/prepare.log"

@@ -1,8 +1,8 @@
-# Sourced on the GPU machine from the repository root, the folder of pack.sh carried as .device:
+# Sourced on the GPU machine from the repository root, from the folder pack.sh filled (carried):
 # llama.cpp's CUDA libraries and llama-server (scripts/cuda-libs.sh), gguf-py, the binaries, and
 # the timing pairs named in PAIRS (default smolvlm-500m). Sets t0, LD_LIBRARY_PATH,
 # VLM_LLAMA_SERVER and PATH (/tmp/bin).
-D=$PWD/.device
+D=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export NCCL_NVLS_ENABLE=0
 t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$D"/whl/*.whl \
