@@ -28,14 +28,17 @@ fn string_value(gguf: &GgufContext, key: &str) -> Option<String> {
     (idx >= 0 && gguf.kv_type(idx) == sys::GGUF_TYPE_STRING).then(|| gguf.val_str(idx).map(str::to_owned)).flatten()
 }
 
-/// The vision projector type of a projector file (`clip.projector_type`, else
+/// The vision projector type in a projector file's metadata (`clip.projector_type`, else
 /// `clip.vision.projector_type`), as libmtmd reads it.
+fn projector_type_in(gguf: &GgufContext) -> Option<String> {
+    string_value(gguf, "clip.projector_type").or_else(|| string_value(gguf, "clip.vision.projector_type"))
+}
+
+/// The vision projector type of a projector file ([`projector_type_in`]).
 pub fn projector_type(path: &Path) -> Result<String> {
     let bad = |reason: &str| Error::File { path: path.to_path_buf(), reason: reason.into() };
     let gguf = GgufContext::from_file(path).ok_or_else(|| bad("not a GGUF file"))?;
-    string_value(&gguf, "clip.projector_type")
-        .or_else(|| string_value(&gguf, "clip.vision.projector_type"))
-        .ok_or_else(|| bad("projector file has no clip.projector_type"))
+    projector_type_in(&gguf).ok_or_else(|| bad("projector file has no clip.projector_type"))
 }
 
 fn u32_value(gguf: &GgufContext, key: &str) -> Option<u32> {
@@ -48,9 +51,7 @@ fn u32_value(gguf: &GgufContext, key: &str) -> Option<u32> {
 /// for other projector types or a file without a longest edge.
 pub fn tile_geometry(path: &Path) -> Option<(u32, u32)> {
     let gguf = GgufContext::from_file(path)?;
-    let projector_type =
-        string_value(&gguf, "clip.projector_type").or_else(|| string_value(&gguf, "clip.vision.projector_type"))?;
-    if projector_type != "idefics3" {
+    if projector_type_in(&gguf)? != "idefics3" {
         return None;
     }
     let tile = u32_value(&gguf, "clip.vision.image_size")?;
@@ -91,9 +92,8 @@ pub fn check_projector(path: &Path, model: &Model) -> Result<()> {
     if arch != "clip" {
         return Err(bad(format!("not a projector (mmproj) file: its architecture is {arch:?}, expected \"clip\"")));
     }
-    let projector_type = string_value(&gguf, "clip.projector_type")
-        .or_else(|| string_value(&gguf, "clip.vision.projector_type"))
-        .ok_or_else(|| bad("projector file has no clip.projector_type".into()))?;
+    let projector_type =
+        projector_type_in(&gguf).ok_or_else(|| bad("projector file has no clip.projector_type".into()))?;
     for token in required_tokens(&projector_type) {
         if !model.has_special_token(token) {
             return Err(bad(format!(

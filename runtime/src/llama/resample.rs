@@ -180,17 +180,14 @@ fn split_rows(
 /// `threads` threads.
 pub fn resize_lanczos(src: &[u8], w: usize, h: usize, out_w: usize, out_h: usize, threads: usize) -> Vec<u8> {
     debug_assert_eq!(src.len(), w * h * 3);
-    let wide;
-    let (src, w) = if out_w != w {
+    let wide = (out_w != w).then(|| {
         let kernel = Kernel::new(w, out_w);
-        wide = split_rows(h, out_w * 3, threads, |rows, out| horizontal(src, w, out_w, &kernel, rows, out));
-        (&wide[..], out_w)
-    } else {
-        (src, w)
-    };
+        split_rows(h, out_w * 3, threads, |rows, out| horizontal(src, w, out_w, &kernel, rows, out))
+    });
     if out_h == h {
-        return src.to_vec();
+        return wide.unwrap_or_else(|| src.to_vec());
     }
+    let (src, w) = wide.as_deref().map_or((src, w), |wide| (wide, out_w));
     let kernel = Kernel::new(h, out_h);
     split_rows(out_h, w * 3, threads, |rows, out| vertical(src, w, &kernel, rows, out))
 }
