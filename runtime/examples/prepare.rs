@@ -1,8 +1,8 @@
-//! Benchmark: a tiled (SmolVLM) projector's picture preparation on the CPU, the resize done
-//! before libmtmd on 1 to N threads against libmtmd doing it all on the calling thread (the
-//! peer), by picture size, side by side in one run. Nothing is encoded: every image is handed
-//! rows as a reused tile would be, so the call is the preparation alone (resize, tiling,
-//! normalisation). Clock: the encode call's wall time (`TileCount::prepare_ms`).
+//! Benchmark: a tiled (SmolVLM) projector's picture preparation on the CPU, resized and cut into
+//! tiles here on 1 to N threads against libmtmd preparing it whole on the calling thread (the
+//! peer), by picture size, side by side in one run. Nothing is encoded
+//! (`Projector::prepare_picture`): the call is the preparation alone (resize, tiling,
+//! normalisation). Clock: the call's wall time (`TileCount::prepare_ms`).
 //!
 //!   cargo run --release -p vlm-runtime --example prepare -- --mmproj models/timing/smolvlm-500m-mmproj.gguf \
 //!       --model models/timing/smolvlm-500m-lm.gguf [--threads 0,1,2,4] [--frames 10]
@@ -15,7 +15,7 @@ use clap::Parser;
 
 #[path = "common/mod.rs"]
 mod common;
-use vlm_runtime::llama::{Projector, Turn};
+use vlm_runtime::llama::Projector;
 use vlm_runtime::{Device, models};
 
 #[derive(Parser)]
@@ -36,7 +36,8 @@ struct Args {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let model = models::model(&args.files.model, &Device::Cpu)?;
-    let projector = Arc::new(Projector::load(&args.files.mmproj, Arc::clone(&model), false, 1, 1)?);
+    // Two encoder contexts: the second prepares the tiles of a picture cut here.
+    let projector = Arc::new(Projector::load(&args.files.mmproj, Arc::clone(&model), false, 2, 2)?);
     projector.set_prepare_threads(1);
     if !projector.resizes_pictures() {
         return Err(format!(
@@ -45,13 +46,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    let n_embd = model.n_embd();
-    let prepare = |rgb: &[u8], w: u32, h: u32, threads: usize| -> Result<f64, Box<dyn std::error::Error>> {
+    let prepare = |rgb: &[u8], w: u32, h: u32, threads: usize| -> Result<(f64, usize), Box<dyn std::error::Error>> {
         projector.set_prepare_threads(threads);
-        let mut reuse = |_, rows: usize| Some(vec![0f32; rows * n_embd].into_boxed_slice());
-        let (_, count) = projector.encode_tiles(rgb, w, h, &mut reuse, Turn::default())?;
-        assert_eq!(count.encoded, 0, "nothing is encoded");
-        Ok(count.prepare_ms)
+        let count = projector.prepare_picture(rgb, w, h)?;
+        Ok((count.prepare_ms, count.tiles.len()))
     };
     println!(
         "| picture | images | {} |",
@@ -65,27 +63,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .and_then(|(w, h)| Some((w.parse::<u32>().ok()?, h.parse::<u32>().ok()?)))
             .ok_or("sizes are WxH")?;
         let rgb: Vec<u8> = (0..w * h * 3).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
-        let images = {
-            let mut n = 0;
-            projector.encode_tiles(
-                &rgb,
-                w,
-                h,
-                &mut |_, rows| {
-                    n += 1;
-                    Some(vec![0f32; rows * n_embd].into())
-                },
-                Turn::default(),
-            )?;
-            n
-        };
-        let mut times: Vec<Vec<f64>> = vec![vec![]; args.threads.len()];
+        // One call each first: libmtmd prepares the first picture of a size whole, and the
+        // threads' later ones are cut here.
+        let mut images = 0;
         for &t in &args.threads {
-            prepare(&rgb, w, h, t)?;
+            images = prepare(&rgb, w, h, t)?.1;
         }
+        let mut times: Vec<Vec<f64>> = vec![vec![]; args.threads.len()];
         for _ in 0..args.frames {
             for (i, &t) in args.threads.iter().enumerate() {
-                times[i].push(prepare(&rgb, w, h, t)?);
+                times[i].push(prepare(&rgb, w, h, t)?.0);
             }
         }
         let medians: Vec<f64> = times.iter_mut().map(|v| common::median(v)).collect();
@@ -105,8 +92,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "median_ms": medians, "times_ms": times}));
     }
     let json = serde_json::json!({
-        "benchmark": "prepare", "clock": "the encode call's wall time, nothing encoded (prepare_ms)",
-        "peer": "libmtmd's own resize on the calling thread (threads 0)",
+        "benchmark": "prepare", "clock": "the preparation's wall time, nothing encoded (prepare_ms)",
+        "peer": "libmtmd preparing the whole picture on the calling thread (threads 0)",
         "mmproj": args.files.mmproj, "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
         "rows": rows,
     });

@@ -158,26 +158,50 @@ fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_fram
     assert_eq!((count.encoded, count.reused, count.contexts), (0, 5, 0));
 }
 
+/// A frame's segments as plain data: each text's tokens, each image's rows and positions.
+fn segments_of(segments: &[Segment]) -> Vec<(Vec<i32>, Vec<f32>, i32)> {
+    segments
+        .iter()
+        .map(|s| match s {
+            Segment::Text(tokens) => (tokens.clone(), vec![], 0),
+            Segment::Image(i) => (vec![], i.data.to_vec(), i.n_pos),
+        })
+        .collect()
+}
+
+/// Resized here (before libmtmd) and then cut into tiles here (each tile prepared alone, once
+/// libmtmd has prepared a picture of that size), a picture gives the segments libmtmd's own
+/// preparation gives, bit for bit.
 #[test]
-fn a_picture_resized_before_libmtmd_gives_libmtmds_own_tiles_bit_for_bit() {
+fn a_picture_resized_and_cut_here_gives_libmtmds_own_tiles_bit_for_bit() {
     let dir = common::models_dir();
     let (lm, mmproj) = (dir.join("test-idefics3-lm.gguf"), dir.join("test-idefics3-mmproj.gguf"));
     let model = models::model(&lm, &Device::Cpu).expect("model");
-    let projector = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, model, false, 1, 1).unwrap());
+    // Two encoder contexts: the second prepares the tiles of a picture cut here.
+    let projector = Arc::new(vlm_runtime::llama::Projector::load(&mmproj, model, false, 2, 2).unwrap());
     assert!(projector.resizes_pictures(), "the idefics3 pair's pictures are resized before libmtmd");
-    let rows = |rgb: &[u8], w: u32, h: u32| -> Vec<Vec<f32>> {
-        let (segments, _) = projector.encode_tiles(rgb, w, h, &mut |_, _| None, Turn::default()).unwrap();
-        image_rows(&segments).into_iter().map(<[f32]>::to_vec).collect()
+    let encode = |rgb: &[u8], w: u32, h: u32| {
+        let (segments, count) = projector.encode_tiles(rgb, w, h, &mut |_, _| None, Turn::default()).unwrap();
+        (segments_of(&segments), count.cut)
     };
     // Up (both edges, then to whole tiles), portrait, down, odd sizes, and already whole tiles.
     for (w, h) in [(64, 48), (48, 90), (300, 200), (37, 23), (128, 128), (131, 64)] {
         let rgb: Vec<u8> = (0..w * h * 3).map(|i| ((i * 7919) ^ (i / 3 * 31)) as u8).collect();
         projector.set_prepare_threads(0);
-        let libmtmd = rows(&rgb, w, h);
+        let (libmtmd, cut) = encode(&rgb, w, h);
+        assert!(!cut, "with no prepare threads libmtmd prepares the whole picture");
         for threads in [1, 3] {
             projector.set_prepare_threads(threads);
-            // (Not assert_eq: a failure would print every row of the frame.)
-            assert!(rows(&rgb, w, h) == libmtmd, "{w}x{h} on {threads} thread(s): other rows than libmtmd's own");
+            // The first picture of a size may be prepared whole; the next one is cut.
+            for call in 0..2 {
+                let (segments, cut) = encode(&rgb, w, h);
+                assert!(cut || call == 0, "{w}x{h}, {threads} thread(s): a picture of a size seen before is cut");
+                // (Not assert_eq: a failure would print every row of the frame.)
+                assert!(
+                    segments == libmtmd,
+                    "{w}x{h} on {threads} thread(s), cut {cut}: other segments than libmtmd's own"
+                );
+            }
         }
     }
 }

@@ -46,17 +46,34 @@ fn u32_value(gguf: &GgufContext, key: &str) -> Option<u32> {
     (idx >= 0 && gguf.kv_type(idx) == sys::GGUF_TYPE_UINT32).then(|| gguf.val_u32(idx))
 }
 
-/// A tiled (`idefics3`: SmolVLM) projector's tile size and the longest edge its preprocessor
-/// resizes a picture to (`clip.vision.image_size`, `clip.vision.preproc_image_size`); `None`
-/// for other projector types or a file without a longest edge.
-pub fn tile_geometry(path: &Path) -> Option<(u32, u32)> {
+/// A tiled (`idefics3`: SmolVLM) projector's tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileGeometry {
+    /// A tile's side (`clip.vision.image_size`).
+    pub tile: u32,
+    /// The longest edge the preprocessor resizes a picture to (`clip.vision.preproc_image_size`).
+    pub longest_edge: u32,
+    /// The rows a tile becomes: (tile / (patch × pixel-shuffle factor))², where the file names the
+    /// factor (`clip.vision.patch_size`, `clip.vision.projector.scale_factor`).
+    pub tokens: Option<usize>,
+}
+
+/// A tiled projector's [`TileGeometry`]; `None` for other projector types or a file without a
+/// longest edge.
+pub fn tile_geometry(path: &Path) -> Option<TileGeometry> {
     let gguf = GgufContext::from_file(path)?;
     if projector_type_in(&gguf)? != "idefics3" {
         return None;
     }
     let tile = u32_value(&gguf, "clip.vision.image_size")?;
     let longest_edge = u32_value(&gguf, "clip.vision.preproc_image_size")?;
-    (tile > 0 && longest_edge > 0).then_some((tile, longest_edge))
+    let side = || {
+        let step =
+            u32_value(&gguf, "clip.vision.patch_size")? * u32_value(&gguf, "clip.vision.projector.scale_factor")?;
+        (step > 0 && tile % step == 0).then_some((tile / step) as usize)
+    };
+    let tokens = side().map(|n| n * n);
+    (tile > 0 && longest_edge > 0).then_some(TileGeometry { tile, longest_edge, tokens })
 }
 
 /// libmtmd's rule for whether the images of a projector type attend to each other (decoded

@@ -13,6 +13,7 @@
 //! - `batch`: [`Batch`], a llama.cpp batch of tokens or embedding rows;
 //! - `context`: [`KvType`], [`ContextParams`] and [`Context`] (KV memory, decode, snapshots);
 //! - `mtmd`: libmtmd's [`Projector`] and what it encodes ([`ImageEmbeddings`], [`Segment`]);
+//! - `cut`: a tiled picture cut into its tiles, each prepared by libmtmd on its own;
 //! - `rpc`: llama.cpp's RPC backend (devices on `rpc-server`s) and containing its failures;
 //! - `reference` (feature `reference`): plain libmtmd for the family checks (tests and an
 //!   example), not the runtime; not in the default library.
@@ -28,6 +29,7 @@ use crate::error::{Error, Result};
 
 mod batch;
 mod context;
+mod cut;
 mod gguf;
 mod kv_pages;
 mod model;

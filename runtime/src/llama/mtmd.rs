@@ -2,13 +2,15 @@
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
-use std::ptr::{NonNull, null_mut};
-use std::sync::Arc;
+use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 
 use llama_cpp_sys_2 as sys;
 use parking_lot::{Condvar, Mutex};
 
+use super::cut::{Cutter, Layout, Place, Prepared};
+use super::gguf::TileGeometry;
 use super::model::c_path;
 use super::{Model, Token, check_readable, init_backend};
 use crate::error::{Error, Result};
@@ -199,10 +201,68 @@ type EncodedImage = (usize, Box<[f32]>);
 /// A chunk of a tokenized frame, encoded on another thread: libmtmd only reads a chunk while
 /// encoding it (its preprocessed pixels) and writes the encoding context's own output.
 #[derive(Clone, Copy)]
-struct ChunkPtr(*const sys::mtmd_input_chunk);
+pub(super) struct ChunkPtr(pub(super) *const sys::mtmd_input_chunk);
 // SAFETY: see above; the chunks outlive the scoped threads that encode them.
 unsafe impl Send for ChunkPtr {}
 unsafe impl Sync for ChunkPtr {}
+
+/// A picture prepared for its encode: its layout, the rows of the images reused, the images to
+/// encode (`todo`) and their chunks (`images[i]` for each `i` of `todo`), kept alive by the
+/// owners beside them.
+struct Preparation {
+    layout: Arc<Layout>,
+    rows_of: Vec<Option<Box<[f32]>>>,
+    todo: Vec<usize>,
+    images: Vec<ChunkPtr>,
+    _whole: Option<OwnedChunks>,
+    _cut: Vec<(usize, Prepared)>,
+    count: TileCount,
+}
+
+/// Chunks libmtmd tokenized (freed on drop).
+pub(super) struct OwnedChunks(NonNull<sys::mtmd_input_chunks>);
+
+impl OwnedChunks {
+    pub(super) fn new() -> Result<OwnedChunks> {
+        // SAFETY: a new empty list, owned by the value.
+        NonNull::new(unsafe { sys::mtmd_input_chunks_init() })
+            .map(OwnedChunks)
+            .ok_or_else(|| Error::Engine("mtmd_input_chunks_init failed".into()))
+    }
+
+    pub(super) fn ptr(&self) -> *mut sys::mtmd_input_chunks {
+        self.0.as_ptr()
+    }
+
+    /// Every chunk, text and images, in order (valid while `self` lives).
+    pub(super) fn all(&self) -> Vec<ChunkPtr> {
+        // SAFETY: valid chunks; the indices are in range.
+        unsafe {
+            (0..sys::mtmd_input_chunks_size(self.ptr()))
+                .map(|i| ChunkPtr(sys::mtmd_input_chunks_get(self.ptr(), i)))
+                .collect()
+        }
+    }
+
+    /// The image chunks, in order.
+    pub(super) fn images(&self) -> Vec<ChunkPtr> {
+        // SAFETY: valid chunks.
+        self.all()
+            .into_iter()
+            .filter(|c| unsafe { sys::mtmd_input_chunk_get_type(c.0) } != sys::MTMD_INPUT_CHUNK_TYPE_TEXT)
+            .collect()
+    }
+}
+
+impl Drop for OwnedChunks {
+    fn drop(&mut self) {
+        // SAFETY: owned chunks from mtmd_input_chunks_init, not used after this.
+        unsafe { sys::mtmd_input_chunks_free(self.ptr()) }
+    }
+}
+
+// SAFETY: the chunks are plain data owned by this value; libmtmd keeps no reference to them.
+unsafe impl Send for OwnedChunks {}
 
 /// The projector's mtmd context as `mtmd_helper_decode_image_chunk` uses it while a language
 /// context decodes an image: it reads only what `mtmd_init_from_file` fixed (the position type
@@ -221,16 +281,20 @@ unsafe impl Sync for DecodeView {}
 /// A loaded libmtmd projector (vision tower + projector), bound to the language model whose
 /// vocabulary and embedding width it uses.
 pub struct Projector {
+    /// What prepares a tiled picture's images one by one on the second context ([`Cutter`]):
+    /// with two encoder contexts or more.
+    cutter: OnceLock<Cutter>,
     contexts: Contexts,
     pub(super) decode_view: DecodeView,
     path: PathBuf,
     model: Arc<Model>,
     marker: CString,
     use_gpu: bool,
-    /// A tiled projector's tile size and longest edge, where its pictures are resized here
+    /// A tiled projector's tiles, where its pictures are resized here
     /// ([`resample`](super::resample)) before libmtmd cuts them.
-    tiled: Option<(u32, u32)>,
-    /// Threads that resize a picture (0: libmtmd resizes it on the encode's thread).
+    tiled: Option<TileGeometry>,
+    /// Threads that resize a picture and prepare its tiles (0: libmtmd prepares it whole on the
+    /// encode's thread).
     prepare_threads: std::sync::atomic::AtomicUsize,
 }
 
@@ -325,7 +389,7 @@ impl Tile {
 
 /// The markers of a frame's images (the wrapper text before each), as tiles: `None` for an
 /// image whose place cannot be told.
-fn tiles(markers: &[String]) -> Vec<Option<Tile>> {
+pub(super) fn tiles(markers: &[String]) -> Vec<Option<Tile>> {
     let cell = |m: &str| -> Option<(u32, u32)> {
         let at = m.rfind("<row_")?;
         let (row, rest) = m[at + 5..].split_once("_col_")?;
@@ -357,6 +421,10 @@ pub struct TileCount {
     pub contexts: usize,
     /// One per image segment, in order.
     pub tiles: Vec<Option<Tile>>,
+    /// Whether the picture was cut into its tiles here, each prepared on its own (a tiled
+    /// projector's picture of a size libmtmd has prepared before), rather than prepared whole
+    /// by libmtmd.
+    pub cut: bool,
     /// Where the call's time went (ms): preparing the picture on the CPU (libmtmd's resize,
     /// tiling and normalisation), waiting for an encoder context, and encoding on the contexts.
     pub prepare_ms: f64,
@@ -385,8 +453,15 @@ fn threads_each(threads: i32, contexts: usize) -> i32 {
     (threads / contexts.max(1) as i32).max(1)
 }
 
-/// One libmtmd context of the projector at `path`.
-fn load_context(path: &Path, model: &Model, use_gpu: bool, threads: i32) -> Result<NonNull<sys::mtmd_context>> {
+/// One libmtmd context of the projector at `path` (`max_tokens`: its image token limit, as
+/// `--image-max-tokens`; the file's own where `None`).
+fn load_context(
+    path: &Path,
+    model: &Model,
+    use_gpu: bool,
+    threads: i32,
+    max_tokens: Option<usize>,
+) -> Result<NonNull<sys::mtmd_context>> {
     let cpath = c_path(path)?;
     // SAFETY: default params are plain data; the model outlives the projector (Arc held).
     let ptr = unsafe {
@@ -395,6 +470,9 @@ fn load_context(path: &Path, model: &Model, use_gpu: bool, threads: i32) -> Resu
         p.n_threads = threads;
         p.print_timings = false;
         p.warmup = true;
+        if let Some(n) = max_tokens {
+            p.image_max_tokens = n as i32;
+        }
         sys::mtmd_init_from_file(cpath.as_ptr(), model.as_ptr(), p)
     };
     NonNull::new(ptr).ok_or_else(|| Error::File {
@@ -414,7 +492,7 @@ impl Projector {
         init_backend();
         check_readable(path, "mmproj")?;
         super::gguf::check_projector(path, &model)?;
-        let first = load_context(path, &model, use_gpu, threads_each(threads, contexts))?;
+        let first = load_context(path, &model, use_gpu, threads_each(threads, contexts), None)?;
         // SAFETY: the default marker is a static NUL-terminated string.
         let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_owned();
         let projector = Projector {
@@ -426,8 +504,9 @@ impl Projector {
             use_gpu,
             // Handed its tiled size, libmtmd copies a picture instead of resizing it only where
             // the longest edge is whole tiles (otherwise it resizes it back to that edge).
-            tiled: super::gguf::tile_geometry(path).filter(|(tile, edge)| edge % tile == 0),
+            tiled: super::gguf::tile_geometry(path).filter(|g| g.longest_edge % g.tile == 0),
             prepare_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(PREPARE_THREADS)).into(),
+            cutter: OnceLock::new(),
         };
         projector.ensure_contexts(contexts, threads)?;
         Ok(projector)
@@ -439,9 +518,16 @@ impl Projector {
         let contexts = contexts.clamp(1, MAX_ENCODER_CONTEXTS);
         let mut loaded = self.contexts.loaded.lock();
         while loaded.len() < contexts {
-            let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts))?;
+            // The second context of a tiled projector takes one tile at most: it encodes as the
+            // others do, and prepares the tiles of a picture cut here ([`Cutter`]).
+            let tile_view = self.tiled.filter(|_| loaded.len() == 1).and_then(|g| Some((g.tile, g.tokens?)));
+            let max_tokens = tile_view.map(|(_, tokens)| tokens);
+            let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)?;
             loaded.push(MtmdPtr(ctx));
             self.contexts.give(MtmdPtr(ctx));
+            if let Some((tile, tokens)) = tile_view {
+                let _ = self.cutter.set(Cutter::new(DecodeView(ctx), tile, tokens));
+            }
         }
         Ok(())
     }
@@ -461,7 +547,7 @@ impl Projector {
     /// The picture as libmtmd's tiled preprocessor resizes it, resized here on several threads
     /// (bit for bit the same), or `None` where libmtmd resizes it itself.
     fn presized(&self, rgb: &[u8], width: u32, height: u32) -> Option<(Vec<u8>, u32, u32)> {
-        let (tile, edge) = self.tiled?;
+        let TileGeometry { tile, longest_edge: edge, .. } = self.tiled?;
         let threads = self.prepare_threads.load(Ordering::Relaxed);
         let ((rw, rh), (tw, th)) = super::resample::tiled_sizes(width, height, tile, edge);
         if threads == 0 || (tw, th) == (width, height) {
@@ -523,6 +609,40 @@ impl Projector {
         reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
         turn: Turn<'_>,
     ) -> Result<(Vec<Segment>, TileCount)> {
+        let started = std::time::Instant::now();
+        let mut prep = self.prepare(rgb, width, height, reuse)?;
+        // SAFETY: `images[i]` for each `i` of `todo` is a valid image chunk of this projector's
+        // tokenization (or of its tile context: the same images), alive with `prep`.
+        let (encoded, contexts, wait_ms) =
+            unsafe { self.encode_chunks(&prep.images, &prep.todo, self.model.n_embd(), turn) }?;
+        let count = &mut prep.count;
+        count.contexts = contexts;
+        count.wait_ms = wait_ms;
+        count.encode_ms = started.elapsed().as_secs_f64() * 1e3 - count.prepare_ms - wait_ms;
+        for (i, rows) in encoded {
+            prep.rows_of[i] = Some(rows);
+        }
+        let rows = prep.rows_of.into_iter().map(|r| r.expect("every image reused or encoded")).collect();
+        Ok((prep.layout.segments(rows, self), prep.count))
+    }
+
+    /// Prepare a picture as an encode does, and encode nothing: for the preparation's benchmark.
+    #[doc(hidden)]
+    pub fn prepare_picture(&self, rgb: &[u8], width: u32, height: u32) -> Result<TileCount> {
+        Ok(self.prepare(rgb, width, height, &mut |_, _| None)?.count)
+    }
+
+    /// A picture's preparation: resized before libmtmd where it can be, then cut into its tiles
+    /// here where libmtmd has prepared a picture of its size before (see `cut`), or tokenized
+    /// whole by libmtmd, whose layout is then kept for the next pictures of its size; each image
+    /// asked of `reuse` first, and the others' chunks made ready to encode.
+    fn prepare(
+        &self,
+        rgb: &[u8],
+        width: u32,
+        height: u32,
+        reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
+    ) -> Result<Preparation> {
         if width == 0 || height == 0 || rgb.len() != width as usize * height as usize * 3 {
             return Err(Error::BadInput(format!(
                 "image of {width}x{height} with {} bytes is not packed RGB",
@@ -530,21 +650,62 @@ impl Projector {
             )));
         }
         let n_embd = self.model.n_embd();
-        let mut segments = Vec::new();
         let mut count = TileCount::default();
         let started = std::time::Instant::now();
         let presized = self.presized(rgb, width, height);
         let (rgb, width, height) = presized.as_ref().map_or((rgb, width, height), |(p, w, h)| (&p[..], *w, *h));
-        // SAFETY: the bitmap copies `rgb` (w*h*3 bytes, checked above); the input text points at
-        // the marker, alive for the call; chunks are freed before return, after the scoped
-        // threads that encode them; each output embedding buffer holds n_tokens*n_embd floats
-        // after a successful encode and is copied out while its context is leased.
+        let cutter = self.cutter.get().filter(|_| self.resizes_pictures());
+        let (layout, whole) = match cutter.and_then(|c| c.layout(width, height)) {
+            Some(layout) => (layout, None),
+            None => {
+                let chunks = self.tokenize(rgb, width, height)?;
+                // SAFETY: the chunks of this projector's tokenization, alive for the call.
+                let layout = Arc::new(unsafe { Layout::of(&chunks.all(), self) }?);
+                if let Some(cutter) = cutter {
+                    cutter.keep(width, height, &layout);
+                }
+                (layout, Some(chunks))
+            }
+        };
+        let places: Vec<&Place> = layout.places().collect();
+        count.tiles = places.iter().map(|p| p.tile).collect();
+        let rows_of: Vec<Option<Box<[f32]>>> = places
+            .iter()
+            .map(|p| p.tile.and_then(|t| reuse(t, p.rows)).filter(|d| d.len() == p.rows * n_embd))
+            .collect();
+        count.reused = rows_of.iter().flatten().count();
+        let todo: Vec<usize> = (0..places.len()).filter(|&i| rows_of[i].is_none()).collect();
+        count.encoded = todo.len();
+        let (images, cut) = match &whole {
+            Some(chunks) => (chunks.images(), vec![]),
+            None => {
+                let cutter = cutter.expect("a kept layout is the cutter's");
+                let cut = self.prepare_cut(cutter, rgb, width, height, &places, &todo)?;
+                let mut images = vec![ChunkPtr(std::ptr::null()); places.len()];
+                for (i, p) in &cut {
+                    images[*i] = p.image;
+                }
+                count.cut = true;
+                (images, cut)
+            }
+        };
+        count.prepare_ms = started.elapsed().as_secs_f64() * 1e3;
+        Ok(Preparation { layout, rows_of, todo, images, _whole: whole, _cut: cut, count })
+    }
+
+    /// libmtmd's tokenization of the whole picture (resizing, tiling and normalising it on the
+    /// CPU). It reads only what loading fixed, as llama-server's request threads do beside its
+    /// encodes: no context is leased for it, so frames are prepared side by side while others
+    /// encode.
+    fn tokenize(&self, rgb: &[u8], width: u32, height: u32) -> Result<OwnedChunks> {
+        let chunks = OwnedChunks::new()?;
+        // SAFETY: the bitmap copies `rgb` (w*h*3 bytes, checked by the caller); the input text
+        // points at the marker, alive for the call.
         unsafe {
             let bitmap = sys::mtmd_bitmap_init(width, height, rgb.as_ptr());
             if bitmap.is_null() {
                 return Err(Error::Engine("mtmd_bitmap_init failed".into()));
             }
-            let chunks = sys::mtmd_input_chunks_init();
             let text = sys::mtmd_input_text {
                 text: self.marker.as_ptr(),
                 text_len: self.marker.as_bytes().len(),
@@ -552,95 +713,37 @@ impl Projector {
                 parse_special: true,
             };
             let bitmaps = [bitmap as *const sys::mtmd_bitmap];
-            // Tokenizing (resizing, tiling and normalising the picture on the CPU) reads only what
-            // loading fixed, as llama-server's request threads do beside its encodes: no context
-            // is leased for it, so frames are prepared side by side while others encode.
-            let rc = sys::mtmd_tokenize(self.decode_view.0.as_ptr(), chunks, &text, bitmaps.as_ptr(), 1);
+            let rc = sys::mtmd_tokenize(self.decode_view.0.as_ptr(), chunks.ptr(), &text, bitmaps.as_ptr(), 1);
             sys::mtmd_bitmap_free(bitmap);
-            let result = if rc != 0 {
-                Err(Error::Engine(format!("mtmd_tokenize failed ({rc})")))
-            } else {
-                (|| {
-                    let all: Vec<ChunkPtr> = (0..sys::mtmd_input_chunks_size(chunks))
-                        .map(|i| ChunkPtr(sys::mtmd_input_chunks_get(chunks, i)))
-                        .collect();
-                    let is_text = |c: ChunkPtr| sys::mtmd_input_chunk_get_type(c.0) == sys::MTMD_INPUT_CHUNK_TYPE_TEXT;
-                    let text_of = |c: ChunkPtr| {
-                        let mut n = 0usize;
-                        let p = sys::mtmd_input_chunk_get_tokens_text(c.0, &mut n);
-                        if n == 0 { &[][..] } else { std::slice::from_raw_parts(p, n) }
-                    };
-                    // The wrapper text before each image says where it is in the picture.
-                    let mut markers = vec![];
-                    let mut text = String::new();
-                    for &c in &all {
-                        if is_text(c) {
-                            for &t in text_of(c) {
-                                text.push_str(&String::from_utf8_lossy(&self.model.token_piece(t, true)));
-                            }
-                        } else {
-                            markers.push(std::mem::take(&mut text));
-                        }
-                    }
-                    count.tiles = tiles(&markers);
-                    count.prepare_ms = started.elapsed().as_secs_f64() * 1e3;
-                    // Each image's rows: reused, or encoded (below) on the contexts free now.
-                    let images: Vec<ChunkPtr> = all.iter().copied().filter(|&c| !is_text(c)).collect();
-                    let mut rows_of: Vec<Option<Box<[f32]>>> = images
-                        .iter()
-                        .zip(&count.tiles)
-                        .map(|(&c, &tile)| {
-                            let rows = sys::mtmd_input_chunk_get_n_tokens(c.0);
-                            tile.and_then(|t| reuse(t, rows)).filter(|d| d.len() == rows * n_embd)
-                        })
-                        .collect();
-                    count.reused = rows_of.iter().flatten().count();
-                    let todo: Vec<usize> = (0..images.len()).filter(|&i| rows_of[i].is_none()).collect();
-                    count.encoded = todo.len();
-                    let (encoded, contexts, wait_ms) = self.encode_chunks(&images, &todo, n_embd, turn)?;
-                    count.contexts = contexts;
-                    count.wait_ms = wait_ms;
-                    count.encode_ms = started.elapsed().as_secs_f64() * 1e3 - count.prepare_ms - wait_ms;
-                    for (i, rows) in encoded {
-                        rows_of[i] = Some(rows);
-                    }
-                    let mut rows_of = rows_of.into_iter();
-                    for &c in &all {
-                        if is_text(c) {
-                            if !text_of(c).is_empty() {
-                                segments.push(Segment::Text(text_of(c).to_vec()));
-                            }
-                            continue;
-                        }
-                        let data = rows_of.next().flatten().expect("every image reused or encoded");
-                        let rows = sys::mtmd_input_chunk_get_n_tokens(c.0);
-                        let mut len = 0usize;
-                        sys::mtmd_input_chunk_save(c.0, null_mut(), 0, &mut len);
-                        let mut chunk = vec![0u8; len];
-                        if sys::mtmd_input_chunk_save(c.0, chunk.as_mut_ptr().cast(), len, &mut len) != 0 {
-                            return Err(Error::Engine("mtmd_input_chunk_save failed".into()));
-                        }
-                        let view = self.decode_view.0.as_ptr();
-                        let n_pos = sys::mtmd_input_chunk_get_n_pos(c.0);
-                        let non_causal = sys::mtmd_decode_use_non_causal(view, c.0);
-                        let causal_rows = n_pos == rows as i32 && !sys::mtmd_decode_use_mrope(view) && !non_causal;
-                        let source = ImageSource::Mtmd { chunk, projector: Arc::clone(self), non_causal };
-                        segments.push(Segment::Image(ImageEmbeddings {
-                            data,
-                            rows,
-                            width: n_embd,
-                            n_pos,
-                            causal_rows,
-                            source,
-                        }));
-                    }
-                    Ok(())
-                })()
-            };
-            sys::mtmd_input_chunks_free(chunks);
-            result?;
+            if rc != 0 {
+                return Err(Error::Engine(format!("mtmd_tokenize failed ({rc})")));
+            }
         }
-        Ok((segments, count))
+        Ok(chunks)
+    }
+
+    /// Prepare images `todo` of a picture cut here, each on its own, spread over the prepare
+    /// threads (the overview first: the longest).
+    fn prepare_cut(
+        &self,
+        cutter: &Cutter,
+        picture: &[u8],
+        width: u32,
+        height: u32,
+        places: &[&Place],
+        todo: &[usize],
+    ) -> Result<Vec<(usize, Prepared)>> {
+        let mut order = todo.to_vec();
+        order.sort_by_key(|&i| !matches!(places[i].tile, Some(Tile::Whole)));
+        let threads = self.prepare_threads.load(Ordering::Relaxed).clamp(1, order.len().max(1));
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        on_threads(vec![(); threads], |_| {
+            let mut out = vec![];
+            while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                out.push((i, cutter.prepare(picture, width, height, places[i], &self.marker)?));
+            }
+            Ok(out)
+        })
     }
 
     /// Encode `images[i]` for each `i` of `todo` on a context (waiting for one) and on every other
@@ -688,26 +791,33 @@ impl Projector {
             }
             Ok(out)
         };
-        let mut leases = leases.into_iter();
-        let first = leases.next().expect("the first lease");
-        if leases.len() == 0 {
-            return Ok((encode_on(&first)?, used, wait_ms));
-        }
-        let encode_on = &encode_on;
-        std::thread::scope(|scope| {
-            let others: Vec<_> = leases.map(|l| scope.spawn(move || encode_on(&l))).collect();
-            let mut all = encode_on(&first);
-            for other in others {
-                let rows = other.join().unwrap_or_else(|_| Err(Error::Engine("a vision encode panicked".into())));
-                match (&mut all, rows) {
-                    (Ok(all), Ok(rows)) => all.extend(rows),
-                    (Ok(_), Err(e)) => all = Err(e),
-                    (Err(_), _) => {}
-                }
-            }
-            Ok((all?, used, wait_ms))
-        })
+        Ok((on_threads(leases, |ctx| encode_on(ctx))?, used, wait_ms))
     }
+}
+
+/// Run `work` once for each of `workers` (the first on the calling thread, the others on threads
+/// of their own) and gather what they return, or the first error.
+fn on_threads<W: Send, T: Send>(workers: Vec<W>, work: impl Fn(&W) -> Result<Vec<T>> + Sync) -> Result<Vec<T>> {
+    let mut workers = workers.into_iter();
+    let Some(first) = workers.next() else { return Ok(vec![]) };
+    if workers.len() == 0 {
+        return work(&first);
+    }
+    let work = &work;
+    std::thread::scope(|scope| {
+        let others: Vec<_> = workers.map(|w| scope.spawn(move || work(&w))).collect();
+        let mut all = work(&first);
+        for other in others {
+            let out =
+                other.join().unwrap_or_else(|_| Err(Error::Engine("a preparation or encode thread panicked".into())));
+            match (&mut all, out) {
+                (Ok(all), Ok(out)) => all.extend(out),
+                (Ok(_), Err(e)) => all = Err(e),
+                (Err(_), _) => {}
+            }
+        }
+        all
+    })
 }
 
 impl Drop for Projector {
