@@ -28,6 +28,8 @@ use super::Token;
 use super::mtmd::{ChunkPtr, DecodeView, ImageEmbeddings, ImageSource, OwnedChunks, Projector, Segment, Tile};
 use crate::error::{Error, Result};
 
+type Size = (u32, u32);
+
 /// Picture sizes whose layout is kept (a camera has one; a caps change brings another).
 const LAYOUTS: usize = 4;
 
@@ -149,7 +151,8 @@ pub(super) struct Cutter {
     view: DecodeView,
     tile: u32,
     tokens: usize,
-    layouts: Mutex<VecDeque<((u32, u32), Arc<Layout>)>>,
+    /// The newest layouts, by picture size (width, height).
+    layouts: Mutex<VecDeque<(Size, Arc<Layout>)>>,
 }
 
 impl Cutter {
@@ -168,8 +171,8 @@ impl Cutter {
     /// Keep `layout` for pictures of `width` × `height` where they can be cut here: whole tiles,
     /// and each image a tile of the grid or the overview. Returns whether it was kept.
     pub fn keep(&self, width: u32, height: u32, layout: &Arc<Layout>) -> bool {
-        let cuttable = width % self.tile == 0
-            && height % self.tile == 0
+        let cuttable = width.is_multiple_of(self.tile)
+            && height.is_multiple_of(self.tile)
             && layout.places().count() > 1
             && layout.places().all(|p| p.rows == self.tokens)
             && layout.places().all(|p| match p.tile {
