@@ -102,13 +102,13 @@ def bytes_to_unicode():
     return dict(zip(bs, map(chr, cs)))
 
 
-def qwen_vocab(n_merges=400):
-    """A small byte-level BPE (all 256 bytes + merges trained deterministically on CORPUS) and
-    Qwen2-VL's special tokens, in Qwen's order."""
+def qwen_vocab(n_merges=400, extra=""):
+    """A small byte-level BPE (all 256 bytes + merges trained deterministically on CORPUS and
+    `extra`) and Qwen2-VL's special tokens, in Qwen's order."""
     b2u = bytes_to_unicode()
     # GPT-2-style pre-tokenization, close enough for training: words with their leading space,
     # runs of digits, punctuation, newlines.
-    pieces = re.findall(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+", CORPUS)
+    pieces = re.findall(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+", CORPUS + extra)
     words = Counter(tuple(b2u[b] for b in p.encode()) for p in pieces)
     base = [b2u[b] for b in range(256)]
     vocab, merges = list(base), []

@@ -35,7 +35,8 @@ metadata (a few KB): SmolVLM-256M 175,053,504 / 103,768,800 B here against 175,0
                 12 heads, 2 KV heads, FFN 8960, q/k/v biases, tied embeddings, M-RoPE sections
                 [16, 24, 24, 0], theta 1e6, context 32768), vocabulary 151936: make_test_family's
                 small byte-level BPE with Qwen2-VL's specials and ChatML template, padded with
-                [PADn] tokens (type UNUSED, as llama.cpp's converter pads Qwen's vocabulary). Prompts
+                [PADn] tokens (type UNUSED, as llama.cpp's converter pads Qwen's vocabulary), trained
+                with "Yes" and "No" as single tokens as in Qwen's (an alert's forced choice). Prompts
                 tokenize into more, shorter tokens than with Qwen's real 151643 merges. For the GPU
                 machine: on 2 CPU cores it loads but runs slowly.
 
@@ -119,7 +120,9 @@ def vocabulary(kind, smollm2, size):
     if kind == "smolvlm":
         v = smolvlm_vocab(smollm2)
     else:
-        v = qwen_vocab()
+        # Qwen's vocabulary has "Yes" and "No" as single tokens (an alert's forced choice needs
+        # them): trained in here, as the test family's vocabulary leaves them out on purpose.
+        v = qwen_vocab(extra="\nYes.\nNo.\nYes.\nNo.\n")
         n = len(v["tokens"])
         v["tokens"] = v["tokens"] + [f"[PAD{i}]" for i in range(n, size)]
         v["types"] = v["types"] + [gguf.TokenType.UNUSED] * (size - n)
