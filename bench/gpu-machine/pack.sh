@@ -11,6 +11,13 @@
 # scripts beside this one. On the machine, from the repository root: `. DIR/setup.sh` (builds the
 # CUDA libraries, ~350 s on 16 cores, and generates the timing pairs), then e.g.
 # `bash DIR/prepare-ab.sh`. Run scripts/setup.sh here first (models, the venv).
+#
+# With GST=1 it also packs what the elements need there (the device has no GStreamer): Debian
+# 12's GStreamer core and base plugins with the libraries they load, as .debs, and the
+# `endurance` test and the `gate_scenes` example (the plugin registered statically) built the
+# same way; there `. DIR/gst.sh` after setup.sh unpacks them into /tmp/gst. The CUDA libraries
+# brought back by save-cuda.sh (45 MB) do not fit beside them in a 64 MiB carry: leave them out
+# (setup.sh then builds them).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -49,6 +56,20 @@ sed -i 's/features = \["vulkan", "mtmd"\]/features = ["mtmd"]/' "$src/Cargo.toml
 for b in release/vlm-bench release/examples/alerts release/examples/prepare; do
     xz -T0 -c "$target/$b" > "$out/$(basename "$b").xz"
 done
+if [ "${GST:-0}" = 1 ]; then
+    mkdir -p "$out/debs"
+    (cd "$out/debs" && apt-get download -q libgstreamer1.0-0 libgstreamer-plugins-base1.0-0 \
+        gstreamer1.0-plugins-base libglib2.0-0 liborc-0.4-0 libunwind8 libdw1 libelf1 libcap2 libffi8 \
+        libpcre2-8-0 libogg0 libtheora0 libvorbis0a libvorbisenc2 libopus0 libvisual-0.4-0 libcdparanoia0)
+    (cd "$src" && LLAMA_BUILD_SHARED_LIBS=1 CARGO_TARGET_DIR="$target" cargo build --release -p gst-plugin-vlm \
+        --example gate_scenes \
+        && LLAMA_BUILD_SHARED_LIBS=1 CARGO_TARGET_DIR="$target" cargo test --release -p gst-plugin-vlm \
+        --test endurance --no-run)
+    xz -T0 -c "$target/release/examples/gate_scenes" > "$out/gate_scenes.xz"
+    endurance=$(ls -t "$target"/release/deps/endurance-* | grep -v '\.d$' | head -1)
+    xz -T0 -c "$endurance" > "$out/endurance.xz"
+    cp bench/gpu-machine/gst.sh "$out/"
+fi
 git rev-parse --short HEAD > "$out/BUILT_FROM"
 cp bench/gpu-machine/setup.sh bench/gpu-machine/prepare-ab.sh bench/gpu-machine/save-cuda.sh "$out/"
 du -sh "$out"

@@ -19,7 +19,7 @@ echo "[setup] CUDA libraries $(( $(date +%s) - t0 )) s"
 export LD_LIBRARY_PATH=/tmp/cuda/build/bin VLM_LLAMA_SERVER=/tmp/cuda/build/bin/llama-server
 mkdir -p /tmp/bin
 for b in "$D"/*.xz; do
-    case $b in *llama.cpp*) continue ;; esac
+    case $b in *llama.cpp* | *cuda-libs*) continue ;; esac
     xz -dc "$b" > "/tmp/bin/$(basename "$b" .xz)" && chmod +x "/tmp/bin/$(basename "$b" .xz)"
 done
 export PATH=/tmp/bin:$PATH

@@ -25,7 +25,9 @@ use llama_cpp_sys_2 as sys;
 use parking_lot::Mutex;
 
 use super::Token;
-use super::mtmd::{ChunkPtr, DecodeView, ImageEmbeddings, ImageSource, OwnedChunks, Projector, Segment, Tile};
+use super::mtmd::{
+    ChunkPtr, DecodeView, ImageEmbeddings, ImageSource, OwnedChunks, Projector, Segment, Tile, tokenize,
+};
 use crate::error::{Error, Result};
 
 type Size = (u32, u32);
@@ -206,27 +208,7 @@ impl Cutter {
             }
             _ => super::resample::resize_lanczos(picture, width as usize, height as usize, t, t, 1),
         };
-        let chunks = OwnedChunks::new()?;
-        // SAFETY: the bitmap copies `pixels` (t*t*3 bytes); the text points at `marker`, alive for
-        // the call; the chunks are owned by the returned value.
-        unsafe {
-            let bitmap = sys::mtmd_bitmap_init(self.tile, self.tile, pixels.as_ptr());
-            if bitmap.is_null() {
-                return Err(Error::Engine("mtmd_bitmap_init failed".into()));
-            }
-            let text = sys::mtmd_input_text {
-                text: marker.as_ptr(),
-                text_len: marker.to_bytes().len(),
-                add_special: false,
-                parse_special: true,
-            };
-            let bitmaps = [bitmap as *const sys::mtmd_bitmap];
-            let rc = sys::mtmd_tokenize(self.view.0.as_ptr(), chunks.ptr(), &text, bitmaps.as_ptr(), 1);
-            sys::mtmd_bitmap_free(bitmap);
-            if rc != 0 {
-                return Err(Error::Engine(format!("mtmd_tokenize of a tile failed ({rc})")));
-            }
-        }
+        let chunks = tokenize(&self.view, marker, &pixels, self.tile, self.tile)?;
         let image = chunks
             .images()
             .into_iter()

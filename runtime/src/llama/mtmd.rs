@@ -658,7 +658,7 @@ impl Projector {
         let (layout, whole) = match cutter.and_then(|c| c.layout(width, height)) {
             Some(layout) => (layout, None),
             None => {
-                let chunks = self.tokenize(rgb, width, height)?;
+                let chunks = tokenize(&self.decode_view, &self.marker, rgb, width, height)?;
                 // SAFETY: the chunks of this projector's tokenization, alive for the call.
                 let layout = Arc::new(unsafe { Layout::of(&chunks.all(), self) }?);
                 if let Some(cutter) = cutter {
@@ -691,35 +691,6 @@ impl Projector {
         };
         count.prepare_ms = started.elapsed().as_secs_f64() * 1e3;
         Ok(Preparation { layout, rows_of, todo, images, _whole: whole, _cut: cut, count })
-    }
-
-    /// libmtmd's tokenization of the whole picture (resizing, tiling and normalising it on the
-    /// CPU). It reads only what loading fixed, as llama-server's request threads do beside its
-    /// encodes: no context is leased for it, so frames are prepared side by side while others
-    /// encode.
-    fn tokenize(&self, rgb: &[u8], width: u32, height: u32) -> Result<OwnedChunks> {
-        let chunks = OwnedChunks::new()?;
-        // SAFETY: the bitmap copies `rgb` (w*h*3 bytes, checked by the caller); the input text
-        // points at the marker, alive for the call.
-        unsafe {
-            let bitmap = sys::mtmd_bitmap_init(width, height, rgb.as_ptr());
-            if bitmap.is_null() {
-                return Err(Error::Engine("mtmd_bitmap_init failed".into()));
-            }
-            let text = sys::mtmd_input_text {
-                text: self.marker.as_ptr(),
-                text_len: self.marker.as_bytes().len(),
-                add_special: false,
-                parse_special: true,
-            };
-            let bitmaps = [bitmap as *const sys::mtmd_bitmap];
-            let rc = sys::mtmd_tokenize(self.decode_view.0.as_ptr(), chunks.ptr(), &text, bitmaps.as_ptr(), 1);
-            sys::mtmd_bitmap_free(bitmap);
-            if rc != 0 {
-                return Err(Error::Engine(format!("mtmd_tokenize failed ({rc})")));
-            }
-        }
-        Ok(chunks)
     }
 
     /// Prepare images `todo` of a picture cut here, each on its own, spread over the prepare
@@ -793,6 +764,36 @@ impl Projector {
         };
         Ok((on_threads(leases, |ctx| encode_on(ctx))?, used, wait_ms))
     }
+}
+
+/// libmtmd's tokenization of a packed RGB picture of `width` × `height` (checked by the caller)
+/// on `view`'s context with `marker` as its text: the picture resized, tiled and normalised on
+/// the CPU. It reads only what loading fixed, as llama-server's request threads do beside its
+/// encodes: no context is leased for it, so pictures are prepared side by side while others
+/// encode.
+pub(super) fn tokenize(view: &DecodeView, marker: &CStr, rgb: &[u8], width: u32, height: u32) -> Result<OwnedChunks> {
+    let chunks = OwnedChunks::new()?;
+    // SAFETY: the bitmap copies `rgb` (w*h*3 bytes); the input text points at `marker`, alive
+    // for the call.
+    unsafe {
+        let bitmap = sys::mtmd_bitmap_init(width, height, rgb.as_ptr());
+        if bitmap.is_null() {
+            return Err(Error::Engine("mtmd_bitmap_init failed".into()));
+        }
+        let text = sys::mtmd_input_text {
+            text: marker.as_ptr(),
+            text_len: marker.to_bytes().len(),
+            add_special: false,
+            parse_special: true,
+        };
+        let bitmaps = [bitmap as *const sys::mtmd_bitmap];
+        let rc = sys::mtmd_tokenize(view.0.as_ptr(), chunks.ptr(), &text, bitmaps.as_ptr(), 1);
+        sys::mtmd_bitmap_free(bitmap);
+        if rc != 0 {
+            return Err(Error::Engine(format!("mtmd_tokenize of a {width}x{height} picture failed ({rc})")));
+        }
+    }
+    Ok(chunks)
 }
 
 /// Run `work` once for each of `workers` (the first on the calling thread, the others on threads
