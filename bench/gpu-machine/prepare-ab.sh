@@ -1,6 +1,7 @@
-# The runs of docs/benchmarks.md, "The picture resized before libmtmd": the preparation alone,
-# then capacity at 16 streams and alerts 16 x 4, the picture resized before libmtmd (4 threads)
-# and by libmtmd (0), alternating (ROUNDS, default 1: a machine sends back at most 8 files).
+# The runs of docs/benchmarks.md, "The picture resized before libmtmd" and "A SmolVLM picture cut
+# into its tiles here": the preparation alone, then capacity at 16 streams and alerts 16 x 4, the
+# picture resized and cut here (4 threads) and prepared whole by libmtmd (0), alternating
+# (ROUNDS, default 1: a machine sends back at most 8 files).
 # JSON and logs under $OUT.
 . "$(dirname "${BASH_SOURCE[0]}")/setup.sh" || exit 1
 prepare --model models/timing/smolvlm-500m-lm.gguf --mmproj models/timing/smolvlm-500m-mmproj.gguf \
