@@ -171,25 +171,27 @@ impl Cutter {
     }
 
     /// Keep `layout` for pictures of `width` × `height` where they can be cut here: whole tiles,
-    /// and each image a tile of the grid or the overview. Returns whether it was kept.
-    pub fn keep(&self, width: u32, height: u32, layout: &Arc<Layout>) -> bool {
+    /// and each image one tile's rows, a tile of the grid or the overview. (Two first pictures
+    /// of a size prepared at once keep it once.)
+    pub fn keep(&self, width: u32, height: u32, layout: &Arc<Layout>) {
         let cuttable = width.is_multiple_of(self.tile)
             && height.is_multiple_of(self.tile)
             && layout.places().count() > 1
-            && layout.places().all(|p| p.rows == self.tokens)
-            && layout.places().all(|p| match p.tile {
-                Some(Tile::Cell { rows, cols, .. }) => cols * self.tile == width && rows * self.tile == height,
-                Some(Tile::Whole) => true,
-                None => false,
+            && layout.places().all(|p| {
+                p.rows == self.tokens
+                    && match p.tile {
+                        Some(Tile::Cell { rows, cols, .. }) => cols * self.tile == width && rows * self.tile == height,
+                        Some(Tile::Whole) => true,
+                        None => false,
+                    }
             });
-        if cuttable {
-            let mut layouts = self.layouts.lock();
+        let mut layouts = self.layouts.lock();
+        if cuttable && !layouts.iter().any(|(size, _)| *size == (width, height)) {
             if layouts.len() == LAYOUTS {
                 layouts.pop_front();
             }
             layouts.push_back(((width, height), Arc::clone(layout)));
         }
-        cuttable
     }
 
     /// Prepare the image at `place` of `picture` (packed RGB, `width` × `height`, a kept layout's
