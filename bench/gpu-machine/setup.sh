@@ -8,10 +8,12 @@ t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$D"/whl/*.whl \
     && export PYTHONPATH=/tmp/site
 # CUDA libraries an earlier machine of the session built and save-cuda.sh brought back.
-if [ ! -x /tmp/cuda/build/bin/llama-server ] && [ -s "$D/cuda-libs.tar.xz" ]; then
+# (Without llama-server where only the libraries were carried: the elements' runs need no peer.)
+cuda_lib=/tmp/cuda/build/bin/libggml-cuda.so
+if [ ! -e $cuda_lib ] && [ -s "$D/cuda-libs.tar.xz" ]; then
     mkdir -p /tmp/cuda/build/bin && tar xJf "$D/cuda-libs.tar.xz" -C /tmp/cuda/build/bin
 fi
-if [ ! -x /tmp/cuda/build/bin/llama-server ]; then
+if [ ! -e $cuda_lib ]; then
     JOBS=$(nproc) scripts/cuda-libs.sh "$D/llama.cpp.tar.xz" /tmp/cuda > /tmp/cuda-build.log 2>&1 \
         || { tail -30 /tmp/cuda-build.log; return 1; }
 fi
