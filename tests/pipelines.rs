@@ -588,13 +588,35 @@ fn a_third_stream_on_default_settings_is_answered() {
 /// 12 s of video).
 #[test]
 fn answers_recorded_with_display_queue_into_matroskamux_are_one_cue_each() {
-    let file = std::env::temp_dir().join(format!("gst-vlm-recording-{}.mkv", std::process::id()));
+    assert_one_cue_per_answer("display=queue", "q.src ! mux.subtitle_0");
+}
+
+/// `subtitle_src` records one cue per answer whatever `display` says: under `replace` (the
+/// default), where the text pad follows the video with one buffer per frame shown, the file read
+/// back still holds one subtitle cue per answer with its display duration.
+#[test]
+fn answers_recorded_from_subtitle_src_are_one_cue_each_under_display_replace() {
+    assert_one_cue_per_answer(
+        "display=replace",
+        "q.src ! fakesink sync=false async=false q.subtitle_src ! mux.subtitle_0",
+    );
+}
+
+/// A live camera's answers recorded into matroskamux (`display`, and `record`: the links of the
+/// text pads, one of them to `mux.subtitle_0`), read back: one cue per answer, each lasting its
+/// `answer-duration` of 1 s.
+fn assert_one_cue_per_answer(display: &str, record: &str) {
+    let file = std::env::temp_dir().join(format!(
+        "gst-vlm-recording-{}-{}.mkv",
+        std::process::id(),
+        display.replace('=', "-")
+    ));
     let run = run_for(
         &launch(&format!(
             "videotestsrc is-live=true pattern=ball num-buffers=120 ! video/x-raw,width=160,height=120,framerate=10/1 \
              ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=500000000 min-change=0 \
-             ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q display=queue max-tokens=4 \
-             answer-duration=1000000000 q.video_src ! videoconvert ! jpegenc ! mux.video_0 q.src ! mux.subtitle_0 \
+             ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q {display} max-tokens=4 \
+             answer-duration=1000000000 q.video_src ! videoconvert ! jpegenc ! mux.video_0 {record} \
              matroskamux name=mux ! filesink location={} filesrc location=pipelines/questions.srt ! subparse ! q.query",
             file.display()
         )),

@@ -223,9 +223,9 @@ struct Shared {
     /// The text pad's task has posted every answer and reached EOS.
     all_answered: bool,
     flushing: bool,
-    src_started: bool,
-    /// The text pad has sent the video's current segment.
-    segment_sent: bool,
+    /// What the text pad and `subtitle_src` have sent of stream start, caps and segment.
+    text_pad: PadStarted,
+    cue_pad: PadStarted,
     /// The last flow return of the source pad: errors travel upstream from the sink pads.
     srcresult: Option<gst::FlowError>,
     /// How far the text pad has told downstream about (answers and GAP events), in the video
@@ -245,6 +245,20 @@ struct Shared {
     recent_ids: VecDeque<String>,
     /// JSON lines of `vlm-alert`s (`output-format=json`) for the text pad, with their frames' pts.
     alert_lines: VecDeque<(String, Option<gst::ClockTime>)>,
+    /// Answers for `subtitle_src` (one cue each, while it is linked), in question order.
+    cues: VecDeque<output::Cue>,
+    /// How far `subtitle_src` has told downstream about (the start of its last cue, or the end
+    /// of its last GAP).
+    cue_position: Option<gst::ClockTime>,
+    /// `subtitle_src` has sent its EOS.
+    cue_eos: bool,
+}
+
+/// A source pad has sent its stream start and caps (once), and the video's current segment.
+#[derive(Default)]
+struct PadStarted {
+    started: bool,
+    segment_sent: bool,
 }
 
 pub struct VlmQuery {
@@ -253,6 +267,8 @@ pub struct VlmQuery {
     srcpad: gst::Pad,
     /// The video, passed through unchanged (for textoverlay and display, no tee needed).
     video_srcpad: gst::Pad,
+    /// One cue per answer, whatever `display` says (for a recorder).
+    subtitle_srcpad: gst::Pad,
     settings: Mutex<Settings>,
     shared: Mutex<Shared>,
     /// Held while `vlm-answer` messages are posted, so they go out in question order (taken
@@ -341,6 +357,27 @@ impl VlmQuery {
         }
     }
 
+    /// `subtitle_src`'s task runs while the pad is active; the text pad's activation (which
+    /// resets the shared state) or a flush comes first, so it only starts or stops it.
+    fn subtitle_activatemode(
+        &self,
+        pad: &gst::Pad,
+        mode: gst::PadMode,
+        active: bool,
+    ) -> Result<(), gst::LoggableError> {
+        if mode != gst::PadMode::Push {
+            return Err(gst::loggable_error!(CAT, "pull mode is not supported"));
+        }
+        if active {
+            self.start_cue_task();
+        } else {
+            self.shared.lock().flushing = true;
+            self.changed.notify_all();
+            pad.stop_task().map_err(|e| gst::loggable_error!(CAT, "cannot stop the subtitle task: {e}"))?;
+        }
+        Ok(())
+    }
+
     /// The text pad's task runs while the pad is active (in push mode): started on activation
     /// with the flush state cleared, stopped on deactivation with every pending question
     /// cancelled, as gst-plugins-rs elements do.
@@ -405,6 +442,25 @@ impl ObjectSubclass for VlmQuery {
                 )
             })
             .build();
+        let subtitle_srcpad = gst::Pad::builder_from_template(&klass.pad_template("subtitle_src").unwrap())
+            .event_function(|pad, parent, event| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || false,
+                    |imp| {
+                        gst::log!(CAT, obj = pad, "handling {event:?}");
+                        gst::Pad::event_default(pad, Some(&*imp.obj()), event)
+                    },
+                )
+            })
+            .activatemode_function(|pad, parent, mode, active| {
+                VlmQuery::catch_panic_pad_function(
+                    parent,
+                    || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
+                    |imp| imp.subtitle_activatemode(pad, mode, active),
+                )
+            })
+            .build();
         let video_srcpad = gst::Pad::builder_from_template(&klass.pad_template("video_src").unwrap())
             .event_function(|pad, parent, event| {
                 VlmQuery::catch_panic_pad_function(
@@ -432,6 +488,7 @@ impl ObjectSubclass for VlmQuery {
             querypad,
             srcpad,
             video_srcpad,
+            subtitle_srcpad,
             settings: Mutex::new(Settings::default()),
             // Refusing until READY->PAUSED: a question accepted before would be dropped there.
             shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
@@ -451,6 +508,7 @@ impl ObjectImpl for VlmQuery {
         obj.add_pad(&self.querypad).unwrap();
         obj.add_pad(&self.srcpad).unwrap();
         obj.add_pad(&self.video_srcpad).unwrap();
+        obj.add_pad(&self.subtitle_srcpad).unwrap();
     }
 
     fn properties() -> &'static [glib::ParamSpec] {
@@ -691,6 +749,7 @@ impl ElementImpl for VlmQuery {
                 gst::PadTemplate::new("query", gst::PadDirection::Sink, gst::PadPresence::Always, &questions).unwrap(),
                 gst::PadTemplate::new("src", gst::PadDirection::Src, gst::PadPresence::Always, &text).unwrap(),
                 gst::PadTemplate::new("video_src", gst::PadDirection::Src, gst::PadPresence::Always, &video).unwrap(),
+                gst::PadTemplate::new("subtitle_src", gst::PadDirection::Src, gst::PadPresence::Always, &text).unwrap(),
             ]
         });
         TEMPLATES.as_ref()

@@ -53,6 +53,12 @@
 //! `answer-duration`; a newer one waits behind it). Elsewhere (json, or `video_src` unlinked)
 //! each answer is one buffer and each streamed piece one buffer without a duration.
 //!
+//! `subtitle_src`, for recorders, carries one cue per answered question whatever `display`
+//! says: the answer's text as one line, from the end of the newest frame when the answer ended
+//! for `answer-duration`, and GAP events up to the newest frame between cues, so a muxer never
+//! waits (`q.subtitle_src ! mux.subtitle_0`); its own task pushes them, so a text pad held by an
+//! overlay never holds the recorder.
+//!
 //! Every text buffer carries a custom meta `VlmAnswerMeta` (`id`, `stream`, `status`: `answered`,
 //! `cancelled`, `failed` or `partial`; `gst_buffer_get_custom_meta (buffer, "VlmAnswerMeta")`).
 //! The answers also ride on the video: each answered or failed question's answer is attached to

@@ -452,7 +452,7 @@ impl VlmQuery {
             EventView::Segment(s) => {
                 let mut shared = self.shared.lock();
                 shared.video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
-                shared.segment_sent = false;
+                (shared.text_pad.segment_sent, shared.cue_pad.segment_sent) = (false, false);
                 shared.text_position = None;
                 drop(shared);
                 self.video_srcpad.push_event(event);
@@ -504,17 +504,21 @@ impl VlmQuery {
             EventView::FlushStart(_) => {
                 self.flush_start("flush");
                 self.video_srcpad.push_event(event.clone());
+                self.subtitle_srcpad.push_event(event.clone());
                 let pushed = self.srcpad.push_event(event);
                 let _ = self.srcpad.pause_task();
                 pushed
             }
             EventView::FlushStop(_) => {
                 let task_lock = self.srcpad.stream_lock();
+                let cue_task_lock = self.subtitle_srcpad.stream_lock();
                 self.flush_stop();
                 self.video_srcpad.push_event(event.clone());
+                self.subtitle_srcpad.push_event(event.clone());
                 let pushed = self.srcpad.push_event(event);
-                drop(task_lock);
+                drop((cue_task_lock, task_lock));
                 self.start_task();
+                self.start_cue_task();
                 pushed
             }
             // The video's own events go on with it; the text pad makes its own.

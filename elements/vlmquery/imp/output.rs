@@ -7,6 +7,10 @@
 //! follows the video: what is shown goes out one buffer per frame, each ending where the newest
 //! frame ends, so an overlay (which holds one text buffer until the video passes its end) never
 //! holds an answer or a piece while a newer one waits. Elsewhere each answer is one buffer.
+//!
+//! `subtitle_src`, for a recorder, carries one cue per answer whatever the text pad does: the
+//! answer's text from where the video was when it came, for `answer-duration`, and GAP events
+//! between.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -14,7 +18,7 @@ use std::sync::atomic::Ordering;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 
-use super::{CAT, Display, Outcome, OutputFormat, Pending, Shared, VlmQuery};
+use super::{CAT, Display, Outcome, OutputFormat, PadStarted, Pending, Shared, VlmQuery};
 use crate::text::{one_line, without_nul};
 /// Fields of `vlm-answer` that hold a clock time. A `GstClockTime` field is a plain `guint64`
 /// in a structure (no type of its own to tell it by), so they are known by name: untimed
@@ -81,6 +85,14 @@ fn text_line(text: &str) -> String {
     format!("{}\n", one_line(text))
 }
 
+/// An answer's cue on `subtitle_src`.
+pub(in crate::vlmquery) struct Cue {
+    pending: Arc<Pending>,
+    text: String,
+    pts: Option<gst::ClockTime>,
+    duration: gst::ClockTime,
+}
+
 /// What the source pad's task does next.
 enum Next {
     /// One text buffer of a question's answer.
@@ -94,6 +106,13 @@ enum Next {
     Gap(gst::ClockTime, gst::ClockTime),
     /// A `vlm-alert`'s JSON line, at its frame's pts.
     Alert(String, Option<gst::ClockTime>),
+    Eos,
+}
+
+/// What `subtitle_src`'s task does next.
+enum NextCue {
+    Cue(Cue),
+    Gap(gst::ClockTime, gst::ClockTime),
     Eos,
 }
 
@@ -133,6 +152,7 @@ impl VlmQuery {
                 let mut shared = self.shared.lock();
                 if !shared.flushing {
                     shared.video_answers.push_back(video_answer(&message));
+                    self.queue_cue(&mut shared, &p, &message);
                 }
             }
             self.post_message(&message);
@@ -200,7 +220,7 @@ impl VlmQuery {
         {
             let _ = t.join();
         }
-        self.ensure_src_started();
+        self.ensure_started(&self.srcpad, "answers", |s| &mut s.text_pad);
         match next {
             Next::Gap(start, duration) => {
                 self.srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
@@ -352,6 +372,93 @@ impl VlmQuery {
         None
     }
 
+    /// An answered question's cue for `subtitle_src` (while it is linked), from the end of the
+    /// newest frame now (the first that can show it), for `answer-duration`.
+    fn queue_cue(&self, shared: &mut Shared, p: &Arc<Pending>, message: &gst::Structure) {
+        if message.get::<String>("status").as_deref() != Ok("answered") || !self.subtitle_srcpad.is_linked() {
+            return;
+        }
+        let text = message.get::<String>("text").unwrap_or_default();
+        let duration = gst::ClockTime::from_nseconds(self.settings.lock().answer_duration);
+        let pts = shared.video.end.max(shared.cue_position).or(p.job.pts);
+        shared.cues.push_back(Cue { pending: Arc::clone(p), text, pts, duration });
+        self.changed.notify_all();
+    }
+
+    pub(super) fn start_cue_task(&self) {
+        let this = self.ref_counted();
+        let _ = self.subtitle_srcpad.start_task(move || this.cue_task_iteration());
+    }
+
+    /// One iteration of `subtitle_src`'s task (its own, so that a text pad held by an overlay
+    /// never holds the recorder, which would hold the video): the next cue, a GAP up to the
+    /// newest frame, or EOS once the text pad has had its EOS and every cue is out.
+    fn cue_task_iteration(&self) {
+        let next = {
+            let mut shared = self.shared.lock();
+            loop {
+                if shared.flushing {
+                    drop(shared);
+                    let _ = self.subtitle_srcpad.pause_task();
+                    return;
+                }
+                if let Some(next) = self.next_cue(&mut shared) {
+                    break next;
+                }
+                self.changed.wait(&mut shared);
+            }
+        };
+        self.ensure_started(&self.subtitle_srcpad, "subtitles", |s| &mut s.cue_pad);
+        match next {
+            NextCue::Cue(cue) => self.push_cue(cue),
+            NextCue::Gap(start, duration) => {
+                self.subtitle_srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
+            }
+            NextCue::Eos => {
+                self.subtitle_srcpad.push_event(gst::event::Eos::new());
+                let _ = self.subtitle_srcpad.pause_task();
+            }
+        }
+    }
+
+    /// What `subtitle_src` says next, if anything now: a cue, a GAP up to the newest frame, or
+    /// EOS. Cues start where the video is when their answers end, so cues and GAPs go forward
+    /// together; a GAP does not reach past the newest frame (a cue may still come there).
+    fn next_cue(&self, shared: &mut Shared) -> Option<NextCue> {
+        if let Some(cue) = shared.cues.pop_front() {
+            shared.cue_position = shared.cue_position.max(cue.pts);
+            return Some(NextCue::Cue(cue));
+        }
+        if shared.all_answered {
+            return (!shared.cue_eos).then(|| {
+                shared.cue_eos = true;
+                NextCue::Eos
+            });
+        }
+        let end = shared.video.end?;
+        let start = shared.cue_position.unwrap_or(shared.video.pts.unwrap_or(end));
+        (start < end).then(|| {
+            shared.cue_position = Some(end);
+            NextCue::Gap(start, end - start)
+        })
+    }
+
+    /// Push an answer's cue on `subtitle_src`, with the answer meta naming its question.
+    fn push_cue(&self, cue: Cue) {
+        let mut buffer = gst::Buffer::from_mut_slice(one_line(&cue.text).into_owned().into_bytes());
+        {
+            let buffer = buffer.get_mut().unwrap();
+            buffer.set_pts(cue.pts);
+            buffer.set_duration(cue.duration);
+            let stream = cue.pending.stream().map_or("", |s| s.name());
+            crate::meta::add_answer_meta(buffer, &cue.pending.job.question.id, stream, "answered");
+        }
+        match self.subtitle_srcpad.push(buffer) {
+            Ok(_) | Err(gst::FlowError::NotLinked | gst::FlowError::Flushing) => (),
+            Err(e) => self.flow_error(e),
+        }
+    }
+
     /// A text buffer of `p` shown from `at` for `duration`, advancing the text pad's position.
     fn text(
         shared: &mut Shared,
@@ -386,8 +493,8 @@ impl VlmQuery {
             crate::meta::add_answer_meta(buffer, &p.job.question.id, stream, status);
         }
         match self.srcpad.push(buffer) {
-            // Answers read from the bus, the video shown: an unlinked text pad is fine.
-            Err(gst::FlowError::NotLinked) if self.video_srcpad.is_linked() => {
+            // Answers read from the bus, the video shown or recorded: an unlinked text pad is fine.
+            Err(gst::FlowError::NotLinked) if self.video_srcpad.is_linked() || self.subtitle_srcpad.is_linked() => {
                 gst::log!(CAT, imp = self, "text pad not linked; answer {} on the bus only", p.job.question.id)
             }
             Err(e) => self.flow_error(e),
@@ -408,24 +515,25 @@ impl VlmQuery {
         let _ = self.srcpad.pause_task();
     }
 
-    /// Stream start and caps once, then the video's segment whenever it changed.
-    fn ensure_src_started(&self) {
+    /// Stream start and caps once on `pad`, then the video's segment whenever it changed
+    /// (`state`: the pad's flags in the shared state).
+    fn ensure_started(&self, pad: &gst::Pad, name: &str, state: impl Fn(&mut Shared) -> &mut PadStarted) {
         let (start, segment) = {
             let mut shared = self.shared.lock();
-            if shared.src_started && shared.segment_sent {
+            let segment = shared.video.segment.clone().unwrap_or_default();
+            let flags = state(&mut shared);
+            if flags.started && flags.segment_sent {
                 return;
             }
-            let start = !shared.src_started;
-            (shared.src_started, shared.segment_sent) = (true, true);
-            (start, shared.video.segment.clone().unwrap_or_default())
+            let start = !flags.started;
+            (flags.started, flags.segment_sent) = (true, true);
+            (start, segment)
         };
         if start {
-            let stream_id = format!("{}/answers", self.obj().name());
-            self.srcpad.push_event(gst::event::StreamStart::new(&stream_id));
-            self.srcpad
-                .push_event(gst::event::Caps::new(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+            pad.push_event(gst::event::StreamStart::new(&format!("{}/{name}", self.obj().name())));
+            pad.push_event(gst::event::Caps::new(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
         }
-        self.srcpad.push_event(gst::event::Segment::new(&segment));
+        pad.push_event(gst::event::Segment::new(&segment));
     }
 
     /// Post the one `vlm-answer` of a question that ends outside the answer queue (a flush),
