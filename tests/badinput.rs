@@ -304,11 +304,20 @@ fn a_flushing_seek_mid_answer_cancels_it_and_the_pipeline_goes_on() {
         "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
          ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
          ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
-         ! vlmquery name=q max-tokens=300 exact-tokens=true stream-tokens=true ! fakesink sync=false async=false",
+         ! vlmquery name=q max-tokens=300 exact-tokens=true stream-tokens=true ! fakesink sync=false async=false \
+         q.subtitle_src ! fakesink sync=false async=false",
     );
     let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
     let q = bin.by_name("q").unwrap();
     let frames = Frames::watch(&q.static_pad("sink").unwrap());
+    // The cues on subtitle_src (its own task, paused by the flush and started again after it).
+    let (cue, cues) = std::sync::mpsc::channel();
+    q.static_pad("subtitle_src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        if let Some(b) = info.buffer() {
+            let _ = cue.send(gst_vlm_elements::meta::answer_of(b).and_then(|m| m.get::<String>("id").ok()));
+        }
+        gst::PadProbeReturn::Ok
+    });
     // The answer's first streamed piece says it is being generated.
     let (first_piece, generating) = std::sync::mpsc::sync_channel(1);
     q.static_pad("src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
@@ -344,6 +353,10 @@ fn a_flushing_seek_mid_answer_cancels_it_and_the_pipeline_goes_on() {
     let a = log.answers_to("after-seek")[0].clone();
     assert_eq!((status(&a), field::<u32>(&a, "tokens")), ("answered".into(), 3), "{a}");
     assert_eq!(log.answers_to(&long).len(), 1, "the cancelled question was answered again");
+    // Its cue, the only one (the cancelled answer has none).
+    let id = cues.recv_timeout(Duration::from_secs(10)).expect("a cue after the seek");
+    assert_eq!(id.as_deref(), Some("after-seek"));
+    assert!(cues.try_recv().is_err(), "one cue");
     set_state(&pipeline, gst::State::Null, "stop");
     assert_clean(&log);
 }

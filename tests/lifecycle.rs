@@ -166,7 +166,7 @@ fn fast_playing_null_cycles_of_one_pipeline_complete() {
         "videotestsrc is-live=true ! video/x-raw,width=64,height=48,framerate=30/1 ! videoconvert \
          ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
          ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=32 ! fakesink \
-         filesrc location=pipelines/questions.srt ! subparse ! q.query",
+         q.subtitle_src ! fakesink filesrc location=pipelines/questions.srt ! subparse ! q.query",
     );
     for i in 0..20 {
         set_state_within(&pipeline, gst::State::Playing, Duration::from_secs(30), &format!("cycle {i}"));

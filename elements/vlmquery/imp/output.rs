@@ -455,7 +455,7 @@ impl VlmQuery {
         }
         match self.subtitle_srcpad.push(buffer) {
             Ok(_) | Err(gst::FlowError::NotLinked | gst::FlowError::Flushing) => (),
-            Err(e) => self.flow_error(e),
+            Err(e) => self.flow_error(&self.subtitle_srcpad, e),
         }
     }
 
@@ -497,22 +497,22 @@ impl VlmQuery {
             Err(gst::FlowError::NotLinked) if self.video_srcpad.is_linked() || self.subtitle_srcpad.is_linked() => {
                 gst::log!(CAT, imp = self, "text pad not linked; answer {} on the bus only", p.job.question.id)
             }
-            Err(e) => self.flow_error(e),
+            Err(e) => self.flow_error(&self.srcpad, e),
             Ok(_) => (),
         }
     }
 
-    /// The source pad's push failed: remember it for upstream, post an error for a real failure
-    /// (as gst-plugins-rs elements do), and pause.
-    fn flow_error(&self, e: gst::FlowError) {
-        gst::debug!(CAT, imp = self, "answer push: {e:?}");
+    /// A push on `pad` (the text pad or `subtitle_src`) failed: remember it for upstream, post an
+    /// error for a real failure (as gst-plugins-rs elements do), and pause the pad's task.
+    fn flow_error(&self, pad: &gst::Pad, e: gst::FlowError) {
+        gst::debug!(CAT, obj = pad, "push: {e:?}");
         // Flushing ends with the flush (the task starts again); anything else travels upstream.
         if e != gst::FlowError::Flushing {
             self.shared.lock().srcresult = Some(e);
             self.changed.notify_all();
         }
         crate::post_flow_error(self.obj().upcast_ref(), e);
-        let _ = self.srcpad.pause_task();
+        let _ = pad.pause_task();
     }
 
     /// Stream start and caps once on `pad`, then the video's segment whenever it changed
