@@ -26,7 +26,7 @@ enum Piece {
     /// One segment (by index) of a frame.
     Segment(Arc<Frame>, usize),
     /// A whole frame as embedding rows (`width` floats each), its text included.
-    Rows(Arc<[f32]>, usize),
+    Rows(Vec<f32>, usize),
 }
 
 /// A frame of several segments as one run of embedding rows, when every image in it is causal
@@ -45,7 +45,7 @@ fn frame_rows(frame: &Frame, model: &Model) -> Option<Piece> {
             Segment::Image(_) => return None,
         }
     }
-    Some(Piece::Rows(data.into(), width))
+    Some(Piece::Rows(data, width))
 }
 
 /// What the next chunk of a prefill is.

@@ -241,6 +241,7 @@ impl Engine {
             threads_set: config.threads,
             cell_bytes: 0,
             merge_frames: false,
+            rows_batch: None,
         };
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared {

@@ -466,18 +466,25 @@ fn prefill_chunk(w: &mut Worker, prefill: &mut Prefill, tokens: usize, waited: b
     let Some(next) = prefill.next() else { return Ok(()) };
     let before = prefill.remaining();
     let threads = if waited { w.prefill_tuner.waited_threads() } else { w.prefill_tuner.threads() };
+    let mut rows = w.rows_batch.take();
     let (decoded, ms) = w.compute(threads, |ctx| match next {
         Next::Whole => prefill.decode_whole(ctx),
         Next::Tokens(available) | Next::Rows(available) => {
-            let n = chunk_len(available, tokens.min(ctx.n_batch() as usize));
+            let n_batch = ctx.n_batch() as usize;
+            let n = chunk_len(available, tokens.min(n_batch));
             let mut batch = match next {
                 Next::Tokens(_) => Batch::tokens(n),
-                _ => Batch::embeddings(n, ctx.model().n_embd()),
+                _ => Batch::reusing(rows.take(), n, n_batch, ctx.model().n_embd()),
             };
             prefill.push(&mut batch, n);
-            ctx.decode(&batch).map(|()| prefill.advance(n))
+            let decoded = ctx.decode(&batch).map(|()| prefill.advance(n));
+            if matches!(next, Next::Rows(_)) {
+                rows = Some(batch);
+            }
+            decoded
         }
     });
+    w.rows_batch = rows;
     decoded?;
     let inputs = before - prefill.remaining();
     w.record(Stage::Prefill, inputs, ms);

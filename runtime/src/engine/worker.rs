@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use crate::llama::Context;
+use crate::llama::{Batch, Context};
 use crate::threads::{CoreMeter, ThreadTuner, thread_cpu_ms};
 
 /// A stage of work whose cost the placer estimates.
@@ -70,6 +70,8 @@ pub struct Worker {
     pub(super) cell_bytes: usize,
     /// Frames go as one batch of rows (the engine's policy, and the model's rows agree).
     pub(super) merge_frames: bool,
+    /// The batch of embedding rows chunks of prefill are decoded from, kept between them.
+    pub(super) rows_batch: Option<Batch>,
 }
 
 /// An engine's KV memory: what its context allocated and what is in use.

@@ -34,6 +34,20 @@ impl Batch {
         Batch::init(capacity, width, 1)
     }
 
+    /// A batch of at most `capacity` embedding rows of `width` floats: `spare` emptied where it
+    /// is one with room for them, else a new one with room for `room` rows (an engine keeps one
+    /// for its frames' rows instead of allocating MiBs for every chunk).
+    pub fn reusing(spare: Option<Batch>, capacity: usize, room: usize, width: usize) -> Batch {
+        match spare {
+            Some(mut b) if b.width == width && b.seqs == 1 && b.capacity >= capacity => {
+                b.n = 0;
+                b.raw.n_tokens = 0;
+                b
+            }
+            _ => Batch::embeddings(capacity.max(room), width),
+        }
+    }
+
     fn init(capacity: usize, width: usize, seqs: usize) -> Batch {
         let (capacity, seqs) = (capacity.max(1), seqs.max(1));
         // SAFETY: llama_batch_init allocates arrays for `capacity` entries with room for `seqs`
@@ -96,9 +110,36 @@ impl Batch {
     }
 }
 
+// SAFETY: a batch owns its arrays alone (llama_batch_init allocated them, Drop frees them, no
+// other handle points at them) and llama.cpp keeps no thread-local state about them: it may move
+// to the engine thread that keeps it.
+unsafe impl Send for Batch {}
+
 impl Drop for Batch {
     fn drop(&mut self) {
         // SAFETY: allocated by llama_batch_init, freed once.
         unsafe { sys::llama_batch_free(self.raw) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Batch;
+
+    /// A spare batch with room is emptied and kept (its rows' memory is not allocated again);
+    /// one too small, of another width or of tokens is not.
+    #[test]
+    fn a_spare_batch_with_room_is_reused_and_another_is_not() {
+        let mut spare = Batch::reusing(None, 2, 8, 4);
+        assert_eq!(spare.capacity, 8, "room for the rows a chunk may take");
+        spare.push_row(&[1.0; 4], 0, 0, false);
+        let embd = spare.raw.embd;
+        let reused = Batch::reusing(Some(spare), 8, 8, 4);
+        assert!(reused.is_empty() && reused.raw.n_tokens == 0 && reused.raw.embd == embd);
+        let larger = Batch::reusing(Some(reused), 9, 8, 4);
+        assert_eq!(larger.capacity, 9);
+        let wider = Batch::reusing(Some(larger), 2, 8, 5);
+        assert_eq!(wider.width, 5);
+        assert_eq!(Batch::reusing(Some(Batch::tokens(8)), 2, 8, 4).width, 4);
     }
 }
