@@ -397,6 +397,33 @@ impl VlmQuery {
     }
 }
 
+/// A pad's activation: its task started or stopped.
+type Activate = fn(&VlmQuery, &gst::Pad, gst::PadMode, bool) -> Result<(), gst::LoggableError>;
+
+/// A text source pad (`src`, `subtitle_src`): upstream events handled by default, a task of its
+/// own started and stopped by `activate`.
+fn text_src_pad(klass: &<VlmQuery as ObjectSubclass>::Class, name: &str, activate: Activate) -> gst::Pad {
+    gst::Pad::builder_from_template(&klass.pad_template(name).unwrap())
+        .event_function(|pad, parent, event| {
+            VlmQuery::catch_panic_pad_function(
+                parent,
+                || false,
+                |imp| {
+                    gst::log!(CAT, obj = pad, "handling {event:?}");
+                    gst::Pad::event_default(pad, Some(&*imp.obj()), event)
+                },
+            )
+        })
+        .activatemode_function(move |pad, parent, mode, active| {
+            VlmQuery::catch_panic_pad_function(
+                parent,
+                || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
+                |imp| activate(imp, pad, mode, active),
+            )
+        })
+        .build()
+}
+
 #[glib::object_subclass]
 impl ObjectSubclass for VlmQuery {
     const NAME: &'static str = "GstVlmQuery";
@@ -423,44 +450,8 @@ impl ObjectSubclass for VlmQuery {
                 VlmQuery::catch_panic_pad_function(parent, || false, |imp| imp.query_event(event))
             })
             .build();
-        let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
-            .event_function(|pad, parent, event| {
-                VlmQuery::catch_panic_pad_function(
-                    parent,
-                    || false,
-                    |imp| {
-                        gst::log!(CAT, obj = pad, "handling {event:?}");
-                        gst::Pad::event_default(pad, Some(&*imp.obj()), event)
-                    },
-                )
-            })
-            .activatemode_function(|pad, parent, mode, active| {
-                VlmQuery::catch_panic_pad_function(
-                    parent,
-                    || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
-                    |imp| imp.src_activatemode(pad, mode, active),
-                )
-            })
-            .build();
-        let subtitle_srcpad = gst::Pad::builder_from_template(&klass.pad_template("subtitle_src").unwrap())
-            .event_function(|pad, parent, event| {
-                VlmQuery::catch_panic_pad_function(
-                    parent,
-                    || false,
-                    |imp| {
-                        gst::log!(CAT, obj = pad, "handling {event:?}");
-                        gst::Pad::event_default(pad, Some(&*imp.obj()), event)
-                    },
-                )
-            })
-            .activatemode_function(|pad, parent, mode, active| {
-                VlmQuery::catch_panic_pad_function(
-                    parent,
-                    || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
-                    |imp| imp.subtitle_activatemode(pad, mode, active),
-                )
-            })
-            .build();
+        let srcpad = text_src_pad(klass, "src", VlmQuery::src_activatemode);
+        let subtitle_srcpad = text_src_pad(klass, "subtitle_src", VlmQuery::subtitle_activatemode);
         let video_srcpad = gst::Pad::builder_from_template(&klass.pad_template("video_src").unwrap())
             .event_function(|pad, parent, event| {
                 VlmQuery::catch_panic_pad_function(
