@@ -359,15 +359,7 @@ impl VlmQuery {
 
     /// `subtitle_src`'s task runs while the pad is active; the text pad's activation (which
     /// resets the shared state) or a flush comes first, so it only starts or stops it.
-    fn subtitle_activatemode(
-        &self,
-        pad: &gst::Pad,
-        mode: gst::PadMode,
-        active: bool,
-    ) -> Result<(), gst::LoggableError> {
-        if mode != gst::PadMode::Push {
-            return Err(gst::loggable_error!(CAT, "pull mode is not supported"));
-        }
+    fn subtitle_activatemode(&self, pad: &gst::Pad, active: bool) -> Result<(), gst::LoggableError> {
         if active {
             self.start_cue_task();
         } else {
@@ -381,10 +373,7 @@ impl VlmQuery {
     /// The text pad's task runs while the pad is active (in push mode): started on activation
     /// with the flush state cleared, stopped on deactivation with every pending question
     /// cancelled, as gst-plugins-rs elements do.
-    fn src_activatemode(&self, pad: &gst::Pad, mode: gst::PadMode, active: bool) -> Result<(), gst::LoggableError> {
-        if mode != gst::PadMode::Push {
-            return Err(gst::loggable_error!(CAT, "pull mode is not supported"));
-        }
+    fn src_activatemode(&self, pad: &gst::Pad, active: bool) -> Result<(), gst::LoggableError> {
         gst::debug!(CAT, obj = pad, "{} the text task", if active { "starting" } else { "stopping" });
         if active {
             self.flush_stop();
@@ -397,11 +386,11 @@ impl VlmQuery {
     }
 }
 
-/// A pad's activation: its task started or stopped.
-type Activate = fn(&VlmQuery, &gst::Pad, gst::PadMode, bool) -> Result<(), gst::LoggableError>;
+/// A pad's activation in push mode: its task started or stopped.
+type Activate = fn(&VlmQuery, &gst::Pad, bool) -> Result<(), gst::LoggableError>;
 
-/// A text source pad (`src`, `subtitle_src`): upstream events handled by default, a task of its
-/// own started and stopped by `activate`.
+/// A text source pad (`src`, `subtitle_src`): upstream events handled by default, push mode
+/// only, a task of its own started and stopped by `activate`.
 fn text_src_pad(klass: &<VlmQuery as ObjectSubclass>::Class, name: &str, activate: Activate) -> gst::Pad {
     gst::Pad::builder_from_template(&klass.pad_template(name).unwrap())
         .event_function(|pad, parent, event| {
@@ -418,7 +407,10 @@ fn text_src_pad(klass: &<VlmQuery as ObjectSubclass>::Class, name: &str, activat
             VlmQuery::catch_panic_pad_function(
                 parent,
                 || Err(gst::loggable_error!(CAT, "panic in the activation of {}", pad.name())),
-                |imp| activate(imp, pad, mode, active),
+                |imp| match mode {
+                    gst::PadMode::Push => activate(imp, pad, active),
+                    _ => Err(gst::loggable_error!(CAT, "pull mode is not supported")),
+                },
             )
         })
         .build()

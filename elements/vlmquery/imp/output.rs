@@ -80,6 +80,26 @@ fn line(format: OutputFormat, p: &Pending, text: &str, status: &str) -> String {
     }
 }
 
+/// A buffer of `p`'s answer (`text`), shown from `at` for `duration`, with the answer meta
+/// naming its question.
+fn answer_buffer(
+    p: &Pending,
+    at: Option<gst::ClockTime>,
+    duration: Option<gst::ClockTime>,
+    text: String,
+    status: &str,
+) -> gst::Buffer {
+    let mut buffer = gst::Buffer::from_mut_slice(text.into_bytes());
+    {
+        let buffer = buffer.get_mut().unwrap();
+        buffer.set_pts(at);
+        buffer.set_duration(duration);
+        let stream = p.stream().map_or("", |s| s.name());
+        crate::meta::add_answer_meta(buffer, &p.job.question.id, stream, status);
+    }
+    buffer
+}
+
 /// A line of `output-format=text`: the answer (so far) with its line breaks folded, and a newline.
 fn text_line(text: &str) -> String {
     format!("{}\n", one_line(text))
@@ -402,7 +422,7 @@ impl VlmQuery {
                     let _ = self.subtitle_srcpad.pause_task();
                     return;
                 }
-                if let Some(next) = self.next_cue(&mut shared) {
+                if let Some(next) = Self::next_cue(&mut shared) {
                     break next;
                 }
                 self.changed.wait(&mut shared);
@@ -424,7 +444,7 @@ impl VlmQuery {
     /// What `subtitle_src` says next, if anything now: a cue, a GAP up to the newest frame, or
     /// EOS. Cues start where the video is when their answers end, so cues and GAPs go forward
     /// together; a GAP does not reach past the newest frame (a cue may still come there).
-    fn next_cue(&self, shared: &mut Shared) -> Option<NextCue> {
+    fn next_cue(shared: &mut Shared) -> Option<NextCue> {
         if let Some(cue) = shared.cues.pop_front() {
             shared.cue_position = shared.cue_position.max(cue.pts);
             return Some(NextCue::Cue(cue));
@@ -445,14 +465,8 @@ impl VlmQuery {
 
     /// Push an answer's cue on `subtitle_src`, with the answer meta naming its question.
     fn push_cue(&self, cue: Cue) {
-        let mut buffer = gst::Buffer::from_mut_slice(one_line(&cue.text).into_owned().into_bytes());
-        {
-            let buffer = buffer.get_mut().unwrap();
-            buffer.set_pts(cue.pts);
-            buffer.set_duration(cue.duration);
-            let stream = cue.pending.stream().map_or("", |s| s.name());
-            crate::meta::add_answer_meta(buffer, &cue.pending.job.question.id, stream, "answered");
-        }
+        let text = one_line(&cue.text).into_owned();
+        let buffer = answer_buffer(&cue.pending, cue.pts, Some(cue.duration), text, "answered");
         match self.subtitle_srcpad.push(buffer) {
             Ok(_) | Err(gst::FlowError::NotLinked | gst::FlowError::Flushing) => (),
             Err(e) => self.flow_error(&self.subtitle_srcpad, e),
@@ -474,8 +488,7 @@ impl VlmQuery {
         Next::Text { p, text, pts: at, duration, status: status.into() }
     }
 
-    /// Push one text buffer of `p`'s answer, shown from `at` for `duration`, with the answer
-    /// meta naming its question.
+    /// Push one text buffer of `p`'s answer on the text pad.
     fn push_text(
         &self,
         p: &Pending,
@@ -484,15 +497,7 @@ impl VlmQuery {
         text: String,
         status: &str,
     ) {
-        let mut buffer = gst::Buffer::from_mut_slice(text.into_bytes());
-        {
-            let buffer = buffer.get_mut().unwrap();
-            buffer.set_pts(at);
-            buffer.set_duration(duration);
-            let stream = p.stream().map_or("", |s| s.name());
-            crate::meta::add_answer_meta(buffer, &p.job.question.id, stream, status);
-        }
-        match self.srcpad.push(buffer) {
+        match self.srcpad.push(answer_buffer(p, at, duration, text, status)) {
             // Answers read from the bus, the video shown or recorded: an unlinked text pad is fine.
             Err(gst::FlowError::NotLinked) if self.video_srcpad.is_linked() || self.subtitle_srcpad.is_linked() => {
                 gst::log!(CAT, imp = self, "text pad not linked; answer {} on the bus only", p.job.question.id)
