@@ -303,7 +303,10 @@ impl VlmQuery {
                         let text = line(format, &p, &text, "answered");
                         return Some(Self::text(shared, p, text, at, Some(duration), "answered"));
                     }
-                    let from = shared.text_position.max(shared.video.end).expect("following");
+                    // Its display lasts `answer-duration` from its first buffer, which starts
+                    // where the text pad is (it may be behind the newest frame).
+                    let end = shared.video.end.expect("following");
+                    let from = shared.text_position.unwrap_or(shared.video.pts.unwrap_or(end));
                     let until = Some(from.saturating_add(duration));
                     shared.shown = Some(Shown { pending: p, text, status: "answered", until, pushed: false });
                 }
