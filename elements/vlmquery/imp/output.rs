@@ -272,6 +272,17 @@ impl VlmQuery {
                 let text = line(format, &shown.pending, &shown.text, "answered");
                 return Some(Self::text(shared, shown.pending, text, at, duration, "answered"));
             }
+            // The video ended while it was drawn, before the text pad caught up with its last
+            // frames: it covers them too, up to its end.
+            if shown.pushed
+                && let (Some(from), Some(end)) = (shared.text_position, shared.video.end)
+            {
+                let to = shown.until.map_or(end, |until| until.min(end));
+                if to > from {
+                    let text = line(format, &shown.pending, &shown.text, shown.status);
+                    return Some(Self::text(shared, shown.pending, text, Some(from), Some(to - from), shown.status));
+                }
+            }
         }
         let front = shared.pending.front().cloned();
         // The oldest question's answer, once its vlm-answer is out. Under `replace` it replaces
