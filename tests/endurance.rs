@@ -336,8 +336,10 @@ fn live_run(context: &str) -> LiveRun {
     // restart per stream: the KV pages a full history touches are resident then).
     let (mut start, mut start_filled) = (None, None);
     // RSS at every question: the means of the run's first and last tenth, and of every tenth,
-    // are reported.
+    // are reported; with the allocator's figures of the first and the last tenth (what grew: the
+    // memory in use, or the free memory its arenas hold).
     let mut rss = vec![];
+    let mut heap = vec![];
     let warm_up = Duration::from_secs(seconds / 10);
     while began.elapsed() < Duration::from_secs(seconds) {
         for q in &qs {
@@ -347,6 +349,7 @@ fn live_run(context: &str) -> LiveRun {
         pump(&bus, &mut answers, Duration::from_secs(ask_every), |_| false);
         std::thread::sleep(Duration::from_secs(ask_every).saturating_sub(tick.elapsed()));
         rss.push((began.elapsed(), rss_mib()));
+        heap.push((began.elapsed(), heap_mib()));
         if start.is_none() && !answers.status.is_empty() && began.elapsed() >= warm_up {
             start = Some(rss.last().unwrap().1);
         }
@@ -413,14 +416,25 @@ fn live_run(context: &str) -> LiveRun {
         encode != EVERY_FRAME || encoded + 2 * streams as u64 >= due,
         "{encoded} frames encoded ({encoder_skipped} skipped by the encoder) in {seconds} s at 1 frame/s x {streams}"
     );
-    let tenth = |from: Duration, to: Duration| {
-        let inside: Vec<f64> = rss.iter().filter(|(at, _)| *at >= from && *at < to).map(|(_, r)| *r).collect();
+    let mean = |samples: &[(Duration, f64)], from: Duration, to: Duration| {
+        let inside: Vec<f64> = samples.iter().filter(|(at, _)| *at >= from && *at < to).map(|(_, r)| *r).collect();
         inside.iter().sum::<f64>() / inside.len().max(1) as f64
     };
+    let tenth = |from: Duration, to: Duration| mean(&rss, from, to);
     // (A tenth of a short run holds no sample: then its first 3 s.)
     let tick = warm_up.max(Duration::from_secs(4));
-    let (first, last) =
-        (tenth(Duration::ZERO, tick), tenth(Duration::from_secs(seconds).saturating_sub(tick), Duration::MAX));
+    let last_tenth = Duration::from_secs(seconds).saturating_sub(tick);
+    let (first, last) = (tenth(Duration::ZERO, tick), tenth(last_tenth, Duration::MAX));
+    let heap_of =
+        |field: fn(&Heap) -> f64| -> Vec<(Duration, f64)> { heap.iter().map(|(at, h)| (*at, field(h))).collect() };
+    let (in_use, free) = (heap_of(|h| h.in_use), heap_of(|h| h.free));
+    let heap_tenths = format!(
+        "\"heap-in-use-first-tenth-mib\":{:.1},\"heap-in-use-last-tenth-mib\":{:.1},\"heap-free-first-tenth-mib\":{:.1},\"heap-free-last-tenth-mib\":{:.1}",
+        mean(&in_use, Duration::ZERO, tick),
+        mean(&in_use, last_tenth, Duration::MAX),
+        mean(&free, Duration::ZERO, tick),
+        mean(&free, last_tenth, Duration::MAX),
+    );
     // Each tenth's mean (null where a short run's tenth holds no sample).
     let tenths: Vec<String> = (0..10)
         .map(|i| {
@@ -453,7 +467,7 @@ fn live_run(context: &str) -> LiveRun {
         start_filled.or(start).expect("no answer in the whole run"),
         end,
         &format!(
-            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"rss-tenths-mib\":[{}],\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"frames-unchanged\":{unchanged},\"tiles-encoded\":{tiles_encoded},\"tiles-reused\":{tiles_reused},\"frames\":{frames},\"skipped\":{skipped},\"skipped-reported\":{reported},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
+            "\"context\":{context:?},\"streams\":{streams},\"seconds\":{seconds},\"rss-first-tenth-mib\":{:.1},\"rss-last-tenth-mib\":{:.1},\"rss-tenths-mib\":[{}],{heap_tenths},\"encode\":{encode:?},\"encoded\":{encoded},\"encoder-skipped\":{encoder_skipped},\"frames-unchanged\":{unchanged},\"tiles-encoded\":{tiles_encoded},\"tiles-reused\":{tiles_reused},\"frames\":{frames},\"skipped\":{skipped},\"skipped-reported\":{reported},\"dropped\":{dropped},\"restarts\":{restarts},\"slides\":{slides},\"questions\":{}",
             first,
             last,
             tenths.join(","),

@@ -32,6 +32,8 @@ fn a_still_scene_with_a_noise_patch_is_encoded_once_per_cap() {
     assert_eq!(encodes("smpte", "max-unchanged=4000000000"), (3, 7));
     // Without the gate every due frame is encoded.
     assert_eq!(encodes("smpte", "min-change=0"), (10, 0));
+    // The largest cap is never reached: the picture is encoded once.
+    assert_eq!(encodes("smpte", &format!("max-unchanged={}", u64::MAX - 1)), (1, 9));
 }
 
 #[test]

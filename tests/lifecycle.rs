@@ -275,6 +275,49 @@ fn null_does_not_wait_for_a_load_in_progress() {
     );
 }
 
+/// A stream whose start comes while the engines load waits for them; a stop meanwhile ends
+/// the wait without an error on the bus (a clean stop says nothing).
+#[test]
+fn a_stop_while_a_stream_waits_for_the_load_posts_no_error() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let pipeline = launch(
+        "videotestsrc is-live=true ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf engines=a:cpu:1,b:cpu:1,c:cpu:1 \
+         ! vlmquery name=q ! fakesink",
+    );
+    let bus = pipeline.bus().unwrap();
+    // (Read as posted: NULL flushes the bus.)
+    let (complete, errors) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(vec![])));
+    let (c2, e2) = (Arc::clone(&complete), Arc::clone(&errors));
+    bus.set_sync_handler(move |_, msg| {
+        match msg.view() {
+            gst::MessageView::Progress(p) if p.get().0 == gst::ProgressType::Complete && p.get().1 == "load-model" => {
+                c2.store(true, Ordering::Release)
+            }
+            gst::MessageView::Error(e) => e2.lock().unwrap().push(e.error().to_string()),
+            _ => (),
+        }
+        gst::BusSyncReply::Pass
+    });
+    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let (started_tx, started) = mpsc::channel();
+    ctx.sink_pads()[0].add_probe(gst::PadProbeType::EVENT_DOWNSTREAM, move |_, info| {
+        if let Some(gst::EventView::StreamStart(_)) = info.event().map(|e| e.view()) {
+            let _ = started_tx.send(());
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let _ = pipeline.set_state(gst::State::Playing);
+    started.recv_timeout(Duration::from_secs(30)).expect("the stream started");
+    // (Its handler is waiting for the load now, or about to.)
+    std::thread::sleep(Duration::from_millis(100));
+    set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), "PLAYING->NULL during the load");
+    assert!(!complete.load(Ordering::Acquire), "the load completed before the stop: nothing was tested");
+    let errors = errors.lock().unwrap();
+    assert!(errors.is_empty(), "a stop during the load posted {errors:?}");
+}
+
 /// A live camera is not held up while `vlmencode` loads its projector (100-700 MB for real
 /// models): with `leaky`, frames pass without embeddings meanwhile, and embeddings come once it
 /// has loaded. The load is held at a point the test controls (downstream answers the

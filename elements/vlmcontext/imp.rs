@@ -429,7 +429,12 @@ impl ElementImpl for VlmContext {
             return;
         };
         entry.cancel.store(true, Ordering::Release);
-        if let Some(s) = entry.stream.lock().take() {
+        let stream = {
+            // (A stream opening now is opened and taken here, or sees `cancel` and does not open.)
+            let _opening = self.opening.lock();
+            entry.stream.lock().take()
+        };
+        if let Some(s) = stream {
             s.close();
         }
         self.pads.lock().retain(|p| !Arc::ptr_eq(p, &entry));

@@ -314,7 +314,9 @@ impl VlmEncode {
         };
         let state = self.state.lock();
         let stale = match (time, state.gate_passed) {
-            (Some(t), Some(passed)) => !max_unchanged.is_zero() && (t < passed || t >= passed + max_unchanged),
+            (Some(t), Some(passed)) => {
+                !max_unchanged.is_zero() && (t < passed || t >= passed.saturating_add(max_unchanged))
+            }
             _ => false,
         };
         match state.gate.decide(&picture(&vframe, info, format), min_change) {

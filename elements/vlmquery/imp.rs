@@ -337,6 +337,8 @@ impl VlmQuery {
     /// PAUSED→READY, once the pads are inactive (the text pad's task stopped): a fresh state
     /// with zero statistics, still flushing until the text pad is activated again.
     fn reset(&self) {
+        // (A question accepted after `stop`, as a flush-stop raced it, still gets its answer.)
+        self.flush_start("the element stopped");
         let stats = {
             let mut shared = self.shared.lock();
             let stats = shared.stats;

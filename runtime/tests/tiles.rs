@@ -205,3 +205,25 @@ fn a_picture_resized_and_cut_here_gives_libmtmds_own_tiles_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn a_picture_too_narrow_for_the_longest_edge_is_refused_with_a_reason() {
+    // Longest edge 128: a 300x1 line (or a 1x300 column) would be resized to 128x0.
+    let enc = encoder("idefics3");
+    for (w, h) in [(300u32, 1u32), (1, 300)] {
+        let rgb = vec![128u8; (w * h * 3) as usize];
+        let err = enc
+            .encode_reusing(
+                &Picture::packed(&rgb, w, h, w as usize * 3, PixelLayout::Rgb),
+                TileReuse::Off,
+                Turn::default(),
+            )
+            .map(|_| ())
+            .expect_err("a picture resized to nothing");
+        assert!(err.to_string().contains("at most 128:1"), "{w}x{h}: {err}");
+    }
+    // Within the ratio it encodes.
+    let rgb = vec![128u8; 256 * 2 * 3];
+    enc.encode_reusing(&Picture::packed(&rgb, 256, 2, 256 * 3, PixelLayout::Rgb), TileReuse::Off, Turn::default())
+        .expect("a 128:1 picture");
+}

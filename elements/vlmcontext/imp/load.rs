@@ -272,6 +272,8 @@ impl VlmContext {
     }
 
     pub(super) fn stop(&self) {
+        // (Streams opening now are opened and closed here, or see `cancel` and do not open.)
+        let _opening = self.opening.lock();
         for pads in self.pads.lock().iter() {
             pads.cancel.store(true, Ordering::Release);
             if let Some(s) = pads.stream.lock().take() {

@@ -20,9 +20,11 @@ impl VlmContext {
     /// Locks are taken one at a time, none held across the upstream latency query, and only
     /// `opening` (taken nowhere else) across the stream's opening (`stop` takes the pads and then
     /// a pad's stream; `property` takes no other lock with the settings).
-    fn stream(&self, pads: &StreamPads) -> Result<Arc<Stream>, gst::ErrorMessage> {
+    /// `None` when the pad is flushing, stopping or released (nothing to report: no stream
+    /// opens for it).
+    fn stream(&self, pads: &StreamPads) -> Result<Option<Arc<Stream>>, gst::ErrorMessage> {
         if let Some(s) = pads.stream.lock().as_ref() {
-            return Ok(Arc::clone(s));
+            return Ok(Some(Arc::clone(s)));
         }
         {
             let mut st = self.state.lock();
@@ -31,6 +33,9 @@ impl VlmContext {
             while st.loading && !pads.cancel.load(Ordering::Acquire) {
                 self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
             }
+        }
+        if pads.cancel.load(Ordering::Acquire) {
+            return Ok(None);
         }
         let settings = self.settings.lock().clone();
         let name = pads.sink.downcast_ref::<crate::vlmcontext::VlmContextSinkPad>().map(|p| p.stream_name());
@@ -43,9 +48,14 @@ impl VlmContext {
         // One stream opens at a time: choosing its engine and taking a stream sequence there are
         // one step (two streams whose first frames came together, as when the engines finish
         // loading, would both choose the engine with one free sequence).
+        // (`stop` and `release_pad` set `cancel` and then take this lock to close the stream:
+        // one opened after they looked would be left open.)
         let _opening = self.opening.lock();
         if let Some(s) = pads.stream.lock().as_ref() {
-            return Ok(Arc::clone(s)); // opened meanwhile by another of the pad's threads
+            return Ok(Some(Arc::clone(s))); // opened meanwhile by another of the pad's threads
+        }
+        if pads.cancel.load(Ordering::Acquire) {
+            return Ok(None);
         }
         let (engine, engines, prompt) = {
             let st = self.state.lock();
@@ -80,7 +90,7 @@ impl VlmContext {
         })?;
         gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
         *pads.stream.lock() = Some(Arc::clone(&stream));
-        Ok(stream)
+        Ok(Some(stream))
     }
 
     /// Whether the stream comes from a live source (its frames cannot wait).
@@ -100,10 +110,13 @@ impl VlmContext {
         }
         let frame = buffer.meta::<VlmFrameMeta>().and_then(|m| m.frame().cloned());
         if let Some(frame) = frame {
-            let stream = self.stream(pads).map_err(|e| {
-                self.post_error_message(e);
-                gst::FlowError::Error
-            })?;
+            let stream = self
+                .stream(pads)
+                .map_err(|e| {
+                    self.post_error_message(e);
+                    gst::FlowError::Error
+                })?
+                .ok_or(gst::FlowError::Flushing)?;
             let lag = stream.lag();
             self.update_stats(pads, |stats| stats.max_lag_ms = stats.max_lag_ms.max(lag.ms));
             match stream.register(frame, &pads.cancel) {
@@ -237,7 +250,10 @@ impl VlmContext {
             gst::EventView::StreamStart(_) => {
                 let forwarded = pads.src.push_event(event);
                 return match self.stream(pads) {
-                    Ok(stream) => forwarded && pads.src.push_event(StreamEvent::event(stream.id(), stream.name())),
+                    Ok(Some(stream)) => {
+                        forwarded && pads.src.push_event(StreamEvent::event(stream.id(), stream.name()))
+                    }
+                    Ok(None) => false,
                     Err(e) => {
                         self.post_error_message(e);
                         false

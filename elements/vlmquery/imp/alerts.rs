@@ -573,10 +573,7 @@ impl VlmQuery {
     pub(super) fn push_alert_line(&self, text: String, at: Option<gst::ClockTime>) {
         let mut buffer = gst::Buffer::from_mut_slice(text.into_bytes());
         buffer.get_mut().unwrap().set_pts(at);
-        match self.srcpad.push(buffer) {
-            Ok(_) | Err(gst::FlowError::NotLinked) => (),
-            Err(e) => gst::debug!(CAT, imp = self, "alert line push: {e:?}"),
-        }
+        self.text_pushed(self.srcpad.push(buffer));
     }
 }
 

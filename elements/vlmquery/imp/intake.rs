@@ -517,8 +517,13 @@ impl VlmQuery {
                 self.subtitle_srcpad.push_event(event.clone());
                 let pushed = self.srcpad.push_event(event);
                 drop((cue_task_lock, task_lock));
-                self.start_task();
-                self.start_cue_task();
+                // (Not on pads a stop has deactivated: their tasks start with their activation.)
+                if self.srcpad.is_active() {
+                    self.start_task();
+                }
+                if self.subtitle_srcpad.is_active() {
+                    self.start_cue_task();
+                }
                 pushed
             }
             // The video's own events go on with it; the text pad makes its own.

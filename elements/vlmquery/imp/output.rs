@@ -511,10 +511,15 @@ impl VlmQuery {
         text: String,
         status: &str,
     ) {
-        match self.srcpad.push(answer_buffer(p, at, duration, text, status)) {
+        self.text_pushed(self.srcpad.push(answer_buffer(p, at, duration, text, status)));
+    }
+
+    /// What a push on the text pad returned.
+    pub(super) fn text_pushed(&self, result: Result<gst::FlowSuccess, gst::FlowError>) {
+        match result {
             // Answers read from the bus, the video shown or recorded: an unlinked text pad is fine.
             Err(gst::FlowError::NotLinked) if self.video_srcpad.is_linked() || self.subtitle_srcpad.is_linked() => {
-                gst::log!(CAT, imp = self, "text pad not linked; answer {} on the bus only", p.job.question.id)
+                gst::log!(CAT, imp = self, "text pad not linked: answers and alerts on the bus only")
             }
             Err(e) => self.flow_error(&self.srcpad, e),
             Ok(_) => (),
@@ -525,11 +530,14 @@ impl VlmQuery {
     /// error for a real failure (as gst-plugins-rs elements do), and pause the pad's task.
     fn flow_error(&self, pad: &gst::Pad, e: gst::FlowError) {
         gst::debug!(CAT, obj = pad, "push: {e:?}");
-        // Flushing ends with the flush (the task starts again); anything else travels upstream.
-        if e != gst::FlowError::Flushing {
-            self.shared.lock().srcresult = Some(e);
+        // Our own flushing ends with the flush (the task starts again); anything else (a peer
+        // flushing or inactive included) travels upstream, as GstQueue's srcresult does.
+        let mut shared = self.shared.lock();
+        if e != gst::FlowError::Flushing || !shared.flushing {
+            shared.srcresult = Some(e);
             self.changed.notify_all();
         }
+        drop(shared);
         crate::post_flow_error(self.obj().upcast_ref(), e);
         let _ = pad.pause_task();
     }

@@ -427,7 +427,9 @@ impl Engine {
         self.shared.start_backlog.lock().max(0.0)
     }
 
-    /// Queue ingestion; its cost counts in the ingestion backlog until it is done.
+    /// Queue ingestion; its cost counts in the ingestion backlog until it is done. Refused (a
+    /// failed or stopped engine), it is dropped without calling its completion: the caller
+    /// learns of it from the error (and may hold the lock the completion takes).
     pub(crate) fn ingest(&self, ingestion: Ingestion) -> Result<()> {
         let cost = ingestion.cost_ms;
         let queue = |n: isize, ms: f64| {
@@ -436,7 +438,14 @@ impl Engine {
             backlog.1 += ms;
         };
         queue(1, cost);
-        self.send(Job::Ingest(ingestion)).inspect_err(|_| queue(-1, -cost))
+        self.try_send(Job::Ingest(ingestion)).map_err(|refused| {
+            let (e, job) = *refused;
+            queue(-1, -cost);
+            if let Job::Ingest(mut refused) = job {
+                refused.done = None;
+            }
+            e
+        })
     }
 
     /// Run `job` on the engine thread ahead of queued prefill and wait for its result.
@@ -504,11 +513,18 @@ impl Engine {
     }
 
     fn send(&self, job: Job) -> Result<()> {
+        self.try_send(job).map_err(|refused| refused.0)
+    }
+
+    /// Queue `job`, or hand it back with the reason this engine takes no more jobs.
+    fn try_send(&self, job: Job) -> std::result::Result<(), Box<(Error, Job)>> {
         let jobs = self.jobs.lock();
-        let tx = jobs.as_ref().ok_or_else(|| {
-            Error::Engine(self.failure().unwrap_or_else(|| format!("engine {} is stopped", self.name())))
-        })?;
-        tx.send(job).map_err(|_| Error::Engine(format!("engine {} thread has exited", self.config.name)))
+        let Some(tx) = jobs.as_ref() else {
+            let failure = self.failure().unwrap_or_else(|| format!("engine {} is stopped", self.name()));
+            return Err(Box::new((Error::Engine(failure), job)));
+        };
+        tx.send(job)
+            .map_err(|e| Box::new((Error::Engine(format!("engine {} thread has exited", self.config.name)), e.0)))
     }
 
     /// Run `job` on the engine thread after the ingestion and jobs already queued (and between

@@ -649,6 +649,16 @@ impl Projector {
                 rgb.len()
             )));
         }
+        // A tiled preprocessor sets the longest edge: a picture more than that many times wider
+        // than high (or higher than wide) would be resized to nothing, here and in libmtmd.
+        if let Some(TileGeometry { tile, longest_edge, .. }) = self.tiled
+            && let ((0, _) | (_, 0), _) = super::resample::tiled_sizes(width, height, tile, longest_edge)
+        {
+            return Err(Error::BadInput(format!(
+                "image of {width}x{height}: this projector resizes its longest edge to {longest_edge} px, which leaves \
+                 the other under one pixel (an aspect ratio of at most {longest_edge}:1 fits)"
+            )));
+        }
         let n_embd = self.model.n_embd();
         let mut count = TileCount::default();
         let started = std::time::Instant::now();

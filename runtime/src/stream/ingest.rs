@@ -132,7 +132,7 @@ impl Stream {
                 }
             }));
         };
-        engine.ingest(Ingestion {
+        let queued = engine.ingest(Ingestion {
             prefill,
             begin: Some(Box::new(begin)),
             done: Some(Box::new(done)),
@@ -140,7 +140,14 @@ impl Stream {
             demand: Arc::clone(&self.demand),
             cost_ms,
             waiting: false,
-        })
+        });
+        // Refused (the engine failed or stopped): the version will never be published, and
+        // readers waiting for it learn why.
+        if let Err(e) = &queued {
+            Self::record_publication(t, Err(e.clone()));
+            self.changed.notify_all();
+        }
+        queued
     }
 
     /// Live on another engine from now on: `failed` (the resident engine) failed for good, so the
@@ -235,5 +242,30 @@ mod tests {
         drop(s);
         a.stop();
         b.stop();
+    }
+
+    /// An engine that takes no more jobs refuses a stream's next entry: the append fails with
+    /// the reason and readers waiting for a version learn it, instead of the refused job's
+    /// completion waiting for the lock its caller holds (a hang for good).
+    #[test]
+    fn an_entry_refused_by_a_stopped_engine_fails_the_stream_instead_of_hanging() {
+        let config =
+            EngineConfig { context_per_sequence: 256, max_streams: 1, max_branches: 1, ..EngineConfig::default() };
+        let a = Engine::start(&model_path(), config).expect("engine");
+        let prompt = Arc::new(Prompt::new(a.model(), DEFAULT_SYSTEM_PROMPT).expect("prompt"));
+        let s = Stream::open(&a, prompt, StreamConfig::new("s")).expect("stream");
+        let never = std::sync::atomic::AtomicBool::new(false);
+        s.wait_version(0, &never).expect("the prompt's version is published");
+        a.stop();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let s2 = Arc::clone(&s);
+        std::thread::spawn(move || {
+            let never = std::sync::atomic::AtomicBool::new(false);
+            let committed = s2.commit("Anything?", &[], &never).map(|_| ());
+            let _ = tx.send((committed, s2.wait_version(0, &never).map(|_| ())));
+        });
+        let (committed, read) = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the append hung");
+        assert!(committed.is_err_and(|e| e.to_string().contains("stopped")));
+        assert!(read.is_err_and(|e| e.to_string().contains("stopped")), "a reader did not learn of the failure");
     }
 }

@@ -24,3 +24,40 @@ fn status_mib(field: &str) -> f64 {
         .unwrap_or_else(|| panic!("{field} in /proc/self/status"));
     kib / 1024.0
 }
+
+/// What glibc's allocator holds, MiB: allocated by the program (heap chunks and mmapped blocks,
+/// resident or not: a KV cache's untouched pages count) and free inside its arenas (held, not
+/// given back: fragmentation, or memory kept for reuse).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Heap {
+    pub in_use: f64,
+    pub free: f64,
+}
+
+/// glibc's `struct mallinfo2` (every field a `size_t`).
+#[repr(C)]
+#[derive(Default)]
+struct MallInfo2 {
+    arena: usize,
+    ordblks: usize,
+    smblks: usize,
+    hblks: usize,
+    hblkhd: usize,
+    usmblks: usize,
+    fsmblks: usize,
+    uordblks: usize,
+    fordblks: usize,
+    keepcost: usize,
+}
+
+unsafe extern "C" {
+    fn mallinfo2() -> MallInfo2;
+}
+
+/// The allocator's figures now, over all its arenas.
+pub fn heap_mib() -> Heap {
+    // SAFETY: mallinfo2 only reads the allocator's statistics (under each arena's lock).
+    let m = unsafe { mallinfo2() };
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    Heap { in_use: mib(m.uordblks + m.hblkhd), free: mib(m.fordblks) }
+}
