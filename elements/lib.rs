@@ -46,6 +46,22 @@ pub(crate) fn post_flow_error(element: &gst::Element, e: gst::FlowError) {
     }
 }
 
+/// Refuse (with a warning naming it, the value kept) a property that only applies when the
+/// element starts (`mutable_ready`) while it is above READY or on its way there: GStreamer only
+/// flags such properties, and the new value would otherwise be ignored until the next start
+/// without a word. Returns whether it was refused.
+pub(crate) fn refused_while_running(element: &gst::Element, pspec: &glib::ParamSpec) -> bool {
+    use gst::prelude::*;
+    let running = element.current_state() > gst::State::Ready || element.pending_state() > gst::State::Ready;
+    if !running || !pspec.flags().contains(gst::PARAM_FLAG_MUTABLE_READY) {
+        return false;
+    }
+    let message = format!("{} cannot change while the element runs: it applies when it starts", pspec.name());
+    glib::g_warning!("vlm", "{}: {message}", element.name());
+    gst::element_warning!(element, gst::LibraryError::Settings, ("{}", message));
+    true
+}
+
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     route_llama_log();
     meta::register_answer_meta();

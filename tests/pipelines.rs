@@ -475,7 +475,7 @@ fn a_downstream_error_stops_vlmencode_with_one_error_and_upstream_never_blocks()
 }
 
 #[test]
-fn vlmencode_reports_its_slowest_encoding_as_latency() {
+fn vlmencode_reports_max_pending_of_its_slowest_encoding_as_latency() {
     let pipeline = launch(
         "videotestsrc is-live=true num-buffers=10 ! video/x-raw,width=160,height=120,framerate=10/1 ! videoconvert \
          ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model=models/SmolLM2-135M-Instruct.Q4_1.gguf interval=0 min-change=0 \
@@ -508,9 +508,9 @@ fn vlmencode_reports_its_slowest_encoding_as_latency() {
     // Its parts: the picture's preparation took time, and the parts fit in the whole.
     assert!(prepare_ms > 0.0 && wait_ms >= 0.0, "prepared in {prepare_ms} ms, waited {wait_ms} ms");
     assert!(prepare_ms + wait_ms < mean_ms, "{prepare_ms} + {wait_ms} ms of {mean_ms} ms");
-    // The slowest encoding is at least the mean one.
+    // A frame may leave after max-pending (2) encodes; the slowest is at least the mean one.
     let added_ms = (min - upstream_min).nseconds() as f64 / 1e6;
-    assert!(added_ms >= mean_ms, "latency adds {added_ms:.2} ms, mean encoding {mean_ms:.2} ms");
+    assert!(added_ms >= 2.0 * mean_ms, "latency adds {added_ms:.2} ms, mean encoding {mean_ms:.2} ms");
     assert!(latency_messages >= 1, "no latency message as encoding times became known");
 }
 

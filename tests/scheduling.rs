@@ -305,10 +305,13 @@ fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
 #[test]
 fn the_text_pad_follows_a_new_video_segment_without_a_flush() {
     // concat starts a second segment (a later base) without flushing: the text pad's GAPs and
-    // answers must be read in that segment, so it sends it too.
+    // answers must be read in that segment, so it sends it too; and `subtitle_src` covers the
+    // second segment's frames with GAPs in its time (which starts at 0 again), or a recorder
+    // waiting for it would wait until that segment passed where the first ended.
     let pipeline = launch(
         "concat name=c ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
          ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q ! fakesink sync=false \
+         q.subtitle_src ! fakesink sync=false async=false q.video_src ! fakesink sync=true \
          videotestsrc num-buffers=15 ! video/x-raw,width=160,height=120,framerate=30/1 ! c. \
          videotestsrc num-buffers=15 ! video/x-raw,width=160,height=120,framerate=30/1 ! c.",
     );
@@ -324,11 +327,35 @@ fn the_text_pad_follows_a_new_video_segment_without_a_flush() {
             gst::PadProbeReturn::Ok
         },
     );
+    // subtitle_src's segments (their count when each GAP came) and GAPs.
+    let gaps = Arc::new(Mutex::new((0, vec![])));
+    let g2 = Arc::clone(&gaps);
+    bin.by_name("q").unwrap().static_pad("subtitle_src").unwrap().add_probe(
+        gst::PadProbeType::EVENT_DOWNSTREAM,
+        move |_, info| {
+            let mut g = g2.lock().unwrap();
+            match info.event().map(|e| e.view()) {
+                Some(gst::EventView::Segment(_)) => g.0 += 1,
+                Some(gst::EventView::Gap(gap)) => {
+                    let (start, duration) = gap.get();
+                    let segment = g.0;
+                    g.1.push((segment, start, start + duration.unwrap_or_default()));
+                }
+                _ => (),
+            }
+            gst::PadProbeReturn::Ok
+        },
+    );
     let run = run(&pipeline);
     assert!(run.errors.is_empty(), "{:?}", run.errors);
     let bases = bases.lock().unwrap();
     assert_eq!(bases.len(), 2, "one segment per video segment on the text pad: {bases:?}");
     assert!(bases[1] > bases[0], "the second segment starts later: {bases:?}");
+    // 15 frames of 33 ms in each segment, played in real time: GAPs cover the second's frames
+    // too (its times are those of the first again: 0 to 0.5 s).
+    let (segments, gaps) = &*gaps.lock().unwrap();
+    assert_eq!(*segments, 2, "{gaps:?}");
+    assert!(gaps.iter().any(|(s, ..)| *s == 2), "no GAP on subtitle_src in the second segment: {gaps:?}");
 }
 
 #[test]

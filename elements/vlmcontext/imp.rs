@@ -159,7 +159,8 @@ impl Default for Settings {
             kv_type: KvTypeKind::F16,
             prefix_cache_size: 0,
             prefix_cache_entries: DEFAULT_PREFIX_CACHE_ENTRIES,
-            threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
+            // (At most the property's maximum: 256.)
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(256) as u32),
         }
     }
 }

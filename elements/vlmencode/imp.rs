@@ -131,7 +131,8 @@ impl Default for Settings {
             cache_bytes: DEFAULT_CACHE_BYTES,
             max_pending: DEFAULT_MAX_PENDING,
             leaky: false,
-            threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
+            // (At most the property's maximum: 256.)
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(256) as u32),
             contexts: 0,
             min_change: DEFAULT_MIN_CHANGE,
             max_unchanged: DEFAULT_MAX_UNCHANGED,
@@ -435,7 +436,8 @@ impl VlmEncode {
         }
     }
 
-    /// The latency query: upstream's, plus the slowest encoding seen (frames leave after it).
+    /// The latency query: upstream's, plus `max-pending` of the slowest encoding seen (a frame
+    /// leaves after the due frames ahead of it and its own, up to `max-pending` of them).
     fn src_query(&self, pad: &gst::Pad, query: &mut gst::QueryRef) -> bool {
         let gst::QueryViewMut::Latency(latency) = query.view_mut() else {
             return gst::Pad::query_default(pad, Some(&*self.obj()), query);
@@ -445,7 +447,8 @@ impl VlmEncode {
             return false;
         }
         let (live, min, max) = upstream.result();
-        let own = gst::ClockTime::from_nseconds((self.stats.lock().slowest_ms * 1e6) as u64);
+        let pending = f64::from(self.settings.lock().max_pending);
+        let own = gst::ClockTime::from_nseconds((self.stats.lock().slowest_ms * pending * 1e6) as u64);
         latency.set(live, min + own, max.map(|m| m + own));
         true
     }
@@ -693,6 +696,9 @@ impl ObjectImpl for VlmEncode {
     }
 
     fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
+        if crate::refused_while_running(self.obj().upcast_ref(), pspec) {
+            return;
+        }
         let mut s = self.settings.lock();
         match pspec.name() {
             "backend" => s.backend = value.get().unwrap(),

@@ -65,7 +65,8 @@
 //! ```
 //!
 //! A live source (a camera: `v4l2src` in place of `videotestsrc is-live=true`) sampled at most
-//! twice a second, never blocking the camera:
+//! twice a second, never blocking the camera while an encode takes under 64 frame intervals
+//! (docs/troubleshooting.md, "Overload and lag", for slower encoders):
 //!
 //! ```sh
 //! gst-launch-1.0 -m videotestsrc is-live=true num-buffers=90 ! videoconvert \
@@ -106,8 +107,9 @@
 //!   message names the file or the cause, the debug text the element's settings.
 //! - INFO when `backend=auto` falls back from the NPU.
 //! - LATENCY when the slowest encoding so far grows by a quarter or more: the latency query is
-//!   answered with upstream's latency plus the slowest encoding seen (frames leave after it), so
-//!   a live pipeline's sinks do not drop them.
+//!   answered with upstream's latency plus `max-pending` times the slowest encoding seen (a
+//!   frame leaves after the due frames ahead of it and its own), so a live pipeline's sinks do
+//!   not drop them.
 //!
 //! Debug category: `vlmencode`.
 //!

@@ -168,6 +168,9 @@ struct Video {
     /// Timestamp (in the video segment) of the newest video buffer, and where it ends.
     pts: Option<gst::ClockTime>,
     end: Option<gst::ClockTime>,
+    /// A new segment came and no timed frame of it yet: `pts` and `end` are the old segment's
+    /// (no GAP is sent from them).
+    between_segments: bool,
     segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     eos: bool,
     /// Running time of the frame the last periodic caption was asked at.
@@ -175,6 +178,11 @@ struct Video {
 }
 
 impl Video {
+    /// Where a GAP up to the newest frame ends: its end, once a frame of the current segment came.
+    fn gap_end(&self) -> Option<gst::ClockTime> {
+        self.end.filter(|_| !self.between_segments)
+    }
+
     fn newest(&self) -> (u64, Option<gst::ClockTime>) {
         self.frames.back().map_or((0, None), |&(_, pts, n)| (n, pts))
     }
@@ -237,15 +245,17 @@ struct Shared {
     /// What the text pad shows while it follows the video (see `output::Shown`).
     shown: Option<output::Shown>,
     /// Answers posted and not yet attached to a video buffer (`VlmAnswerMeta`), in question
-    /// order: one per video buffer.
+    /// order: one per video buffer; at most [`WAITING_MAX`] (a stalled video drops the oldest).
     video_answers: VecDeque<gst::Structure>,
     /// The query pad waits for room (`max-questions` pending).
     query_waiting: bool,
     /// Ids of the most recent accepted questions: an id is answered once.
     recent_ids: VecDeque<String>,
-    /// JSON lines of `vlm-alert`s (`output-format=json`) for the text pad, with their frames' pts.
+    /// JSON lines of `vlm-alert`s (`output-format=json`) for the text pad, with their frames' pts
+    /// (at most [`WAITING_MAX`]: a stalled text pad drops the oldest).
     alert_lines: VecDeque<(String, Option<gst::ClockTime>)>,
-    /// Answers for `subtitle_src` (one cue each, while it is linked), in question order.
+    /// Answers for `subtitle_src` (one cue each, while it is linked), in question order (at most
+    /// [`WAITING_MAX`]: a stalled recorder drops the oldest).
     cues: VecDeque<output::Cue>,
     /// How far `subtitle_src` has told downstream about (the start of its last cue, or the end
     /// of its last GAP).
@@ -261,6 +271,18 @@ struct PadStarted {
     segment_sent: bool,
 }
 
+/// Most answers waiting for a video buffer to ride on or for `subtitle_src`, and alert lines
+/// waiting for the text pad: beyond, the oldest goes (each is on the bus too).
+const WAITING_MAX: usize = 64;
+
+/// Queue `item` on `queue`, dropping the oldest beyond [`WAITING_MAX`].
+fn push_bounded<T>(queue: &mut VecDeque<T>, item: T) {
+    if queue.len() >= WAITING_MAX {
+        queue.pop_front();
+    }
+    queue.push_back(item);
+}
+
 pub struct VlmQuery {
     sinkpad: gst::Pad,
     querypad: gst::Pad,
@@ -274,6 +296,9 @@ pub struct VlmQuery {
     /// Held while `vlm-answer` messages are posted, so they go out in question order (taken
     /// before `shared`).
     post_order: Mutex<()>,
+    /// Answering threads of questions a flush cancelled: they end soon (each sees its cancel
+    /// flag), and are joined when the element stops, so none outlives it.
+    cancelled_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     changed: Condvar,
     /// Standing questions (`alerts`).
     alerts: alerts::Alerts,
@@ -300,11 +325,14 @@ impl VlmQuery {
             self.changed.notify_all();
             std::mem::take(&mut shared.pending)
         };
-        for p in pending {
+        for p in &pending {
             if !p.posted.swap(true, Ordering::AcqRel) {
-                self.post_answer(&p, Outcome::Cancelled(reason.into()));
+                self.post_answer(p, Outcome::Cancelled(reason.into()));
             }
         }
+        let mut threads = self.cancelled_threads.lock();
+        threads.retain(|t| !t.is_finished());
+        threads.extend(pending.iter().filter_map(|p| p.thread.lock().take()));
     }
 
     /// Reset what the flush made void; the query pad's own state (its caps, segment and EOS,
@@ -339,6 +367,18 @@ impl VlmQuery {
     fn reset(&self) {
         // (A question accepted after `stop`, as a flush-stop raced it, still gets its answer.)
         self.flush_start("the element stopped");
+        let threads = std::mem::take(&mut *self.cancelled_threads.lock());
+        // (Bounded: a thread stuck in an engine that hangs is left to end on its own.)
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while threads.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        for t in threads {
+            match t.is_finished() {
+                true => drop(t.join()),
+                false => gst::warning!(CAT, imp = self, "a cancelled answer's thread is still running"),
+            }
+        }
         let stats = {
             let mut shared = self.shared.lock();
             let stats = shared.stats;
@@ -478,6 +518,7 @@ impl ObjectSubclass for VlmQuery {
             // Refusing until READY->PAUSED: a question accepted before would be dropped there.
             shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
             post_order: Mutex::new(()),
+            cancelled_threads: Mutex::new(vec![]),
             changed: Condvar::new(),
             alerts: alerts::Alerts::default(),
             counters: counters::Counters::default(),
@@ -578,7 +619,8 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecUInt::builder("seed")
                     .nick("Seed")
-                    .blurb("Seed of the sampler (temp > 0)")
+                    .blurb("Seed of the sampler (temp > 0); 4294967295 is llama.cpp's random seed, refused")
+                    .maximum(u32::MAX - 1)
                     .default_value(d.seed)
                     .mutable_playing()
                     .build(),

@@ -199,7 +199,7 @@
 //! - `max-questions` (1-1024, 16): questions pending at once.
 //! - `commit-answers` (`none`/`ordered`, `none`): with `ordered`, each question and its answer
 //!   join the stream's history in question order, so later questions see the conversation.
-//! - `temp` (0 = greedy), `seed` (0), `top-k` (40), `top-p` (0.95), `min-p` (0.05).
+//! - `temp` (0 = greedy), `seed` (0; at most 4294967294), `top-k` (40), `top-p` (0.95), `min-p` (0.05).
 //! - Read-only: `answers` (answer buffers pushed), notified when it changes and zero again at
 //!   PAUSED→READY (read it before stopping the pipeline).
 //! - `alerts` (empty = none), `alert-interval` (1 = every frame), `alert-hold` (1 = change at

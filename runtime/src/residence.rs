@@ -12,7 +12,8 @@ use crate::llama::{Device, Gpu};
 /// The engine a new stream should live on (have its frames ingested on): the one where its
 /// ingestion would cost least with the streams already resident there, by measured prefill rate
 /// x (resident streams + 1), among engines with a free stream sequence (with none free, the
-/// first engine, whose refusal then names the limit; `None` only for no engines). Dealing streams out in
+/// first engine that has not failed, whose refusal then names the limit; `None` only for no
+/// engines). Dealing streams out in
 /// turn would leave half of them on an engine several times slower than another (the RK3588's
 /// CPU beside its GPU, a GPU host's cores beside the GPU); engines of equal speed still share the
 /// streams evenly, and engines of one GPU are of equal speed ([`gpu_rates`]).
@@ -34,7 +35,10 @@ pub fn resident_engine(engines: &[Arc<Engine>]) -> Option<&Arc<Engine>> {
             (rate, open, if e.failure().is_some() { 0 } else { free })
         })
         .collect();
-    least_loaded(&loads).map(|i| &engines[i]).or(engines.first())
+    least_loaded(&loads)
+        .map(|i| &engines[i])
+        .or_else(|| engines.iter().find(|e| e.failure().is_none()))
+        .or(engines.first())
 }
 
 /// The prefill rates streams are dealt out by: engines of one GPU (the same GPU and layers)

@@ -527,6 +527,10 @@ impl Stream {
 
     fn append(self: &Arc<Self>, entry: Entry, new_frame: bool, cancel: &AtomicBool) -> Result<Registration> {
         let mut t = self.timeline.lock();
+        // (An answer whose question a flush cancelled after it was generated is not committed.)
+        if cancel.load(Ordering::Acquire) {
+            return Err(Error::Cancelled);
+        }
         // Entries registered but not yet published (the prompt's own prefill not counted).
         let full = |t: &Timeline| (t.tail.serial - t.published_serial.max(1)) as usize >= self.config.max_pending;
         if new_frame && self.config.overload == Overload::Skip && full(&t) && t.failed.is_none() && !t.closed {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use gst::glib;
 use gst::prelude::*;
+use gst::subclass::prelude::ObjectSubclassExt;
 use vlm_runtime::models;
 use vlm_runtime::prompt::DEFAULT_SYSTEM_PROMPT;
 
@@ -257,6 +258,9 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
 impl VlmContext {
     /// `set_property`: a setting.
     pub(super) fn set_setting(&self, value: &glib::Value, pspec: &glib::ParamSpec) {
+        if crate::refused_while_running(self.obj().upcast_ref(), pspec) {
+            return;
+        }
         let mut s = self.settings.lock();
         match pspec.name() {
             PROP_MODEL => s.model = value.get::<Option<String>>().unwrap().unwrap_or_default(),

@@ -123,6 +123,7 @@ pub(super) fn properties() -> Vec<glib::ParamSpec> {
         glib::ParamSpecUInt64::builder("alert-period")
             .nick("Alert period")
             .blurb("Evaluate the alerts on a stream's frames at least this far apart in running time (ns, 0 = every frame alert-interval allows)")
+            .maximum(gst::ClockTime::MAX.nseconds())
             .mutable_playing()
             .build(),
         glib::ParamSpecUInt::builder("alert-hold")
@@ -480,7 +481,8 @@ impl VlmQuery {
             let mut shared = self.shared.lock();
             if !shared.flushing {
                 for s in &posts {
-                    shared.alert_lines.push_back((json_line(s), s.get::<Option<gst::ClockTime>>("pts").ok().flatten()));
+                    let pts = s.get::<Option<gst::ClockTime>>("pts").ok().flatten();
+                    super::push_bounded(&mut shared.alert_lines, (json_line(s), pts));
                 }
                 self.changed.notify_all();
             }

@@ -221,7 +221,11 @@ impl VlmQuery {
         });
         match result {
             Ok(report) if !report.cancelled => {
-                if commit && let Err(e) = p.commit.commit(&stream, &q.text, &report.token_ids, &p.cancel) {
+                // (Cancelled meanwhile by a flush: not committed, and its vlm-answer says so.)
+                if commit
+                    && let Err(e) = p.commit.commit(&stream, &q.text, &report.token_ids, &p.cancel)
+                    && !matches!(e, vlm_runtime::Error::Cancelled)
+                {
                     self.warn_question(
                         gst::StreamError::Failed,
                         Some(&q.id),
@@ -342,6 +346,7 @@ impl VlmQuery {
         if let Some(pts) = buffer.pts() {
             shared.video.pts = Some(pts);
             shared.video.end = Some(pts.saturating_add(buffer.duration().unwrap_or(gst::ClockTime::ZERO)));
+            shared.video.between_segments = false;
         }
         // The oldest answer not yet on a video buffer rides on this one.
         let answer = shared.video_answers.pop_front();
@@ -453,7 +458,8 @@ impl VlmQuery {
                 let mut shared = self.shared.lock();
                 shared.video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
                 (shared.text_pad.segment_sent, shared.cue_pad.segment_sent) = (false, false);
-                shared.text_position = None;
+                (shared.text_position, shared.cue_position, shared.gap_ahead) = (None, None, None);
+                shared.video.between_segments = true;
                 drop(shared);
                 self.video_srcpad.push_event(event);
                 true

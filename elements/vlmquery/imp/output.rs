@@ -171,7 +171,7 @@ impl VlmQuery {
             if !cancelled {
                 let mut shared = self.shared.lock();
                 if !shared.flushing {
-                    shared.video_answers.push_back(video_answer(&message));
+                    super::push_bounded(&mut shared.video_answers, video_answer(&message));
                     self.queue_cue(&mut shared, &p, &message);
                 }
             }
@@ -387,7 +387,7 @@ impl VlmQuery {
         // so that a muxer waiting for this pad's next item before it writes the video up to it
         // (matroskamux, with no queue between) goes on instead of waiting for ever.
         if shared.shown.is_none()
-            && let (Some(end), Some(position)) = (shared.video.end, shared.text_position)
+            && let (Some(end), Some(position)) = (shared.video.gap_end(), shared.text_position)
             && position > end
             && shared.gap_ahead != Some(position)
         {
@@ -396,7 +396,7 @@ impl VlmQuery {
         }
         // Nothing to say up to the newest frame: tell downstream, so it never waits.
         if shared.shown.is_none()
-            && let Some(end) = shared.video.end
+            && let Some(end) = shared.video.gap_end()
             && shared.text_position.is_none_or(|t| t < end)
         {
             let start = shared.text_position.unwrap_or(shared.video.pts.unwrap_or(end));
@@ -415,7 +415,7 @@ impl VlmQuery {
         let text = message.get::<String>("text").unwrap_or_default();
         let duration = gst::ClockTime::from_nseconds(self.settings.lock().answer_duration);
         let pts = shared.video.end.max(shared.cue_position).or(p.job.pts);
-        shared.cues.push_back(Cue { pending: Arc::clone(p), text, pts, duration });
+        super::push_bounded(&mut shared.cues, Cue { pending: Arc::clone(p), text, pts, duration });
         self.changed.notify_all();
     }
 
@@ -469,7 +469,7 @@ impl VlmQuery {
                 NextCue::Eos
             });
         }
-        let end = shared.video.end?;
+        let end = shared.video.gap_end()?;
         let start = shared.cue_position.unwrap_or(shared.video.pts.unwrap_or(end));
         (start < end).then(|| {
             shared.cue_position = Some(end);
