@@ -74,19 +74,23 @@
 //! Every property below: Since: 0.1.
 //!
 //! - `model` (string): language-model GGUF. `retain` (true): keep each stream's KV.
-//! - `engines` (`cpu`), `threads` (the machine's cores; an engine's THREADS overrides it).
+//! - `engines` (`cpu`), `threads` (1-256; the machine's cores, at most 256; an engine's THREADS overrides it).
 //! - `system-prompt`: the system message that starts every history.
 //! - `context-size` (512-131072, 2048): KV cells per stream (history, question and answer).
-//! - `max-streams` (1-64, 2): streams the engines hold KV for. `max-answers` (1-64, 8): answers
+//! - `max-streams` (1-64; unset: the sink pads requested before the model loads, at least 2):
+//!   streams the engines hold KV for. `max-answers` (1-64, 8): answers
 //!   generated at once per engine.
-//! - `kv-layout` (`per-sequence`/`unified`, `per-sequence`): `per-sequence` gives every stream and
+//! - `kv-layout` (`auto`/`per-sequence`/`unified`, `auto`: `unified` where every engine is on the
+//!   CPU, `per-sequence` where one is on a GPU or remote): `per-sequence` gives every stream and
 //!   every answer a KV sequence of `context-size` cells (an answer copies its version's prefix;
 //!   answers bit-identical to a re-prefill); `unified` one pool of (`max-streams` + 1) x
 //!   `context-size` + `max-answers` x 256 cells where an answer shares its version's cells and
 //!   costs only its question and tokens (greedy answers agree closely with a re-prefill, not bit
-//!   for bit). `kv-type` (`f16`/`q8_0`/`q4_0`, `f16`): the KV element type; quantized types need
-//!   `flash-attention=true`, and snapshots move only between engines of one type.
-//! - `flash-attention` (false): llama.cpp's `--flash-attn` on every engine (also a much smaller
+//!   for bit). `kv-type` (`f16`/`q8_0`/`q4_0`, `f16`): the KV element type; quantized types turn
+//!   `flash-attention` on (llama.cpp quantizes V only with it), and snapshots move only between
+//!   engines of one type.
+//! - `flash-attention` (unset: on with the unified pool or a GPU engine, else off): llama.cpp's
+//!   `--flash-attn` on every engine (also a much smaller
 //!   compute buffer, most of all with `kv-layout=unified`; use it with an `rpc` engine, whose
 //!   snapshots it makes ~100x faster).
 //! - `gpu-device` (0): llama.cpp's `--device` for the `gpu` engines, an index among its GPUs

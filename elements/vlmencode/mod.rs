@@ -87,7 +87,7 @@
 //! - `max-pending` (1-64, 2): frames waiting for or in the encoder before upstream blocks.
 //! - `leaky` (false): when the encoder is full, due frames pass without embeddings instead.
 //! - `cache-entries` (64, 0 = no cache), `cache-bytes` (64 MiB): the embedding cache.
-//! - `threads` (the machine's cores): CPU threads of the encoder.
+//! - `threads` (1-256; the machine's cores, at most 256): CPU threads of the encoder.
 //! - `min-change` (0-1, 0.001; 0 = off): the share of the picture's blocks (and at least one)
 //!   that must have changed since the last encoded frame for a due frame to be encoded.
 //! - `max-unchanged` (ns, 30000000000; 0 = never): stream time after which an unchanged

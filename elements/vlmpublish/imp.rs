@@ -93,7 +93,7 @@ impl VlmPublish {
     /// The connection options of `s`, TLS included, or why they cannot be made.
     fn options(&self, s: &Settings) -> Result<rumqttc::MqttOptions, gst::ErrorMessage> {
         let (host, port) = route::parse_address(&s.address)
-            .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ["address: {}", e]))?;
+            .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ("address: {}", e)))?;
         let client_id = if s.client_id.is_empty() {
             format!("gst-vlm-{}-{}", std::process::id(), self.obj().name())
         } else {
@@ -107,7 +107,7 @@ impl VlmPublish {
         if !s.username.is_empty() {
             options.set_credentials(s.username.clone(), s.password.clone());
         } else if !s.password.is_empty() {
-            return Err(gst::error_msg!(gst::ResourceError::Settings, ["password is set without a username"]));
+            return Err(gst::error_msg!(gst::ResourceError::Settings, ("password is set without a username")));
         }
         if s.tls {
             let config = tls_config(&s.ca_file)?;
@@ -149,18 +149,18 @@ fn tls_config(ca_file: &str) -> Result<rustls::ClientConfig, gst::ErrorMessage> 
         if roots.is_empty() {
             return Err(gst::error_msg!(
                 gst::ResourceError::Settings,
-                ["tls: no CA certificates found in the system's store: set ca-file"]
+                ("tls: no CA certificates found in the system's store: set ca-file")
             ));
         }
     } else {
         let certs = CertificateDer::pem_file_iter(ca_file)
             .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| gst::error_msg!(gst::ResourceError::OpenRead, ["ca-file {}: {}", ca_file, e]))?;
+            .map_err(|e| gst::error_msg!(gst::ResourceError::OpenRead, ("ca-file {}: {}", ca_file, e)))?;
         roots.add_parsable_certificates(certs);
         if roots.is_empty() {
             return Err(gst::error_msg!(
                 gst::ResourceError::OpenRead,
-                ["ca-file {}: no PEM certificate in it", ca_file]
+                ("ca-file {}: no PEM certificate in it", ca_file)
             ));
         }
     }
@@ -171,7 +171,7 @@ fn tls_config(ca_file: &str) -> Result<rustls::ClientConfig, gst::ErrorMessage> 
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     Ok(rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
-        .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ["tls: {}", e]))?
+        .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ("tls: {}", e)))?
         .with_root_certificates(roots)
         .with_no_client_auth())
 }
@@ -388,7 +388,7 @@ impl BaseSinkImpl for VlmPublish {
             s.max_buffered as usize,
             Arc::clone(&self.stats),
         )
-        .map_err(|e| gst::error_msg!(gst::CoreError::Failed, ["{}", e]))?;
+        .map_err(|e| gst::error_msg!(gst::CoreError::Failed, ("{}", e)))?;
         gst::info!(CAT, imp = self, "publishing to {} (qos {}, topic {})", s.address, s.qos, s.topic);
         *self.running.lock() = Some(running);
         Ok(())

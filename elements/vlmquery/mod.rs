@@ -153,7 +153,7 @@
 //! alerts with a WARNING): no sampling, `P(yes)` the softmax over the two logits, the state
 //! `yes > no`. Evaluations share the engine's steps with answers, and a question a user asked
 //! starts before every evaluation still waiting. A frame's alerts are decided in one decode, and
-//! with `kv-layout` unified (the default) the words their questions open with are decoded once for
+//! with `kv-layout` unified (the default on CPU engines) the words their questions open with are decoded once for
 //! all of them: questions phrased alike ("Is there a person?", "Is there a vehicle?") cost less.
 //! While `alerts` is set, the streams' frames are ingested as frames a question waits for are. `alert-interval` evaluates every Nth frame;
 //! `alert-hold` is the hysteresis (a state changes after N evaluations in a row of the other

@@ -263,13 +263,18 @@ impl Preparation {
             PreparePath::Resident => {
                 return Err(Error::Config(format!("the history is not resident on engine {}", engine.name())));
             }
-            PreparePath::Import => {
-                let snapshot = snapshot(version)?;
-                if let Some(why) = snapshot.tag.incompatibility(&engine.compat_tag()) {
-                    return Err(Error::Incompatible(why));
+            PreparePath::Import => match snapshot(version) {
+                Ok(snapshot) => {
+                    if let Some(why) = snapshot.tag.incompatibility(&engine.compat_tag()) {
+                        return Err(Error::Incompatible(why));
+                    }
+                    Preparation::Import(snapshot)
                 }
-                Preparation::Import(snapshot)
-            }
+                // A slide, restart or move began since the placer chose: the history replays,
+                // as a resident branch's does then.
+                Err(_) if version.stream.resident_epoch() != version.epoch => Preparation::Replay,
+                Err(e) => return Err(e),
+            },
             PreparePath::Replay => Preparation::Replay,
         })
     }

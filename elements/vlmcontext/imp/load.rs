@@ -201,9 +201,18 @@ impl VlmContext {
                 Error::File { .. } => {
                     gst::error_msg!(gst::ResourceError::OpenRead, ("{}", e), ["vlmcontext model={}", s.model])
                 }
-                Error::Config(_) => {
-                    gst::error_msg!(gst::ResourceError::Settings, ("{}", e), ["vlmcontext engines={}", s.engines])
-                }
+                Error::Config(_) => gst::error_msg!(
+                    gst::ResourceError::Settings,
+                    ("{}", e),
+                    [
+                        "vlmcontext model={} engines={} gpu-device={} gpu-layers={} context-size={}",
+                        s.model,
+                        s.engines,
+                        s.gpu_device,
+                        s.gpu_layers,
+                        s.context_size
+                    ]
+                ),
                 e => gst::error_msg!(gst::ResourceError::Failed, ("{}", e), ["vlmcontext model={}", s.model]),
             }
         };

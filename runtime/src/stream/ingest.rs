@@ -141,8 +141,15 @@ impl Stream {
             cost_ms,
             waiting: false,
         });
-        // Refused (the engine failed or stopped): the version will never be published, and
-        // readers waiting for it learn why.
+        // Refused by an engine that has just failed (its failure handler, which moves the
+        // streams resident there, may not have come to this one yet): move now, with the planned
+        // versions (this one among them); the handler then finds it moved.
+        let queued = match queued {
+            Err(_) if engine.failure().is_some() => self.move_home_locked(t, &engine),
+            queued => queued,
+        };
+        // Refused (the engine stopped, or failed with nowhere to go): the version will never be
+        // published, and readers waiting for it learn why.
         if let Err(e) = &queued {
             Self::record_publication(t, Err(e.clone()));
             self.changed.notify_all();
@@ -157,18 +164,30 @@ impl Stream {
     /// version is rebuilt there (one more record of the same frame), so the stream is resident
     /// again. Published versions of the old epochs stay readable by replay.
     fn move_home(self: &Arc<Self>, failed: &Arc<Engine>) -> Result<()> {
+        self.move_home_locked(&mut self.timeline.lock(), failed)
+    }
+
+    /// [`Stream::move_home`] under the timeline lock.
+    fn move_home_locked(self: &Arc<Self>, t: &mut Timeline, failed: &Arc<Engine>) -> Result<()> {
+        // (Moved already: by its own refused entry, before the failure handler came to it.)
+        if !Arc::ptr_eq(&self.home.lock().engine, failed) {
+            return Ok(());
+        }
         let others: Vec<Arc<Engine>> =
             self.config.peers.iter().filter(|e| !Arc::ptr_eq(e, failed) && e.failure().is_none()).cloned().collect();
         let engine = crate::residence::resident_engine(&others)
             .ok_or_else(|| Error::Config("no other engine is configured for it".into()))?;
         // A stream that has already failed stays where it is: checked before a sequence is taken
         // on the new engine, which would otherwise be lost to it (nothing gives it back).
-        let mut t = self.timeline.lock();
         if let Some(e) = &t.failed {
             return Err(e.clone());
         }
         let seq = engine.take_stream_seq()?;
         *self.home.lock() = Home { engine: Arc::clone(engine), seq };
+        // No version is resident on the new engine until its first rebuild begins there (which
+        // sets its epoch): readers of the versions published on the failed one replay them,
+        // instead of branching from a sequence that does not hold them yet.
+        self.resident_epoch.store(u32::MAX, Ordering::Release);
         let mut planned: Vec<Record> = t.planned.drain(..).collect();
         if planned.is_empty() {
             planned.push(Record { serial: t.tail.serial + 1, ..t.tail.clone() });
@@ -191,7 +210,7 @@ impl Stream {
             record.shifted = false;
             t.tail = record.clone();
             t.planned.push_back(record.clone());
-            self.ingest(&mut t, record, rebuild)?;
+            self.ingest(t, record, rebuild)?;
         }
         crate::llama::log(
             crate::llama::LogLevel::Warn,
