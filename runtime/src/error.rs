@@ -23,6 +23,10 @@ pub enum Error {
         "history full: {frames} frames fill {used} of the {cells} KV cells of the stream's sequence (the rest is kept for answers)"
     )]
     HistoryFull { frames: u64, used: u32, cells: u32 },
+    /// The unified KV pool has no free cells for a decode now (answers holding cells free them
+    /// as they end).
+    #[error("{0}")]
+    PoolFull(String),
     /// A stored state cannot be consumed by the target engine.
     #[error("incompatible snapshot: {0}")]
     Incompatible(String),

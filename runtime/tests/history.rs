@@ -597,3 +597,73 @@ fn versions_of_frames_that_slid_out_long_ago_are_no_longer_retained() {
         other => panic!("frame 5 left the history 20 frames ago: {:?}", other.map(|v| v.number)),
     }
 }
+
+/// A unified pool that has no room for a stream's next entry while answers hold its cells: the
+/// entry waits for them to end instead of failing the stream for good. Two answers replay a
+/// long history on cells of their own (the pool's spare sequence holds one such, not two), and
+/// another stream commits a long answer meanwhile: its prefill runs out of room until they end.
+#[test]
+fn an_entry_the_unified_pool_has_no_room_for_waits_for_the_answers_holding_it() {
+    // 2 streams + 1 spare of 1024 cells and 2 x 256 answer cells: 3584. The long history takes
+    // ~900, each replay as much again and its tokens, so ~800 are free for the 950-token commit.
+    let config = EngineConfig {
+        name: "cpu".into(),
+        context_per_sequence: 1024,
+        max_streams: 2,
+        max_branches: 2,
+        kv_layout: KvLayout::Unified,
+        answer_cells: 256,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&model_path(), config).expect("engine");
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let long = Stream::open(&engine, Arc::clone(&prompt), StreamConfig::new("long")).unwrap();
+    let config = StreamConfig { answer_reserve: 0, ..StreamConfig::new("talk") };
+    let talk = Stream::open(&engine, prompt, config).unwrap();
+    // The long history: frames until the next would not fit its sequence.
+    let capacity = engine.n_ctx_per_seq() as i32 - StreamConfig::new("long").answer_reserve;
+    let mut n = 0;
+    let version = loop {
+        n += 1;
+        long.register(frame(&enc, n as u32), &never).unwrap();
+        let v = long.wait_version(n, &never).unwrap();
+        if v.cells + 36 > capacity {
+            break v;
+        }
+    };
+    // Two answers replaying it, each on cells of its own, as long as their cells allow.
+    let (started, decoding) = std::sync::mpsc::channel::<()>();
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (v, e, never, started) = (version.clone(), Arc::clone(&engine), Arc::clone(&never), started.clone());
+            std::thread::spawn(move || {
+                let q = vlm_runtime::Question { ignore_eos: true, ..question("Tell me about the picture.", 1000) };
+                let mut first = Some(started);
+                vlm_runtime::answer_on(&v, &q, &e, PreparePath::Replay, &never, |_| {
+                    if let Some(started) = first.take() {
+                        let _ = started.send(());
+                    }
+                })
+            })
+        })
+        .collect();
+    for _ in 0..2 {
+        decoding.recv_timeout(Duration::from_secs(120)).expect("an answer started");
+    }
+    // 950 tokens committed on the other stream while both decode.
+    let words = engine.model().tokenize(&" the picture".repeat(950), false, false).unwrap();
+    let committed = talk.commit("What did you see?", &words[..950], &never).unwrap();
+    let published = talk.wait_version(committed.number, &never);
+    // The answers end: answered, or failed for want of a cell the entry took first (an answer
+    // fails, the stream goes on).
+    for r in readers {
+        match r.join().unwrap() {
+            Ok(report) => assert!(report.tokens > 0),
+            Err(e) => assert!(matches!(e, Error::PoolFull(_)), "{e}"),
+        }
+    }
+    assert!(published.is_ok(), "the entry failed its stream: {:?}", published.err());
+    engine.stop();
+}

@@ -238,8 +238,12 @@ impl Scheduler {
             }
             let tokens = ((budget - spent) / w.prefill_ms_per_token()) as usize;
             let started = Instant::now();
-            if let Err(e) = prefill_chunk(w, &mut s.prefill, tokens.max(MIN_CHUNK), true) {
-                break Err(e);
+            match prefill_chunk(w, &mut s.prefill, tokens.max(MIN_CHUNK), true) {
+                // No room in the unified pool while other answers decode: they free cells as
+                // they end (or fail for want of one), so this one waits for them.
+                Err(Error::PoolFull(_)) if !self.active.is_empty() => return true,
+                Err(e) => break Err(e),
+                Ok(()) => (),
             }
             spent += ms_since(started);
         };
@@ -313,6 +317,11 @@ impl Scheduler {
         let before = ing.prefill.remaining();
         let result = prefill_chunk(w, &mut ing.prefill, tokens.max(MIN_CHUNK), waited);
         self.split.ingest_inputs += (before - ing.prefill.remaining()) as u64;
+        // No room in the unified pool while answers hold cells: they free them as they end, so
+        // the chunk is tried again after them instead of failing the stream for good.
+        if matches!(result, Err(Error::PoolFull(_))) && (!self.active.is_empty() || !self.starting.is_empty()) {
+            return Some(Ran::Ingestion);
+        }
         if result.is_err() || ing.prefill.is_done() {
             let end = ing.prefill.pos;
             self.finish(w, shared, 0, result.map(|()| end));

@@ -260,7 +260,7 @@ impl Context {
         };
         if rc == 1 && self.unified {
             let (first, seq) = batch.first();
-            return Err(Error::Engine(format!(
+            return Err(Error::PoolFull(format!(
                 "the unified KV pool ({} cells) has no room for {} inputs at position {first} of sequence {seq}",
                 self.n_ctx(),
                 batch.len()
