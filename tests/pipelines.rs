@@ -215,9 +215,12 @@ fn a_truncated_model_or_malformed_engines_is_an_error_naming_the_cause() {
     }
     // A GPU that is not there (llama.cpp lists none here; with one, "no GPU 9: llama.cpp found
     // 1 (...)": runtime/tests/gpu.rs), and an RPC endpoint without an address.
-    for (settings, says) in
-        [("engines=gpu gpu-device=9 gpu-layers=4", "no GPU"), ("engines=cpu,far:rpc:gpu-box", "bad RPC endpoint list")]
-    {
+    // Cores this process may not run on (the machine has far fewer than 1000).
+    for (settings, says) in [
+        ("engines=gpu gpu-device=9 gpu-layers=4", "no GPU"),
+        ("engines=cpu,far:rpc:gpu-box", "bad RPC endpoint list"),
+        ("engines=a:cpu:1:1000", "engine a: cores 1000 are not among"),
+    ] {
         let e = error_of(&format!(
             "videotestsrc num-buffers=5 ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf \
              ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf {settings} ! vlmquery ! fakesink"

@@ -195,6 +195,23 @@ impl Engine {
                 config.step_budget_ms, config.ingest_share
             )));
         }
+        // Cores the process may not run on (another machine's list, a container's cpuset) would
+        // leave the engine unpinned without a word: refused, naming them.
+        let allowed = crate::llama::current_thread_cores();
+        let outside: Vec<String> = config
+            .cores
+            .iter()
+            .filter(|c| !allowed.is_empty() && !allowed.contains(c))
+            .map(|c| c.to_string())
+            .collect();
+        if !outside.is_empty() {
+            return Err(Error::Config(format!(
+                "engine {}: cores {} are not among the {} this process may run on",
+                config.name,
+                outside.join(", "),
+                allowed.len()
+            )));
+        }
         let params = ContextParams {
             n_ctx_per_seq: config.context_per_sequence,
             n_seq: config.max_streams + config.max_branches,
