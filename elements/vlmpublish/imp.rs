@@ -64,10 +64,6 @@ impl Default for Settings {
     }
 }
 
-/// The properties that apply only when the element starts.
-const AT_START: [&str; 9] =
-    ["address", "mqtt-qos", "client-id", "username", "password", "tls", "ca-file", "retain", "max-buffered"];
-
 #[derive(Default)]
 pub struct VlmPublish {
     settings: Mutex<Settings>,
@@ -279,8 +275,7 @@ impl ObjectImpl for VlmPublish {
 
     fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
         let name = pspec.name();
-        if AT_START.contains(&name) && self.running.lock().is_some() {
-            self.refuse(format!("{name} cannot change while the element runs: it applies when it starts"));
+        if crate::refused_while_running(self.obj().upcast_ref(), pspec) {
             return;
         }
         let string = || value.get::<Option<String>>().unwrap().unwrap_or_default();

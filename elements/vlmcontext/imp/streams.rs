@@ -34,9 +34,6 @@ impl VlmContext {
                 self.loaded.wait_for(&mut st, std::time::Duration::from_millis(100));
             }
         }
-        if pads.cancel.load(Ordering::Acquire) {
-            return Ok(None);
-        }
         let settings = self.settings.lock().clone();
         let name = pads.sink.downcast_ref::<crate::vlmcontext::VlmContextSinkPad>().map(|p| p.stream_name());
         let overload = match settings.overload {
