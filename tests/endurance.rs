@@ -108,6 +108,8 @@ struct Answers {
     ttft: Vec<(Instant, f64)>,
     /// TTFT from the capture of the question's frame (`ttft-from-capture-ms`: live cameras).
     ttft_from_capture: Vec<f64>,
+    /// How old the picture an answer saw was when it was asked (`picture-age-ms`: staleness).
+    picture_age: Vec<f64>,
     lag_ms: Vec<f64>,
     overload: std::collections::HashMap<String, u64>,
     /// Answers by how they were prepared (`resident`, `import`, `replay`).
@@ -143,6 +145,7 @@ fn pump(
                     if status == "answered" {
                         answers.ttft.push((Instant::now(), s.get::<f64>("ttft-ms").unwrap()));
                         answers.ttft_from_capture.push(s.get::<f64>("ttft-from-capture-ms").unwrap());
+                        answers.picture_age.push(s.get::<f64>("picture-age-ms").unwrap_or(0.0));
                         answers.lag_ms.push(s.get::<f64>("lag-ms").unwrap_or(0.0));
                         *answers.paths.entry(s.get::<String>("path").unwrap_or_default()).or_default() += 1;
                     }
@@ -450,13 +453,15 @@ fn live_run(context: &str) -> LiveRun {
     let lag = answers.lag_ms.clone();
     let from_capture = answers.ttft_from_capture.clone();
     println!(
-        "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0},\"from-capture-p50-ms\":{:.0},\"from-capture-p95-ms\":{:.0},\"lag-p50-ms\":{:.0},\"lag-p95-ms\":{:.0},\"lag-max-ms\":{:.0},\"paths\":{:?}}}",
+        "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0},\"from-capture-p50-ms\":{:.0},\"from-capture-p95-ms\":{:.0},\"picture-age-p50-ms\":{:.0},\"picture-age-p95-ms\":{:.0},\"lag-p50-ms\":{:.0},\"lag-p95-ms\":{:.0},\"lag-max-ms\":{:.0},\"paths\":{:?}}}",
         ttft.len(),
         quantile(ttft.clone(), 0.5),
         quantile(ttft.clone(), 0.95),
         quantile(ttft, 1.0),
         quantile(from_capture.clone(), 0.5),
         quantile(from_capture, 0.95),
+        quantile(answers.picture_age.clone(), 0.5),
+        quantile(answers.picture_age.clone(), 0.95),
         quantile(lag.clone(), 0.5),
         quantile(lag.clone(), 0.95),
         quantile(lag, 1.0),
