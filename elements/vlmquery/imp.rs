@@ -160,6 +160,9 @@ struct Video {
     stream: Option<Arc<Stream>>,
     /// (running time, pts, frame number) of recent registered frames.
     frames: VecDeque<(Option<gst::ClockTime>, Option<gst::ClockTime>, u64)>,
+    /// Running times of recent sampled frames, those `vlmencode min-change` held included: the
+    /// frame a question is about may be one the gate held.
+    captures: VecDeque<gst::ClockTime>,
     /// Running time of the newest video buffer, registered or not.
     running_time: Option<gst::ClockTime>,
     /// The newest video buffer had no timestamp: a timed question cannot be matched to the
@@ -190,6 +193,16 @@ impl Video {
     /// The running time of registered frame `number`, while it is among the recent ones.
     fn time_of(&self, number: u64) -> Option<gst::ClockTime> {
         self.frames.iter().rev().find(|f| f.2 == number).and_then(|f| f.0)
+    }
+
+    /// The capture (running time) of the frame a question is about: the newest sampled frame at
+    /// or before its time `at`, held or not (its answer reflects that frame, the picture it was
+    /// bound to standing for it); an untimed question's is the capture of its bound frame.
+    fn question_capture(&self, at: Option<gst::ClockTime>, bound: u64) -> Option<gst::ClockTime> {
+        match at {
+            Some(at) => self.captures.iter().rev().find(|&&rt| rt <= at).copied(),
+            None => self.time_of(bound),
+        }
     }
 
     /// The newest frame at or before running time `t`.
@@ -792,5 +805,31 @@ impl ElementImpl for VlmQuery {
             self.reset();
         }
         Ok(ret)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The frame a question is about is the newest sampled frame at or before its time, also
+    /// where the change gate held it: `ttft-from-capture-ms` counts from there, not from the
+    /// older picture that stood for it (`picture-age-ms` tells that one's age).
+    #[test]
+    fn a_questions_frame_is_the_newest_sampled_one_held_or_not() {
+        let (s, ms) = (gst::ClockTime::from_seconds, gst::ClockTime::from_mseconds);
+        // Frame 1 captured at 0 s; the frames at 1 s and 2 s held (standing for it).
+        let video = Video {
+            frames: [(Some(s(0)), Some(s(0)), 1)].into(),
+            captures: [s(0), s(1), s(2)].into(),
+            ..Video::default()
+        };
+        assert_eq!(video.question_capture(Some(ms(2500)), 1), Some(s(2)));
+        assert_eq!(video.question_capture(Some(ms(1500)), 1), Some(s(1)));
+        assert_eq!(video.question_capture(Some(s(0)), 1), Some(s(0)));
+        // An untimed question: its bound frame's capture.
+        assert_eq!(video.question_capture(None, 1), Some(s(0)));
+        // Before any frame: none.
+        assert_eq!(Video::default().question_capture(Some(s(1)), 1), None);
     }
 }

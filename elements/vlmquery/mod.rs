@@ -130,7 +130,8 @@
 //! `reason`), `stream`, `frames` (history length of the bound version), `frame` (its newest
 //! frame), `history-cells` (KV cells of its history after the prompt: frames and committed
 //! answers; answered questions only), `engine`, `path` (`resident`, `import` or `replay`), `ttft-ms` and `wait-ms` (from the
-//! question's arrival), `ttft-from-capture-ms` (from the capture of the question's frame to the
+//! question's arrival), `ttft-from-capture-ms` (from the capture of the question's frame, the
+//! newest sampled frame at its time, one `vlmencode min-change` held included, to the
 //! first token, on the pipeline clock: a live source stamps a frame's capture as its running
 //! time; -1 without a clock or where a source that is not live runs ahead of it), `queue-ms`, `prepare-ms`, `tokens`, `total-ms`, `estimate-ms` (the
 //! placer's, -1 when none), `lag-frames` and `lag-ms` (the stream's ingestion lag when the

@@ -327,8 +327,15 @@ impl VlmQuery {
     pub(super) fn sink_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
         let mut shared = self.shared.lock();
         let rt = buffer.pts().and_then(|pts| shared.video.segment.as_ref().and_then(|s| s.to_running_time(pts)));
+        let meta = buffer.meta::<VlmFrameMeta>();
+        if let Some(rt) = rt.filter(|_| meta.as_ref().is_some_and(|m| m.position().is_some())) {
+            if shared.video.captures.len() == FRAME_HISTORY {
+                shared.video.captures.pop_front();
+            }
+            shared.video.captures.push_back(rt);
+        }
         // (A held frame carries the position of the frame that stands for it: not a new frame.)
-        if let Some((stream, number)) = buffer.meta::<VlmFrameMeta>().filter(|m| !m.held()).and_then(|m| m.position()) {
+        if let Some((stream, number)) = meta.filter(|m| !m.held()).and_then(|m| m.position()) {
             if shared.video.stream.as_ref().is_none_or(|s| s.id() != stream) {
                 shared.video.stream = vlm_runtime::stream::lookup(stream);
             }

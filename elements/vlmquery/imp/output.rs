@@ -578,13 +578,15 @@ impl VlmQuery {
         let _ = self.obj().post_message(gst::message::Element::builder(message.clone()).src(&*self.obj()).build());
     }
 
-    /// Milliseconds from the capture of the question's frame to the answer's first token, both
-    /// in running time on the pipeline clock (a live source stamps a frame's capture as its
-    /// running time); -1 without a clock, or where the frame's running time is ahead of the
-    /// clock (a source that is not live, read faster than real time).
+    /// Milliseconds from the capture of the question's frame (`Video::question_capture`: with
+    /// `vlmencode min-change`, a held frame's, not the older picture's, which `picture-age-ms`
+    /// tells) to the answer's first token, both in running time on the pipeline clock (a live
+    /// source stamps a frame's capture as its running time); -1 without a clock, or where the
+    /// frame's running time is ahead of the clock (a source that is not live, read faster than
+    /// real time).
     fn ttft_from_capture_ms(&self, p: &Pending, ttft_ms: f64) -> f64 {
         let ms = |t: gst::ClockTime| t.nseconds() as f64 / 1e6;
-        let frame = self.shared.lock().video.time_of(p.job.frames);
+        let frame = self.shared.lock().video.question_capture(p.job.at, p.job.frames);
         match (frame, p.arrival_rt) {
             (Some(frame), Some(arrival)) if ms(arrival) + ttft_ms >= ms(frame) => ms(arrival) + ttft_ms - ms(frame),
             _ => -1.0,
