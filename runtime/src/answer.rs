@@ -479,6 +479,12 @@ impl Generation for Answer {
     fn fail(&mut self, error: Error) {
         self.finish(Err(error));
     }
+
+    fn cells_to_end(&self) -> usize {
+        let tokens = self.report.as_ref().map_or(0, |r| r.tokens);
+        let left = self.question.max_tokens.saturating_sub(tokens) as usize;
+        left.min((self.limit - self.next_cell + 1).max(0) as usize)
+    }
 }
 
 fn ms(d: std::time::Duration) -> f64 {

@@ -149,6 +149,12 @@ impl Prefill {
         }
     }
 
+    /// Inputs left in the piece [`Prefill::next`] describes (an image decoded whole takes them
+    /// all at once).
+    pub(crate) fn next_len(&self) -> usize {
+        self.pieces.get(self.index).map_or(0, |p| Self::len(p) - self.offset)
+    }
+
     /// Inputs still to decode (tokens and embedding rows).
     pub(crate) fn remaining(&self) -> usize {
         self.remaining

@@ -599,8 +599,9 @@ fn versions_of_frames_that_slid_out_long_ago_are_no_longer_retained() {
 }
 
 /// A unified pool that has no room for a stream's next entry while answers hold its cells: the
-/// entry waits for them to end instead of failing the stream for good. Two answers replay a
-/// long history on cells of their own (the pool's spare sequence holds one such, not two), and
+/// entry waits for them to end instead of failing the stream for good, and leaves the answers
+/// decoding the cells they still need instead of failing them. Two answers replay a long
+/// history on cells of their own (the pool's spare sequence holds one such, not two), and
 /// another stream commits a long answer meanwhile: its prefill runs out of room until they end.
 #[test]
 fn an_entry_the_unified_pool_has_no_room_for_waits_for_the_answers_holding_it() {
@@ -656,13 +657,10 @@ fn an_entry_the_unified_pool_has_no_room_for_waits_for_the_answers_holding_it() 
     let words = engine.model().tokenize(&" the picture".repeat(950), false, false).unwrap();
     let committed = talk.commit("What did you see?", &words[..950], &never).unwrap();
     let published = talk.wait_version(committed.number, &never);
-    // The answers end: answered, or failed for want of a cell the entry took first (an answer
-    // fails, the stream goes on).
+    // The answers end answered, up to their cells: the entry took none they still needed.
     for r in readers {
-        match r.join().unwrap() {
-            Ok(report) => assert!(report.tokens > 0),
-            Err(e) => assert!(matches!(e, Error::PoolFull(_)), "{e}"),
-        }
+        let report = r.join().unwrap().expect("an answer failed for want of a cell");
+        assert!(report.tokens > 0);
     }
     assert!(published.is_ok(), "the entry failed its stream: {:?}", published.err());
     engine.stop();

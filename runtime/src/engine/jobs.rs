@@ -36,6 +36,11 @@ pub(crate) trait Generation: Send {
     fn background(&self) -> bool {
         false
     }
+    /// KV cells it may still take while it decodes (a token each), which the unified pool keeps
+    /// for it: a generation that ends at its first token takes none.
+    fn cells_to_end(&self) -> usize {
+        0
+    }
 }
 
 pub(super) type Work = Box<dyn FnOnce(&mut Worker) + Send>;

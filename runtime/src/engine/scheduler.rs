@@ -237,8 +237,10 @@ impl Scheduler {
                 return true;
             }
             let tokens = ((budget - spent) / w.prefill_ms_per_token()) as usize;
+            // (A replay must not take the cells the answers decoding still need.)
+            let Some(tokens) = pool_room(w, &self.active, &s.prefill, tokens.max(MIN_CHUNK)) else { return true };
             let started = Instant::now();
-            match prefill_chunk(w, &mut s.prefill, tokens.max(MIN_CHUNK), true) {
+            match prefill_chunk(w, &mut s.prefill, tokens, true) {
                 // No room in the unified pool while other answers decode: they free cells as
                 // they end (or fail for want of one), so this one waits for them.
                 Err(Error::PoolFull(_)) if !self.active.is_empty() => return true,
@@ -313,9 +315,12 @@ impl Scheduler {
         }
         let Some(Ordered::Ingest(ing)) = self.ordered.front_mut() else { unreachable!("checked above") };
         let tokens = (allowed_ms / w.prefill_ms_per_token()) as usize;
+        let Some(tokens) = pool_room(w, &self.active, &ing.prefill, tokens.max(MIN_CHUNK)) else {
+            return Some(Ran::Ingestion);
+        };
         let waited = ing.demand.load(Ordering::Acquire) > 0;
         let before = ing.prefill.remaining();
-        let result = prefill_chunk(w, &mut ing.prefill, tokens.max(MIN_CHUNK), waited);
+        let result = prefill_chunk(w, &mut ing.prefill, tokens, waited);
         self.split.ingest_inputs += (before - ing.prefill.remaining()) as u64;
         // No room in the unified pool while answers hold cells: they free them as they end, so
         // the chunk is tried again after them instead of failing the stream for good.
@@ -467,6 +472,31 @@ const IDLE_CHUNK_FACTOR: f64 = 4.0;
 /// another sequence's chunk makes llama.cpp build its graph again, a cost that small chunks pay
 /// per input and that would feed back into the measured rate (smaller chunks, dearer inputs).
 const MIN_CHUNK: usize = 8;
+
+/// With the unified pool and answers decoding, how many of `prefill`'s next inputs to decode now
+/// (`want` or fewer) so that each answer decoding keeps a cell for every token it may still
+/// generate (`Generation::cells_to_end`); `None`: not even the fewest (`MIN_CHUNK`, or an image
+/// that goes whole) fit beside them, and the prefill waits for answers to end and free their
+/// cells. Without it an entry could take the last free cells and fail every answer of the next
+/// decode step for want of one (`Error::PoolFull`). With per-sequence KV (each sequence has a
+/// block of its own) or no answer decoding: `want`. It walks the cells in use (~60 ns a cell,
+/// `KV_REFRESH_COST_FACTOR`), only while answers decode in the unified pool.
+fn pool_room(w: &mut Worker, active: &[Active], prefill: &Prefill, want: usize) -> Option<usize> {
+    if !w.ctx.is_unified() || active.is_empty() {
+        return Some(want);
+    }
+    let kv = w.kv_memory();
+    if kv.cell_bytes == 0 {
+        return Some(want); // not calibrated: unknown, as before
+    }
+    let kept: usize = active.iter().map(|a| a.generation.cells_to_end()).sum();
+    let room = kv.cells.saturating_sub(kv.in_use_bytes.div_ceil(kv.cell_bytes)).saturating_sub(kept);
+    let fewest = match prefill.next() {
+        Some(Next::Whole) => prefill.next_len(),
+        _ => MIN_CHUNK.min(prefill.next_len()),
+    };
+    (room >= fewest).then(|| want.min(room))
+}
 
 /// Decode the next chunk of `prefill`: about `tokens` inputs (`chunk_len` decides), never more
 /// than one `llama_decode` takes (`n_batch`: a fast measured rate asks for more), or an image

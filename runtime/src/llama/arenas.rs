@@ -19,7 +19,8 @@ pub(crate) const ARENAS: i32 = 2;
 /// Whether the environment chose the arenas itself (`MALLOC_ARENA_MAX`, or
 /// `glibc.malloc.arena_max` in `GLIBC_TUNABLES`).
 fn chosen_by_environment(arena_max: Option<&str>, tunables: Option<&str>) -> bool {
-    arena_max.is_some() || tunables.is_some_and(|t| t.split(':').any(|s| s.trim().starts_with("glibc.malloc.arena_max")))
+    arena_max.is_some()
+        || tunables.is_some_and(|t| t.split(':').any(|s| s.trim().starts_with("glibc.malloc.arena_max")))
 }
 
 /// Limit glibc's arenas to [`ARENAS`] unless the environment chose; returns the limit set.
