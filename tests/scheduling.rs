@@ -80,6 +80,42 @@ fn two_questions_of_one_stream_are_answered_together_in_question_order() {
     assert!(i1 < i2, "answers go out in question order: {order:?}");
 }
 
+/// A downstream that ends early (`fakesink num-buffers=1` returns EOS from its first buffer) on
+/// the text pad or on `subtitle_src`: that output gets nothing more but still its EOS event, so
+/// the pipeline posts EOS, and every question ends in one `vlm-answer`; with only the ended
+/// output linked, upstream gets EOS too, and `vlmencode` passes the EOS that follows.
+#[test]
+fn an_output_whose_downstream_ends_early_still_lets_the_pipeline_reach_eos() {
+    // vlmencode alone: its task held the EOS behind the frames it no longer pushed.
+    let pipeline = launch(
+        "videotestsrc num-buffers=100 ! video/x-raw,width=64,height=48 ! vlmencode mmproj=models/test-mmproj-mlp.gguf \
+         model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! fakesink num-buffers=1",
+    );
+    let run = run_to_eos(&pipeline, 60);
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert!(run.errors.is_empty(), "vlmencode ! fakesink num-buffers=1: {:?}", run.errors);
+    let srt = std::env::temp_dir().join(format!("vlm-ends-early-{}.srt", std::process::id()));
+    std::fs::write(&srt, "1\n00:00:00,500 --> 00:00:01,000\nWhat is it?\n\n2\n00:00:01,000 --> 00:00:01,500\nAnd now?\n\n3\n00:00:01,500 --> 00:00:02,000\nAnd then?\n").unwrap();
+    for outputs in [
+        "q.src ! fakesink num-buffers=1 q.subtitle_src ! fakesink q.video_src ! fakesink",
+        "q.src ! fakesink q.subtitle_src ! fakesink num-buffers=1 q.video_src ! fakesink",
+        "q.src ! fakesink num-buffers=1",
+    ] {
+        let pipeline = launch(&format!(
+            "{SOURCE} ! vlmquery name=q max-tokens=8 {outputs} filesrc location={} ! subparse ! q.query",
+            srt.display()
+        ));
+        let run = run_to_eos(&pipeline, 120);
+        pipeline.set_state(gst::State::Null).unwrap();
+        assert!(run.errors.is_empty(), "{outputs}: {:?}", run.errors);
+        let ids: std::collections::HashSet<String> =
+            run.answers.iter().map(|a| a.get::<String>("id").unwrap()).collect();
+        assert_eq!(ids.len(), run.answers.len(), "{outputs}: one vlm-answer per question: {:?}", run.answers);
+        assert!(!run.answers.is_empty(), "{outputs}: no question answered");
+    }
+    let _ = std::fs::remove_file(&srt);
+}
+
 #[test]
 fn a_question_asked_at_the_last_frame_is_answered_before_eos_and_one_after_eos_is_refused() {
     let pipeline = launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=24 ! fakesink name=out sync=false"));

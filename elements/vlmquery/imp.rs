@@ -249,6 +249,12 @@ struct Shared {
     cue_pad: PadStarted,
     /// The last flow return of the source pad: errors travel upstream from the sink pads.
     srcresult: Option<gst::FlowError>,
+    /// Downstream of the text pad / `subtitle_src` has ended (a push there returned EOS, e.g.
+    /// `fakesink num-buffers`): nothing more is pushed there, but its task goes on taking the
+    /// answers and sends its EOS event, so its sink posts EOS. Upstream gets EOS once every
+    /// output has ended (`VlmQuery::outputs_ended`).
+    text_ended: bool,
+    cue_ended: bool,
     /// How far the text pad has told downstream about (answers and GAP events), in the video
     /// segment's time.
     text_position: Option<gst::ClockTime>,

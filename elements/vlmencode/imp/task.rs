@@ -23,6 +23,9 @@ impl VlmEncode {
         if let Some(e) = q.flow {
             return Err(e);
         }
+        if q.downstream_eos && matches!(item, Item::Frame(..)) {
+            return Err(gst::FlowError::Eos);
+        }
         if encode {
             q.pending += 1;
             let mut stats = self.stats.lock();
@@ -82,6 +85,7 @@ impl VlmEncode {
         q.pending = 0;
         q.busy = false;
         q.flow = None;
+        q.downstream_eos = false;
         self.changed.notify_all();
         drop(q);
         // Sticky events still queued (caps, tags, stream-start) stay on the pad, as `queue`
@@ -132,6 +136,10 @@ impl VlmEncode {
                 {
                     encoder.forget_last();
                 }
+                // A new segment or stream may be wanted downstream again.
+                if matches!(event.type_(), gst::EventType::Segment | gst::EventType::StreamStart) {
+                    self.queue.lock().downstream_eos = false;
+                }
                 self.srcpad.push_event(event);
                 Ok(gst::FlowSuccess::Ok)
             }
@@ -152,6 +160,10 @@ impl VlmEncode {
             q.busy = false;
             self.changed.notify_all();
         }
+        if result == Err(gst::FlowError::Eos) {
+            self.downstream_ended();
+            return;
+        }
         if let Err(e) = result {
             gst::debug!(CAT, imp = self, "task paused: {e:?}");
             if !matches!(e, gst::FlowError::Flushing | gst::FlowError::Eos) {
@@ -164,5 +176,32 @@ impl VlmEncode {
             self.changed.notify_all();
             let _ = self.srcpad.pause_task();
         }
+    }
+
+    /// A push returned EOS: the frames queued are dropped up to the first EOS, segment or
+    /// stream-start event (those go on: a sink posts EOS only when the EOS event reaches it),
+    /// and frames are refused with EOS until a new segment or stream goes out; the task keeps
+    /// running to push the events. So `fakesink num-buffers=1` downstream ends the pipeline
+    /// instead of holding its EOS here.
+    fn downstream_ended(&self) {
+        gst::debug!(CAT, imp = self, "downstream is EOS: frames refused, events passed");
+        let mut q = self.queue.lock();
+        q.downstream_eos = true;
+        while let Some(item) = q.items.front() {
+            match item {
+                Item::Event(e)
+                    if matches!(
+                        e.type_(),
+                        gst::EventType::Eos | gst::EventType::Segment | gst::EventType::StreamStart
+                    ) =>
+                {
+                    break;
+                }
+                Item::Frame(_, Some(_)) => q.pending = q.pending.saturating_sub(1),
+                _ => (),
+            }
+            q.items.pop_front();
+        }
+        self.changed.notify_all();
     }
 }

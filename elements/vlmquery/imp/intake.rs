@@ -312,6 +312,15 @@ impl VlmQuery {
         Some(QUERY_EOS_GRACE.saturating_sub(quiet).max(std::time::Duration::from_millis(10)))
     }
 
+    /// Every output has ended: one whose downstream returned EOS, the others EOS too or not
+    /// linked (`video_src`, while linked, gives its own flow return upstream).
+    fn outputs_ended(&self, shared: &Shared) -> bool {
+        (shared.text_ended || shared.cue_ended)
+            && (shared.text_ended || !self.srcpad.is_linked())
+            && (shared.cue_ended || !self.subtitle_srcpad.is_linked())
+            && !self.video_srcpad.is_linked()
+    }
+
     /// The flow return the sink pads give upstream.
     fn flow(&self) -> Result<gst::FlowSuccess, gst::FlowError> {
         let shared = self.shared.lock();
@@ -320,6 +329,7 @@ impl VlmQuery {
         }
         match shared.srcresult {
             Some(e) => Err(e),
+            None if self.outputs_ended(&shared) => Err(gst::FlowError::Eos),
             None => Ok(gst::FlowSuccess::Ok),
         }
     }
@@ -620,6 +630,7 @@ impl VlmQuery {
         match shared.srcresult {
             _ if shared.query_flushing => Err(gst::FlowError::Flushing),
             Some(e) if e != gst::FlowError::Flushing => Err(e),
+            None if self.outputs_ended(&shared) => Err(gst::FlowError::Eos),
             _ => Ok(gst::FlowSuccess::Ok),
         }
     }

@@ -241,7 +241,11 @@ impl VlmQuery {
             let _ = t.join();
         }
         self.ensure_started(&self.srcpad, "answers", |s| &mut s.text_pad);
+        // Downstream has ended: the answers are taken (and posted) as before, none is pushed,
+        // and the EOS event still goes out.
+        let ended = self.shared.lock().text_ended;
         match next {
+            Next::Gap(..) | Next::Text { .. } | Next::Alert(..) if ended => (),
             Next::Gap(start, duration) => {
                 self.srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
             }
@@ -443,7 +447,9 @@ impl VlmQuery {
             }
         };
         self.ensure_started(&self.subtitle_srcpad, "subtitles", |s| &mut s.cue_pad);
+        let ended = self.shared.lock().cue_ended;
         match next {
+            NextCue::Cue(_) | NextCue::Gap(..) if ended => (),
             NextCue::Cue(cue) => self.push_cue(cue),
             NextCue::Gap(start, duration) => {
                 self.subtitle_srcpad.push_event(gst::event::Gap::builder(start).duration(duration).build());
@@ -528,11 +534,23 @@ impl VlmQuery {
 
     /// A push on `pad` (the text pad or `subtitle_src`) failed: remember it for upstream, post an
     /// error for a real failure (as gst-plugins-rs elements do), and pause the pad's task.
+    /// EOS only ends that output: its task goes on, pushes nothing more, and still sends its
+    /// EOS event after the last answer (`subtitle_src`'s follows the text pad's), or the
+    /// pipeline would never post EOS; upstream gets EOS once every output has ended.
     fn flow_error(&self, pad: &gst::Pad, e: gst::FlowError) {
         gst::debug!(CAT, obj = pad, "push: {e:?}");
+        let mut shared = self.shared.lock();
+        if e == gst::FlowError::Eos {
+            if pad == &self.srcpad {
+                shared.text_ended = true;
+            } else {
+                shared.cue_ended = true;
+            }
+            self.changed.notify_all();
+            return;
+        }
         // Our own flushing ends with the flush (the task starts again); anything else (a peer
         // flushing or inactive included) travels upstream, as GstQueue's srcresult does.
-        let mut shared = self.shared.lock();
         if e != gst::FlowError::Flushing || !shared.flushing {
             shared.srcresult = Some(e);
             self.changed.notify_all();
