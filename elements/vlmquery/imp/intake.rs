@@ -315,10 +315,9 @@ impl VlmQuery {
     /// Every output has ended: one whose downstream returned EOS, the others EOS too or not
     /// linked (`video_src`, while linked, gives its own flow return upstream).
     fn outputs_ended(&self, shared: &Shared) -> bool {
-        (shared.text_ended || shared.cue_ended)
-            && (shared.text_ended || !self.srcpad.is_linked())
-            && (shared.cue_ended || !self.subtitle_srcpad.is_linked())
-            && !self.video_srcpad.is_linked()
+        let text = shared.text_ended || !self.srcpad.is_linked();
+        let cues = shared.cue_ended || !self.subtitle_srcpad.is_linked();
+        (shared.text_ended || shared.cue_ended) && text && cues && !self.video_srcpad.is_linked()
     }
 
     /// The flow return the sink pads give upstream.
