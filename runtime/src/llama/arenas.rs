@@ -11,7 +11,10 @@
 //! same ingestion rate within 2% (a fixed mmap threshold cost a third of it).
 //!
 //! A user who sets `MALLOC_ARENA_MAX` (or `glibc.malloc.arena_max` in `GLIBC_TUNABLES`) keeps
-//! that choice: glibc's own default is eight per core.
+//! that choice: glibc's own default is eight per core. Set at the first model load, the limit
+//! holds for the arenas created after it (threads then share the ones there are, at least the
+//! limit's two; `runtime/tests/arenas.rs`); an application that had already made more than
+//! eight keeps glibc's limit, and the environment variable is the way to be sure.
 
 /// Arenas the runtime asks for where the environment names none.
 pub(crate) const ARENAS: i32 = 2;
