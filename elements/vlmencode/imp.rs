@@ -216,7 +216,7 @@ struct Queue {
     /// The last downstream flow result, returned to upstream by the next chain call.
     flow: Option<gst::FlowError>,
     /// Downstream returned EOS (a sink with `num-buffers`, an element that has all it wants):
-    /// frames are refused with EOS until a new segment or stream goes out, while events still
+    /// frames are refused with EOS until a new segment or stream comes, while events still
     /// pass, so the EOS that follows reaches the sinks (as `queue` does).
     downstream_eos: bool,
 }

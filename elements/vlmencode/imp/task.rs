@@ -23,8 +23,13 @@ impl VlmEncode {
         if let Some(e) = q.flow {
             return Err(e);
         }
-        if q.downstream_eos && matches!(item, Item::Frame(..)) {
-            return Err(gst::FlowError::Eos);
+        match &item {
+            Item::Frame(..) if q.downstream_eos => return Err(gst::FlowError::Eos),
+            // A new segment or stream may be wanted downstream again: its frames are taken.
+            Item::Event(e) if matches!(e.type_(), gst::EventType::Segment | gst::EventType::StreamStart) => {
+                q.downstream_eos = false;
+            }
+            _ => (),
         }
         if encode {
             q.pending += 1;
@@ -136,7 +141,7 @@ impl VlmEncode {
                 {
                     encoder.forget_last();
                 }
-                // A new segment or stream may be wanted downstream again.
+                // (One queued before downstream returned EOS opens it again as it goes out.)
                 if matches!(event.type_(), gst::EventType::Segment | gst::EventType::StreamStart) {
                     self.queue.lock().downstream_eos = false;
                 }
@@ -180,7 +185,7 @@ impl VlmEncode {
 
     /// A push returned EOS: the frames queued are dropped up to the first EOS, segment or
     /// stream-start event (those go on: a sink posts EOS only when the EOS event reaches it),
-    /// and frames are refused with EOS until a new segment or stream goes out; the task keeps
+    /// and frames are refused with EOS until a new segment or stream comes; the task keeps
     /// running to push the events. So `fakesink num-buffers=1` downstream ends the pipeline
     /// instead of holding its EOS here.
     fn downstream_ended(&self) {

@@ -59,6 +59,9 @@ struct Scheduler {
     split: TimeSplit,
     /// The last step started background evaluations: frames waiting go next.
     frames_turn: bool,
+    /// Unified-pool cells the front ingestion waits for (`pool_room`): answers starting leave
+    /// them free, so that answers overlapping without end cannot hold a frame back for good.
+    entry_waits: usize,
 }
 
 impl Scheduler {
@@ -237,8 +240,10 @@ impl Scheduler {
                 return true;
             }
             let tokens = ((budget - spent) / w.prefill_ms_per_token()) as usize;
-            // (A replay must not take the cells the answers decoding still need.)
-            let Some(tokens) = pool_room(w, &self.active, &s.prefill, tokens.max(MIN_CHUNK)) else { return true };
+            // (A replay or a question must not take the cells the answers decoding still need,
+            // its own decoding's, nor those an entry waits for.)
+            let keep = s.generation.cells_to_end() + self.entry_waits;
+            let Ok(tokens) = pool_room(w, &self.active, keep, &s.prefill, tokens.max(MIN_CHUNK)) else { return true };
             let started = Instant::now();
             match prefill_chunk(w, &mut s.prefill, tokens, true) {
                 // No room in the unified pool while other answers decode: they free cells as
@@ -315,9 +320,14 @@ impl Scheduler {
         }
         let Some(Ordered::Ingest(ing)) = self.ordered.front_mut() else { unreachable!("checked above") };
         let tokens = (allowed_ms / w.prefill_ms_per_token()) as usize;
-        let Some(tokens) = pool_room(w, &self.active, &ing.prefill, tokens.max(MIN_CHUNK)) else {
-            return Some(Ran::Ingestion);
+        let tokens = match pool_room(w, &self.active, 0, &ing.prefill, tokens.max(MIN_CHUNK)) {
+            Ok(tokens) => tokens,
+            Err(needed) => {
+                self.entry_waits = needed;
+                return Some(Ran::Ingestion);
+            }
         };
+        self.entry_waits = 0;
         let waited = ing.demand.load(Ordering::Acquire) > 0;
         let before = ing.prefill.remaining();
         let result = prefill_chunk(w, &mut ing.prefill, tokens, waited);
@@ -475,27 +485,28 @@ const MIN_CHUNK: usize = 8;
 
 /// With the unified pool and answers decoding, how many of `prefill`'s next inputs to decode now
 /// (`want` or fewer) so that each answer decoding keeps a cell for every token it may still
-/// generate (`Generation::cells_to_end`); `None`: not even the fewest (`MIN_CHUNK`, or an image
-/// that goes whole) fit beside them, and the prefill waits for answers to end and free their
-/// cells. Without it an entry could take the last free cells and fail every answer of the next
-/// decode step for want of one (`Error::PoolFull`). With per-sequence KV (each sequence has a
-/// block of its own) or no answer decoding: `want`. It walks the cells in use (~60 ns a cell,
-/// `KV_REFRESH_COST_FACTOR`), only while answers decode in the unified pool.
-fn pool_room(w: &mut Worker, active: &[Active], prefill: &Prefill, want: usize) -> Option<usize> {
+/// generate (`Generation::cells_to_end`), and `keep` more stay free; `Err(needed)`: not even the
+/// fewest (`MIN_CHUNK`, or an image that goes whole) fit beside them, and the prefill waits for
+/// answers to end and free their cells. Without it an entry could take the last free cells and
+/// fail every answer of the next decode step for want of one (`Error::PoolFull`). With
+/// per-sequence KV (each sequence has a block of its own) or no answer decoding: `want`. It
+/// walks the cells in use (measured ~60 ns a cell, `KV_REFRESH_COST_FACTOR`: about 1 ms for 16
+/// CPU streams' histories), only while answers decode in the unified pool.
+fn pool_room(w: &mut Worker, active: &[Active], keep: usize, prefill: &Prefill, want: usize) -> Result<usize, usize> {
     if !w.ctx.is_unified() || active.is_empty() {
-        return Some(want);
+        return Ok(want);
     }
     let kv = w.kv_memory();
     if kv.cell_bytes == 0 {
-        return Some(want); // not calibrated: unknown, as before
+        return Ok(want); // not calibrated: unknown, as before
     }
-    let kept: usize = active.iter().map(|a| a.generation.cells_to_end()).sum();
+    let kept = keep + active.iter().map(|a| a.generation.cells_to_end()).sum::<usize>();
     let room = kv.cells.saturating_sub(kv.in_use_bytes.div_ceil(kv.cell_bytes)).saturating_sub(kept);
     let fewest = match prefill.next() {
         Some(Next::Whole) => prefill.next_len(),
         _ => MIN_CHUNK.min(prefill.next_len()),
     };
-    (room >= fewest).then(|| want.min(room))
+    if room >= fewest { Ok(want.min(room)) } else { Err(fewest) }
 }
 
 /// Decode the next chunk of `prefill`: about `tokens` inputs (`chunk_len` decides), never more
@@ -570,6 +581,7 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
         credit_ms: 0.0,
         split: TimeSplit::default(),
         frames_turn: false,
+        entry_waits: 0,
     };
     let began = Instant::now();
     loop {
