@@ -452,6 +452,7 @@ fn live_run(context: &str) -> LiveRun {
     let ttft: Vec<f64> = answers.ttft.iter().map(|(_, t)| *t).collect();
     let lag = answers.lag_ms.clone();
     let from_capture = answers.ttft_from_capture.clone();
+    let age = answers.picture_age.clone();
     println!(
         "{{\"endurance\":\"live-run-ttft\",\"context\":{context:?},\"answers\":{},\"p50-ms\":{:.0},\"p95-ms\":{:.0},\"max-ms\":{:.0},\"from-capture-p50-ms\":{:.0},\"from-capture-p95-ms\":{:.0},\"picture-age-p50-ms\":{:.0},\"picture-age-p95-ms\":{:.0},\"lag-p50-ms\":{:.0},\"lag-p95-ms\":{:.0},\"lag-max-ms\":{:.0},\"paths\":{:?}}}",
         ttft.len(),
@@ -460,8 +461,8 @@ fn live_run(context: &str) -> LiveRun {
         quantile(ttft, 1.0),
         quantile(from_capture.clone(), 0.5),
         quantile(from_capture, 0.95),
-        quantile(answers.picture_age.clone(), 0.5),
-        quantile(answers.picture_age.clone(), 0.95),
+        quantile(age.clone(), 0.5),
+        quantile(age, 0.95),
         quantile(lag.clone(), 0.5),
         quantile(lag.clone(), 0.95),
         quantile(lag, 1.0),
