@@ -394,6 +394,63 @@ fn a_flushing_seek_mid_answer_cancels_it_and_the_pipeline_goes_on() {
     assert_clean(&log);
 }
 
+/// An application that seeks with a flush from a sync bus handler, on the thread that posts a
+/// `vlm-answer` (a player that restarts its clip on an answer): the seek returns, the question it
+/// cancels gets its one `cancelled` answer, and the pipeline goes on. (It hung: the answers were
+/// posted under the lock the flush takes to cancel the others.)
+#[test]
+fn a_flushing_seek_from_a_sync_bus_handler_on_an_answer_returns() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let _s = serial();
+    let pipeline = launch(
+        "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q exact-tokens=true ! fakesink sync=false async=false",
+    );
+    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
+    let q = bin.by_name("q").unwrap();
+    let frames = Frames::watch(&q.static_pad("sink").unwrap());
+    let bus = pipeline.bus().unwrap();
+    let (seeked_tx, seeked) = std::sync::mpsc::channel();
+    let once = AtomicBool::new(false);
+    let weak = pipeline.downgrade();
+    bus.set_sync_handler(move |_, msg| {
+        let first = msg
+            .structure()
+            .is_some_and(|s| s.name() == "vlm-answer" && s.get::<String>("id").is_ok_and(|id| id == "seek-now"));
+        if first
+            && !once.swap(true, Ordering::AcqRel)
+            && let Some(p) = weak.upgrade()
+        {
+            let _ = seeked_tx.send(p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok());
+        }
+        gst::BusSyncReply::Pass
+    });
+    let mut log = Log::default();
+    set_state(&pipeline, gst::State::Playing, "start");
+    frames.wait(2, "before the questions");
+    let sink = q.static_pad("sink").unwrap();
+    assert!(sink.send_event(QuestionEvent::event("Say something.", Some("seek-now"), Some(2))));
+    assert!(sink.send_event(QuestionEvent::event("Tell me a long story.", Some("long"), Some(300))));
+    let ok = seeked.recv_timeout(Duration::from_secs(60)).expect("the seek from the sync handler returned");
+    assert!(ok, "the seek was refused");
+    assert!(log.pump(&bus, Duration::from_secs(10), |l| !l.answers_to("long").is_empty()), "{log:?}");
+    assert_eq!(status(log.answers_to("seek-now")[0]), "answered");
+    assert_eq!(status(log.answers_to("long")[0]), "cancelled");
+    // The pipeline goes on after the seek.
+    let before = frames.newest();
+    frames.wait(before + 1, "after the seek");
+    assert!(sink.send_event(QuestionEvent::event("What now?", Some("after-seek"), Some(3))));
+    assert!(log.pump(&bus, Duration::from_secs(30), |l| !l.answers_to("after-seek").is_empty()), "{log:?}");
+    assert_eq!(status(log.answers_to("after-seek")[0]), "answered");
+    set_state(&pipeline, gst::State::Null, "stop");
+    for id in ["seek-now", "long", "after-seek"] {
+        assert_eq!(log.answers_to(id).len(), 1, "{id}: {log:?}");
+    }
+    assert_clean(&log);
+}
+
 #[test]
 fn two_pipelines_in_one_process_share_one_model_and_both_answer() {
     let _s = serial();

@@ -131,7 +131,10 @@ struct Pending {
     outcome: Mutex<Option<Outcome>>,
     /// Its `vlm-answer` (taken by the source pad's task).
     message: Mutex<Option<gst::Structure>>,
-    /// Its `vlm-answer` has been posted (exactly once: by `post_finished` or a flush).
+    /// Its `vlm-answer` is made and queued in the outbox (exactly once: by `post_finished` or a
+    /// flush).
+    decided: AtomicBool,
+    /// Its `vlm-answer` is on the bus.
     posted: AtomicBool,
     /// With `stream-tokens`: the answer so far.
     text: Mutex<String>,
@@ -302,6 +305,15 @@ fn push_bounded<T>(queue: &mut VecDeque<T>, item: T) {
     queue.push_back(item);
 }
 
+/// `vlm-answer`s waiting to be posted. One thread posts at a time, with no lock of the element
+/// held (a sync bus handler may seek with a flush from that thread); a thread that finds another
+/// posting leaves its messages to it (`VlmQuery::drain_outbox`).
+#[derive(Default)]
+struct Outbox {
+    messages: VecDeque<(Arc<Pending>, gst::Structure)>,
+    posting: bool,
+}
+
 pub struct VlmQuery {
     sinkpad: gst::Pad,
     querypad: gst::Pad,
@@ -312,12 +324,15 @@ pub struct VlmQuery {
     subtitle_srcpad: gst::Pad,
     settings: Mutex<Settings>,
     shared: Mutex<Shared>,
-    /// Held while `vlm-answer` messages are posted, so they go out in question order (taken
-    /// before `shared`).
+    /// Held while ended questions' `vlm-answer`s are made and queued in the outbox, so they
+    /// queue in question order (taken before `shared`).
     post_order: Mutex<()>,
-    /// Answering threads of questions a flush cancelled: they end soon (each sees its cancel
-    /// flag), and are joined when the element stops, so none outlives it.
-    cancelled_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// The `vlm-answer`s made and not yet posted, in question order.
+    outbox: Mutex<Outbox>,
+    /// Answering threads that may still run: of questions a flush cancelled (each sees its
+    /// cancel flag) and of answered ones still posting others' answers. Joined when the element
+    /// stops, so none outlives it.
+    ending_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     changed: Condvar,
     /// Standing questions (`alerts`).
     alerts: alerts::Alerts,
@@ -344,14 +359,29 @@ impl VlmQuery {
             self.changed.notify_all();
             std::mem::take(&mut shared.pending)
         };
+        let mut changed = vec![];
         for p in &pending {
-            if !p.posted.swap(true, Ordering::AcqRel) {
-                self.post_answer(p, Outcome::Cancelled(reason.into()));
+            if !p.decided.swap(true, Ordering::AcqRel) {
+                let outcome = Outcome::Cancelled(reason.into());
+                changed.extend(self.counters.ended(&outcome));
+                self.outbox.lock().messages.push_back((Arc::clone(p), self.answer_message(p, outcome)));
+            }
+            if let Some(t) = p.thread.lock().take() {
+                self.keep_ending(t);
             }
         }
-        let mut threads = self.cancelled_threads.lock();
+        drop(_order);
+        self.drain_outbox();
+        for name in changed {
+            self.obj().notify(name);
+        }
+    }
+
+    /// Keep an answering thread to join when the element stops (dropping those that ended).
+    fn keep_ending(&self, thread: std::thread::JoinHandle<()>) {
+        let mut threads = self.ending_threads.lock();
         threads.retain(|t| !t.is_finished());
-        threads.extend(pending.iter().filter_map(|p| p.thread.lock().take()));
+        threads.push(thread);
     }
 
     /// Reset what the flush made void; the query pad's own state (its caps, segment and EOS,
@@ -386,7 +416,7 @@ impl VlmQuery {
     fn reset(&self) {
         // (A question accepted after `stop`, as a flush-stop raced it, still gets its answer.)
         self.flush_start("the element stopped");
-        let threads = std::mem::take(&mut *self.cancelled_threads.lock());
+        let threads = std::mem::take(&mut *self.ending_threads.lock());
         // (Bounded: a thread stuck in an engine that hangs is left to end on its own.)
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while threads.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
@@ -537,7 +567,8 @@ impl ObjectSubclass for VlmQuery {
             // Refusing until READY->PAUSED: a question accepted before would be dropped there.
             shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
             post_order: Mutex::new(()),
-            cancelled_threads: Mutex::new(vec![]),
+            outbox: Mutex::new(Outbox::default()),
+            ending_threads: Mutex::new(vec![]),
             changed: Condvar::new(),
             alerts: alerts::Alerts::default(),
             counters: counters::Counters::default(),

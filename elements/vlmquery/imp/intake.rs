@@ -135,6 +135,7 @@ impl VlmQuery {
             cancel: Arc::new(AtomicBool::new(false)),
             outcome: Mutex::new(None),
             message: Mutex::new(None),
+            decided: AtomicBool::new(false),
             posted: AtomicBool::new(false),
             text: Mutex::new(String::new()),
             text_taken: AtomicUsize::new(0),

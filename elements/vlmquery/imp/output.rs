@@ -156,34 +156,30 @@ impl VlmQuery {
     /// until the video passes an answer's time). Each answered or failed question's answer is
     /// also queued for the next video buffer, before its message goes out.
     pub(super) fn post_finished(&self) {
-        let _order = self.post_order.lock();
-        let queue: Vec<Arc<Pending>> = self.shared.lock().pending.iter().cloned().collect();
-        let mut posted = false;
         let mut changed: Vec<&str> = vec![];
-        for p in queue {
-            if p.posted.load(Ordering::Acquire) {
-                continue;
-            }
-            let Some(outcome) = p.outcome.lock().take() else { break };
-            let cancelled = matches!(outcome, Outcome::Cancelled(_));
-            changed.extend(self.counters.ended(&outcome));
-            let message = self.answer_message(&p, outcome);
-            if !cancelled {
-                let mut shared = self.shared.lock();
-                if !shared.flushing {
-                    super::push_bounded(&mut shared.video_answers, video_answer(&message));
-                    self.queue_cue(&mut shared, &p, &message);
+        {
+            let _order = self.post_order.lock();
+            let queue: Vec<Arc<Pending>> = self.shared.lock().pending.iter().cloned().collect();
+            for p in queue {
+                if p.decided.load(Ordering::Acquire) {
+                    continue;
                 }
+                let Some(outcome) = p.outcome.lock().take() else { break };
+                let cancelled = matches!(outcome, Outcome::Cancelled(_));
+                changed.extend(self.counters.ended(&outcome));
+                let message = self.answer_message(&p, outcome);
+                if !cancelled {
+                    let mut shared = self.shared.lock();
+                    if !shared.flushing {
+                        super::push_bounded(&mut shared.video_answers, video_answer(&message));
+                        self.queue_cue(&mut shared, &p, &message);
+                    }
+                }
+                p.decided.store(true, Ordering::Release);
+                self.outbox.lock().messages.push_back((p, message));
             }
-            self.post_message(&message);
-            *p.message.lock() = Some(message);
-            p.posted.store(true, Ordering::Release);
-            posted = true;
         }
-        if posted {
-            let _shared = self.shared.lock();
-            self.changed.notify_all();
-        }
+        self.drain_outbox();
         changed.sort_unstable();
         changed.dedup();
         for name in changed {
@@ -233,12 +229,13 @@ impl VlmQuery {
         };
         self.notify_stats(stats.0, stats.1);
         self.changed.notify_all();
-        // (Its answering thread has ended, or is ending: it takes the shared lock last.)
+        // (Its answering thread has ended, or is ending; or it is posting later answers, and a
+        // sync bus handler there may be flushing, which waits for this task: not joined here.)
         if let Next::Text { p, .. } = &next
             && p.posted.load(Ordering::Acquire)
             && let Some(t) = p.thread.lock().take()
         {
-            let _ = t.join();
+            self.keep_ending(t);
         }
         self.ensure_started(&self.srcpad, "answers", |s| &mut s.text_pad);
         // Downstream has ended: the answers are taken (and posted) as before, none is pushed,
@@ -581,15 +578,28 @@ impl VlmQuery {
         pad.push_event(gst::event::Segment::new(&segment));
     }
 
-    /// Post the one `vlm-answer` of a question that ends outside the answer queue (a flush),
-    /// counted like the others.
-    pub(super) fn post_answer(&self, p: &Pending, outcome: Outcome) {
-        let changed = self.counters.ended(&outcome);
-        let message = self.answer_message(p, outcome);
-        self.post_message(&message);
-        for name in changed {
-            self.obj().notify(name);
+    /// Post the outbox's `vlm-answer`s in order, unless another thread is posting them (it
+    /// posts these too before it stops). No lock of the element is held while a message is
+    /// posted: a sync bus handler may seek with a flush from this thread, and the flush's
+    /// cancelled answers then queue behind the others.
+    pub(super) fn drain_outbox(&self) {
+        let mut outbox = self.outbox.lock();
+        if outbox.posting {
+            return;
         }
+        outbox.posting = true;
+        while let Some((p, message)) = outbox.messages.pop_front() {
+            drop(outbox);
+            self.post_message(&message);
+            *p.message.lock() = Some(message);
+            {
+                let _shared = self.shared.lock();
+                p.posted.store(true, Ordering::Release);
+                self.changed.notify_all();
+            }
+            outbox = self.outbox.lock();
+        }
+        outbox.posting = false;
     }
 
     fn post_message(&self, message: &gst::Structure) {
@@ -612,7 +622,7 @@ impl VlmQuery {
     }
 
     /// The question's `vlm-answer` (a failed one's warning is posted here).
-    fn answer_message(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
+    pub(super) fn answer_message(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
         let q = &p.job.question;
         let stream = p.stream().map_or("", |s| s.name());
         let mut msg = gst::Structure::builder("vlm-answer")
