@@ -64,6 +64,8 @@ pub(crate) fn refused_while_running(element: &gst::Element, pspec: &glib::ParamS
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     route_llama_log();
+    // (Before any element exists: glibc fixes its arena limit once threads want more than eight.)
+    vlm_runtime::llama::arenas::limit_once();
     meta::register_answer_meta();
     meta::register_alert_meta();
     vlmencode::register(plugin)?;

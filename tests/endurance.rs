@@ -432,11 +432,12 @@ fn live_run(context: &str) -> LiveRun {
         |field: fn(&Heap) -> f64| -> Vec<(Duration, f64)> { heap.iter().map(|(at, h)| (*at, field(h))).collect() };
     let (in_use, free) = (heap_of(|h| h.in_use), heap_of(|h| h.free));
     let heap_tenths = format!(
-        "\"heap-in-use-first-tenth-mib\":{:.1},\"heap-in-use-last-tenth-mib\":{:.1},\"heap-free-first-tenth-mib\":{:.1},\"heap-free-last-tenth-mib\":{:.1}",
+        "\"heap-in-use-first-tenth-mib\":{:.1},\"heap-in-use-last-tenth-mib\":{:.1},\"heap-free-first-tenth-mib\":{:.1},\"heap-free-last-tenth-mib\":{:.1},\"arenas\":{}",
         mean(&in_use, Duration::ZERO, tick),
         mean(&in_use, last_tenth, Duration::MAX),
         mean(&free, Duration::ZERO, tick),
         mean(&free, last_tenth, Duration::MAX),
+        vlm_runtime::llama::arenas::count().map_or(-1, |n| n as i64),
     );
     // Each tenth's mean (null where a short run's tenth holds no sample).
     let tenths: Vec<String> = (0..10)

@@ -6,22 +6,7 @@
 
 use std::sync::{Arc, Barrier};
 
-/// Arenas glibc has now: the `<heap nr=` entries of `malloc_info`'s report.
-fn arenas() -> usize {
-    let (mut buf, mut len) = (std::ptr::null_mut(), 0);
-    // SAFETY: open_memstream allocates the buffer it writes to; malloc_info writes its XML
-    // there; after fclose the buffer holds `len` bytes, then it is freed.
-    let xml = unsafe {
-        let stream = libc::open_memstream(&mut buf, &mut len);
-        assert!(!stream.is_null());
-        libc::malloc_info(0, stream);
-        libc::fclose(stream);
-        let xml = std::slice::from_raw_parts(buf as *const u8, len).to_vec();
-        libc::free(buf.cast());
-        String::from_utf8(xml).unwrap()
-    };
-    xml.matches("<heap nr=").count()
-}
+use vlm_runtime::llama::arenas::count as arenas;
 
 #[test]
 fn threads_share_two_arenas_once_the_backend_is_up() {
@@ -30,7 +15,7 @@ fn threads_share_two_arenas_once_the_backend_is_up() {
         return;
     }
     vlm_runtime::llama::init_backend();
-    let before = arenas();
+    let before = arenas().unwrap();
     // Twelve threads, each allocating while all are alive: glibc gives each new thread an arena
     // of its own up to eight per core, unless limited.
     let threads = 12;
@@ -47,7 +32,7 @@ fn threads_share_two_arenas_once_the_backend_is_up() {
         })
         .collect();
     barrier.wait();
-    let after = arenas();
+    let after = arenas().unwrap();
     barrier.wait();
     for h in handles {
         h.join().unwrap();

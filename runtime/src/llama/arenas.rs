@@ -11,10 +11,15 @@
 //! same ingestion rate within 2% (a fixed mmap threshold cost a third of it).
 //!
 //! A user who sets `MALLOC_ARENA_MAX` (or `glibc.malloc.arena_max` in `GLIBC_TUNABLES`) keeps
-//! that choice: glibc's own default is eight per core. Set at the first model load, the limit
-//! holds for the arenas created after it (threads then share the ones there are, at least the
-//! limit's two; `runtime/tests/arenas.rs`); an application that had already made more than
-//! eight keeps glibc's limit, and the environment variable is the way to be sure.
+//! that choice: glibc's own default is eight per core. glibc fixes its limit the first time a
+//! thread wants a ninth arena, and a later `mallopt` does not change it: set at the first model
+//! load, the limit did not hold in a 32-stream pipeline (its streams' threads made their arenas
+//! while the model loaded; the RSS climbed +54% in 140 s as with glibc's defaults). So the
+//! plugin's registration sets it (`gst_vlm_elements::register`), before any element of it
+//! exists, and the first model load again for applications of the runtime alone
+//! (`runtime/tests/arenas.rs`, `tests/arenas.rs`). An application that had already made more than
+//! eight arenas keeps glibc's limit (logged as a warning): the environment variable is the way
+//! to be sure.
 
 /// Arenas the runtime asks for where the environment names none.
 pub(crate) const ARENAS: i32 = 2;
@@ -26,8 +31,30 @@ fn chosen_by_environment(arena_max: Option<&str>, tunables: Option<&str>) -> boo
         || tunables.is_some_and(|t| t.split(':').any(|s| s.trim().starts_with("glibc.malloc.arena_max")))
 }
 
+/// Limit glibc's arenas once per process (the plugin's registration, or the first model load)
+/// and say so in the log.
+pub fn limit_once() {
+    static DONE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    DONE.get_or_init(|| match limit() {
+        Some(n) => {
+            super::log(
+                super::LogLevel::Info,
+                &format!("malloc: {n} arenas (MALLOC_ARENA_MAX unset; set it to choose)"),
+            );
+            if let Some(made) = count().filter(|&made| made > 8) {
+                let text = format!(
+                    "malloc: {made} arenas were made before the limit of {n} was set: glibc keeps its own \
+                     limit (8 per core); set MALLOC_ARENA_MAX={n} in the environment"
+                );
+                super::log(super::LogLevel::Warn, &text);
+            }
+        }
+        None => super::log(super::LogLevel::Debug, "malloc: the arenas the environment chose"),
+    });
+}
+
 /// Limit glibc's arenas to [`ARENAS`] unless the environment chose; returns the limit set.
-pub(crate) fn limit() -> Option<i32> {
+fn limit() -> Option<i32> {
     let arena_max = std::env::var("MALLOC_ARENA_MAX").ok();
     let tunables = std::env::var("GLIBC_TUNABLES").ok();
     if chosen_by_environment(arena_max.as_deref(), tunables.as_deref()) {
@@ -45,6 +72,31 @@ fn set(arenas: i32) -> bool {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn set(_: i32) -> bool {
     false
+}
+
+/// The arenas glibc has made: the `<heap nr=` entries of `malloc_info`'s report.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub fn count() -> Option<usize> {
+    let (mut buf, mut len) = (std::ptr::null_mut(), 0);
+    // SAFETY: open_memstream allocates the buffer it writes to; malloc_info writes its XML
+    // there; after fclose the buffer holds `len` bytes, copied, then freed.
+    let xml = unsafe {
+        let stream = libc::open_memstream(&mut buf, &mut len);
+        if stream.is_null() {
+            return None;
+        }
+        libc::malloc_info(0, stream);
+        libc::fclose(stream);
+        let xml = std::slice::from_raw_parts(buf as *const u8, len).to_vec();
+        libc::free(buf.cast());
+        xml
+    };
+    Some(String::from_utf8_lossy(&xml).matches("<heap nr=").count())
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn count() -> Option<usize> {
+    None
 }
 
 #[cfg(test)]

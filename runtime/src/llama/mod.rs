@@ -27,7 +27,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, Result};
 
-mod arenas;
+pub mod arenas;
 mod batch;
 mod context;
 mod cut;
@@ -186,10 +186,7 @@ pub fn init_backend() {
         if !kv_pages::lazy_zero_cpu_buffers() {
             log(LogLevel::Warn, "the CPU buffer type's layout is not the one expected: KV buffers stay resident");
         }
-        match arenas::limit() {
-            Some(n) => log(LogLevel::Info, &format!("malloc: {n} arenas (MALLOC_ARENA_MAX unset; set it to choose)")),
-            None => log(LogLevel::Debug, "malloc: the arenas the environment chose"),
-        }
+        arenas::limit_once();
     });
 }
 
