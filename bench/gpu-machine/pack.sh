@@ -71,5 +71,5 @@ if [ "${GST:-0}" = 1 ]; then
     cp bench/gpu-machine/gst.sh "$out/"
 fi
 git rev-parse --short HEAD > "$out/BUILT_FROM"
-cp bench/gpu-machine/setup.sh bench/gpu-machine/prepare-ab.sh bench/gpu-machine/save-cuda.sh "$out/"
+cp bench/gpu-machine/setup.sh bench/gpu-machine/prepare-ab.sh bench/gpu-machine/save-cuda.sh bench/gpu-machine/w1-memory.sh "$out/"
 du -sh "$out"
