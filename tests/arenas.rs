@@ -6,9 +6,7 @@
 
 #![cfg(all(target_os = "linux", target_env = "gnu"))]
 
-use std::sync::{Arc, Barrier};
-
-use vlm_runtime::llama::arenas::count as arenas;
+mod common;
 
 #[test]
 fn registering_the_plugin_limits_the_arenas_before_any_model_loads() {
@@ -18,27 +16,8 @@ fn registering_the_plugin_limits_the_arenas_before_any_model_loads() {
     }
     gst::init().unwrap();
     gstvlm::plugin_register_static().expect("register the vlm plugin");
-    let before = arenas().unwrap();
-    // Twelve threads allocating while all are alive (a pipeline's streaming threads): glibc
-    // gives each new one an arena of its own up to eight per core, unless limited.
-    let threads = 12;
-    let barrier = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let barrier = Arc::clone(&barrier);
-            std::thread::spawn(move || {
-                let block = vec![1u8; 1 << 20];
-                barrier.wait(); // all allocated
-                barrier.wait(); // counted
-                block.len()
-            })
-        })
-        .collect();
-    barrier.wait();
-    let after = arenas().unwrap();
-    barrier.wait();
-    for h in handles {
-        h.join().unwrap();
-    }
-    assert!(after <= before.max(2), "{threads} threads made {after} arenas after the registration (before: {before})");
+    let before = vlm_runtime::llama::arenas::count().unwrap();
+    // (Twelve threads allocating at once, as a pipeline's streaming threads do.)
+    let after = common::arenas_with_threads(12);
+    assert!(after <= before.max(2), "12 threads made {after} arenas after the registration (before: {before})");
 }

@@ -8,10 +8,16 @@ t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$D"/whl/*.whl \
     && export PYTHONPATH=/tmp/site
 # CUDA libraries an earlier machine of the session built and save-cuda.sh brought back.
-# (Without llama-server where only the libraries were carried: the elements' runs need no peer.)
+# (Without llama-server where only the libraries were carried: the elements' runs need no peer.
+# Its binary and the two libraries it adds, 2.6 MB as xz, can travel beside them as
+# server-libs.tar.xz: `tar cJf server-libs.tar.xz llama-server libllama-common.so* libllama-server-impl.so`
+# in the unpacked folder.)
 cuda_lib=/tmp/cuda/build/bin/libggml-cuda.so
 if [ ! -e $cuda_lib ] && [ -s "$D/cuda-libs.tar.xz" ]; then
     mkdir -p /tmp/cuda/build/bin && tar xJf "$D/cuda-libs.tar.xz" -C /tmp/cuda/build/bin
+fi
+if [ -s "$D/server-libs.tar.xz" ] && [ ! -e /tmp/cuda/build/bin/llama-server ]; then
+    mkdir -p /tmp/cuda/build/bin && tar xJf "$D/server-libs.tar.xz" -C /tmp/cuda/build/bin
 fi
 if [ ! -e $cuda_lib ]; then
     JOBS=$(nproc) scripts/cuda-libs.sh "$D/llama.cpp.tar.xz" /tmp/cuda > /tmp/cuda-build.log 2>&1 \

@@ -4,9 +4,7 @@
 
 #![cfg(all(target_os = "linux", target_env = "gnu"))]
 
-use std::sync::{Arc, Barrier};
-
-use vlm_runtime::llama::arenas::count as arenas;
+mod common;
 
 #[test]
 fn threads_share_two_arenas_once_the_backend_is_up() {
@@ -15,27 +13,7 @@ fn threads_share_two_arenas_once_the_backend_is_up() {
         return;
     }
     vlm_runtime::llama::init_backend();
-    let before = arenas().unwrap();
-    // Twelve threads, each allocating while all are alive: glibc gives each new thread an arena
-    // of its own up to eight per core, unless limited.
-    let threads = 12;
-    let barrier = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let barrier = Arc::clone(&barrier);
-            std::thread::spawn(move || {
-                let block = vec![1u8; 1 << 20];
-                barrier.wait(); // all allocated
-                barrier.wait(); // counted
-                block.len()
-            })
-        })
-        .collect();
-    barrier.wait();
-    let after = arenas().unwrap();
-    barrier.wait();
-    for h in handles {
-        h.join().unwrap();
-    }
-    assert!(after <= before.max(2), "{threads} threads made {after} arenas (before: {before})");
+    let before = vlm_runtime::llama::arenas::count().unwrap();
+    let after = common::arenas_with_threads(12);
+    assert!(after <= before.max(2), "12 threads made {after} arenas (before: {before})");
 }

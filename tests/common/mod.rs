@@ -118,7 +118,7 @@ pub use rpc_server::RpcServer;
 #[path = "../../runtime/tests/common/rss.rs"]
 mod rss;
 #[allow(unused_imports)] // only the memory tests read it
-pub use rss::{Heap, heap_mib, peak_rss_mib, reset_peak_rss, rss_mib};
+pub use rss::{Heap, arenas_with_threads, heap_mib, peak_rss_mib, reset_peak_rss, rss_mib};
 
 /// The number of the frame a probed buffer brought into its stream's history: none for a buffer
 /// without a registered frame, nor for one the gate held (it carries the number of the frame

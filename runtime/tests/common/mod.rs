@@ -10,7 +10,7 @@ mod rss;
 #[allow(unused_imports)] // only the RPC tests start one
 pub use rpc_server::RpcServer;
 #[allow(unused_imports)] // only the memory tests read it
-pub use rss::{Heap, heap_mib, peak_rss_mib, reset_peak_rss, rss_mib};
+pub use rss::{Heap, arenas_with_threads, heap_mib, peak_rss_mib, reset_peak_rss, rss_mib};
 use std::sync::Arc;
 
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};

@@ -61,3 +61,29 @@ pub fn heap_mib() -> Heap {
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     Heap { in_use: mib(m.uordblks + m.hblkhd), free: mib(m.fordblks) }
 }
+
+/// The arenas glibc holds while `threads` new threads each allocate a block and stay alive (glibc
+/// gives a new thread that finds the arenas busy one of its own, up to eight per core, unless
+/// limited).
+pub fn arenas_with_threads(threads: usize) -> usize {
+    use std::sync::{Arc, Barrier};
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                let block = vec![1u8; 1 << 20];
+                barrier.wait(); // all allocated
+                barrier.wait(); // counted
+                block.len()
+            })
+        })
+        .collect();
+    barrier.wait();
+    let arenas = vlm_runtime::llama::arenas::count().expect("malloc_info");
+    barrier.wait();
+    for h in handles {
+        h.join().unwrap();
+    }
+    arenas
+}
