@@ -451,6 +451,63 @@ fn a_flushing_seek_from_a_sync_bus_handler_on_an_answer_returns() {
     assert_clean(&log);
 }
 
+/// An application that stops its pipeline from a sync bus handler on a `vlm-answer` (stop after
+/// the first answer), on the thread that posts it: NULL returns without waiting out the bound on
+/// answering threads (that thread is the one stopping), and the question it cancels gets its
+/// one `cancelled` answer.
+#[test]
+fn null_from_a_sync_bus_handler_on_an_answer_returns_without_waiting_for_itself() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let _s = serial();
+    let pipeline = launch(
+        "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q exact-tokens=true ! fakesink sync=false async=false",
+    );
+    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
+    let q = bin.by_name("q").unwrap();
+    let frames = Frames::watch(&q.static_pad("sink").unwrap());
+    let bus = pipeline.bus().unwrap();
+    // (Read as posted: NULL flushes the bus.)
+    let answers = Arc::new(Mutex::new(vec![]));
+    let (stopped_tx, stopped) = std::sync::mpsc::channel();
+    let once = AtomicBool::new(false);
+    let weak = pipeline.downgrade();
+    let seen = Arc::clone(&answers);
+    bus.set_sync_handler(move |_, msg| {
+        if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-answer") {
+            seen.lock().unwrap().push(s.to_owned());
+            let first = s.get::<String>("id").is_ok_and(|id| id == "stop-now");
+            if first
+                && !once.swap(true, Ordering::AcqRel)
+                && let Some(p) = weak.upgrade()
+            {
+                let began = Instant::now();
+                let result = p.set_state(gst::State::Null);
+                let _ = stopped_tx.send((result.is_ok(), began.elapsed()));
+            }
+        }
+        gst::BusSyncReply::Pass
+    });
+    set_state(&pipeline, gst::State::Playing, "start");
+    frames.wait(2, "before the questions");
+    let sink = q.static_pad("sink").unwrap();
+    assert!(sink.send_event(QuestionEvent::event("Say something.", Some("stop-now"), Some(2))));
+    assert!(sink.send_event(QuestionEvent::event("Tell me a long story.", Some("long"), Some(300))));
+    let (ok, took) = stopped.recv_timeout(Duration::from_secs(60)).expect("NULL from the sync handler returned");
+    assert!(ok, "the change to NULL failed");
+    // (The bound on answering threads is 5 s; a stop takes a fraction of it.)
+    assert!(took < Duration::from_secs(4), "NULL took {took:?}: it waited for the thread that asked for it");
+    let answers = answers.lock().unwrap();
+    let of = |id: &str| {
+        answers.iter().filter(|a| a.get::<String>("id").is_ok_and(|i| i == id)).map(status).collect::<Vec<_>>()
+    };
+    assert_eq!(of("stop-now"), ["answered"]);
+    assert_eq!(of("long"), ["cancelled"]);
+}
+
 #[test]
 fn two_pipelines_in_one_process_share_one_model_and_both_answer() {
     let _s = serial();

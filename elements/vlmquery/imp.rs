@@ -311,7 +311,8 @@ fn push_bounded<T>(queue: &mut VecDeque<T>, item: T) {
 #[derive(Default)]
 struct Outbox {
     messages: VecDeque<(Arc<Pending>, gst::Structure)>,
-    posting: bool,
+    /// The thread posting them.
+    poster: Option<std::thread::ThreadId>,
 }
 
 pub struct VlmQuery {
@@ -329,6 +330,8 @@ pub struct VlmQuery {
     post_order: Mutex<()>,
     /// The `vlm-answer`s made and not yet posted, in question order.
     outbox: Mutex<Outbox>,
+    /// Signalled when the outbox's poster is done.
+    outbox_idle: Condvar,
     /// Answering threads that may still run: of questions a flush cancelled (each sees its
     /// cancel flag) and of answered ones still posting others' answers. Joined when the element
     /// stops, so none outlives it.
@@ -408,6 +411,7 @@ impl VlmQuery {
     /// returns, or deactivating its pad would wait for it forever.
     fn stop(&self) {
         self.flush_start("the element stopped");
+        self.post_outbox_before_stop();
         self.alerts_stop();
     }
 
@@ -416,7 +420,11 @@ impl VlmQuery {
     fn reset(&self) {
         // (A question accepted after `stop`, as a flush-stop raced it, still gets its answer.)
         self.flush_start("the element stopped");
-        let threads = std::mem::take(&mut *self.ending_threads.lock());
+        self.post_outbox_before_stop();
+        // (Not this one: a sync bus handler stopping the element from an answering thread.)
+        let me = std::thread::current().id();
+        let threads: Vec<_> =
+            std::mem::take(&mut *self.ending_threads.lock()).into_iter().filter(|t| t.thread().id() != me).collect();
         // (Bounded: a thread stuck in an engine that hangs is left to end on its own.)
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while threads.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
@@ -568,6 +576,7 @@ impl ObjectSubclass for VlmQuery {
             shared: Mutex::new(Shared { flushing: true, ..Shared::default() }),
             post_order: Mutex::new(()),
             outbox: Mutex::new(Outbox::default()),
+            outbox_idle: Condvar::new(),
             ending_threads: Mutex::new(vec![]),
             changed: Condvar::new(),
             alerts: alerts::Alerts::default(),

@@ -584,22 +584,55 @@ impl VlmQuery {
     /// cancelled answers then queue behind the others.
     pub(super) fn drain_outbox(&self) {
         let mut outbox = self.outbox.lock();
-        if outbox.posting {
+        if outbox.poster.is_some() {
             return;
         }
-        outbox.posting = true;
+        outbox.poster = Some(std::thread::current().id());
         while let Some((p, message)) = outbox.messages.pop_front() {
             drop(outbox);
-            self.post_message(&message);
-            *p.message.lock() = Some(message);
-            {
-                let _shared = self.shared.lock();
-                p.posted.store(true, Ordering::Release);
-                self.changed.notify_all();
-            }
+            self.post_answer(&p, message);
             outbox = self.outbox.lock();
         }
-        outbox.posting = false;
+        outbox.poster = None;
+        self.outbox_idle.notify_all();
+    }
+
+    /// The element stops: every `vlm-answer` made goes on the bus now, before the pipeline's bus
+    /// flushes at NULL. Where another thread is posting, wait for it (bounded: its sync bus
+    /// handler may be stopping the pipeline too); where this one is (a sync bus handler stopping
+    /// the pipeline on a `vlm-answer`), post the rest from here.
+    pub(super) fn post_outbox_before_stop(&self) {
+        let me = std::thread::current().id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut outbox = self.outbox.lock();
+        while outbox.poster.is_some_and(|t| t != me) {
+            if self.outbox_idle.wait_until(&mut outbox, deadline).timed_out() {
+                gst::warning!(
+                    CAT,
+                    imp = self,
+                    "the thread posting answers is still busy: the rest may come after the stop"
+                );
+                return;
+            }
+        }
+        if outbox.poster.is_none() {
+            drop(outbox);
+            return self.drain_outbox();
+        }
+        while let Some((p, message)) = outbox.messages.pop_front() {
+            drop(outbox);
+            self.post_answer(&p, message);
+            outbox = self.outbox.lock();
+        }
+    }
+
+    /// Post one question's `vlm-answer`, and mark it posted for the text pad's task.
+    fn post_answer(&self, p: &Pending, message: gst::Structure) {
+        self.post_message(&message);
+        *p.message.lock() = Some(message);
+        let _shared = self.shared.lock();
+        p.posted.store(true, Ordering::Release);
+        self.changed.notify_all();
     }
 
     fn post_message(&self, message: &gst::Structure) {
