@@ -263,6 +263,52 @@ fn alerts_are_settable_while_playing_and_stop_cleanly_at_null() {
     assert_eq!(q.property::<u64>("alert-evaluations"), 0, "counts start again at zero");
 }
 
+/// An application that stops its pipeline from a sync bus handler on a `vlm-alert` (stop on the
+/// first alarm), on the alert thread that posts it: NULL returns, and the element evaluates its
+/// alerts again when the pipeline plays again (the stop joined the alert thread, the thread
+/// stopping: it panicked, and the element with it).
+#[test]
+fn null_from_a_sync_bus_handler_on_an_alert_returns_and_the_alerts_go_on_after() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let pipeline = launch(
+        "videotestsrc pattern=ball ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery alerts=\"ball:Is there a ball?\" ! fakesink sync=false",
+    );
+    let (stopped_tx, stopped) = mpsc::channel();
+    let once = AtomicBool::new(false);
+    let alerts = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&alerts);
+    let weak = pipeline.downgrade();
+    pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
+        let alert = msg.structure().is_some_and(|s| s.name() == "vlm-alert");
+        if alert {
+            seen.fetch_add(1, Ordering::AcqRel);
+        }
+        if alert
+            && !once.swap(true, Ordering::AcqRel)
+            && let Some(p) = weak.upgrade()
+        {
+            let _ = stopped_tx.send(p.set_state(gst::State::Null).is_ok());
+        }
+        gst::BusSyncReply::Pass
+    });
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let ok = stopped.recv_timeout(Duration::from_secs(240)).expect("NULL from the alert's sync handler returned");
+    assert!(ok, "the change to NULL failed");
+    assert_eq!(pipeline.current_state(), gst::State::Null);
+    // Played again: a new run posts its first states again.
+    let before = alerts.load(Ordering::Acquire);
+    pipeline.set_state(gst::State::Playing).expect("PLAYING again");
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    while alerts.load(Ordering::Acquire) == before {
+        assert!(std::time::Instant::now() < deadline, "no vlm-alert after playing again");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    pipeline.set_state(gst::State::Null).unwrap();
+}
+
 /// A flushing seek drops the frames waiting for evaluation and ends the one in flight; the
 /// alerts go on with the frames after it, and the pipeline ends at EOS.
 #[test]

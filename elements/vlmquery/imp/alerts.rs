@@ -77,6 +77,9 @@ struct State {
     /// Streams in the order they first came (their evaluations are posted in this order).
     order: VecDeque<u64>,
     worker: Option<std::thread::JoinHandle<()>>,
+    /// The run the worker belongs to: a stop starts the next, and a worker of an older run ends
+    /// (one not joined: it was the thread stopping, from a sync bus handler on its `vlm-alert`).
+    generation: u64,
     /// Set by a flush or a stop: the evaluation in flight ends, its results are dropped.
     cancel: Arc<AtomicBool>,
     /// The streams the evaluations in flight wait on (woken on cancel).
@@ -269,7 +272,9 @@ impl VlmQuery {
         }
         if st.worker.is_none() {
             let this = self.ref_counted();
-            match std::thread::Builder::new().name("vlmquery-alerts".into()).spawn(move || this.alert_worker()) {
+            let generation = st.generation;
+            let worker = move || this.alert_worker(generation);
+            match std::thread::Builder::new().name("vlmquery-alerts".into()).spawn(worker) {
                 Ok(t) => st.worker = Some(t),
                 Err(e) => gst::error!(CAT, imp = self, "cannot start the alert thread: {e}"),
             }
@@ -295,12 +300,12 @@ impl VlmQuery {
     /// versions and evaluate every alert on them (the streams at once, so one stream's ingestion
     /// holds no other's evaluations and all of them queue on their engines together), post what
     /// changed.
-    fn alert_worker(&self) {
+    fn alert_worker(&self, generation: u64) {
         loop {
             let (taken, specs, cancel) = {
                 let mut st = self.alerts.state.lock();
                 let taken = loop {
-                    if st.stopping {
+                    if st.stopping || st.generation != generation {
                         return;
                     }
                     let mut taken: Vec<(Arc<Stream>, FrameAt)> = vec![];
@@ -368,7 +373,11 @@ impl VlmQuery {
             drop(st);
             self.post_alerts(posts);
             // Busy until its lines are queued: the video's EOS waits for them (`alerts_drain`).
-            self.alerts.state.lock().busy = false;
+            let mut st = self.alerts.state.lock();
+            if st.generation != generation {
+                return;
+            }
+            st.busy = false;
             self.alerts.changed.notify_all();
         }
     }
@@ -525,10 +534,13 @@ impl VlmQuery {
             st.stopping = true;
             st.cancel.store(true, Ordering::Release);
             st.waiting_on.iter().for_each(|s| s.wake());
+            st.generation += 1;
             self.alerts.changed.notify_all();
             st.worker.take()
         };
-        if let Some(w) = worker {
+        // (Not from the worker itself: a sync bus handler stopping the pipeline on a `vlm-alert`.
+        // It ends when the handler returns, its run over.)
+        if let Some(w) = worker.filter(|w| w.thread().id() != std::thread::current().id()) {
             let _ = w.join();
         }
         let mut st = self.alerts.state.lock();
