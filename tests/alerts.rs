@@ -309,6 +309,44 @@ fn null_from_a_sync_bus_handler_on_an_alert_returns_and_the_alerts_go_on_after()
     pipeline.set_state(gst::State::Null).unwrap();
 }
 
+/// A flushing seek from a sync bus handler on a `vlm-alert`, on the alert thread: the seek
+/// returns and the alerts go on after it.
+#[test]
+fn a_flushing_seek_from_a_sync_bus_handler_on_an_alert_returns() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let pipeline = launch(
+        "videotestsrc pattern=ball ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q alerts=\"ball:Is there a ball?\" ! fakesink sync=false",
+    );
+    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    let (seeked_tx, seeked) = mpsc::channel();
+    let once = AtomicBool::new(false);
+    let weak = pipeline.downgrade();
+    pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
+        let alert = msg.structure().is_some_and(|s| s.name() == "vlm-alert");
+        if alert
+            && !once.swap(true, Ordering::AcqRel)
+            && let Some(p) = weak.upgrade()
+        {
+            let _ = seeked_tx.send(p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok());
+        }
+        gst::BusSyncReply::Pass
+    });
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let ok = seeked.recv_timeout(Duration::from_secs(240)).expect("the seek from the alert's sync handler returned");
+    assert!(ok, "the seek was refused");
+    // The alerts go on: frames after the seek are evaluated.
+    let before = q.property::<u64>("alert-evaluations");
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    while q.property::<u64>("alert-evaluations") == before {
+        assert!(std::time::Instant::now() < deadline, "no evaluation after the seek");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    pipeline.set_state(gst::State::Null).unwrap();
+}
+
 /// A flushing seek drops the frames waiting for evaluation and ends the one in flight; the
 /// alerts go on with the frames after it, and the pipeline ends at EOS.
 #[test]
