@@ -263,56 +263,11 @@ fn alerts_are_settable_while_playing_and_stop_cleanly_at_null() {
     assert_eq!(q.property::<u64>("alert-evaluations"), 0, "counts start again at zero");
 }
 
-/// An application that stops its pipeline from a sync bus handler on a `vlm-alert` (stop on the
-/// first alarm), on the alert thread that posts it: NULL returns, and the element evaluates its
-/// alerts again when the pipeline plays again (the stop joined the alert thread, the thread
-/// stopping: it panicked, and the element with it).
-#[test]
-fn null_from_a_sync_bus_handler_on_an_alert_returns_and_the_alerts_go_on_after() {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    let pipeline = launch(
-        "videotestsrc pattern=ball ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
-         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
-         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
-         ! vlmquery alerts=\"ball:Is there a ball?\" ! fakesink sync=false",
-    );
-    let (stopped_tx, stopped) = mpsc::channel();
-    let once = AtomicBool::new(false);
-    let alerts = Arc::new(AtomicUsize::new(0));
-    let seen = Arc::clone(&alerts);
-    let weak = pipeline.downgrade();
-    pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
-        let alert = msg.structure().is_some_and(|s| s.name() == "vlm-alert");
-        if alert {
-            seen.fetch_add(1, Ordering::AcqRel);
-        }
-        if alert
-            && !once.swap(true, Ordering::AcqRel)
-            && let Some(p) = weak.upgrade()
-        {
-            let _ = stopped_tx.send(p.set_state(gst::State::Null).is_ok());
-        }
-        gst::BusSyncReply::Pass
-    });
-    pipeline.set_state(gst::State::Playing).unwrap();
-    let ok = stopped.recv_timeout(Duration::from_secs(240)).expect("NULL from the alert's sync handler returned");
-    assert!(ok, "the change to NULL failed");
-    assert_eq!(pipeline.current_state(), gst::State::Null);
-    // Played again: a new run posts its first states again.
-    let before = alerts.load(Ordering::Acquire);
-    pipeline.set_state(gst::State::Playing).expect("PLAYING again");
-    let deadline = std::time::Instant::now() + Duration::from_secs(240);
-    while alerts.load(Ordering::Acquire) == before {
-        assert!(std::time::Instant::now() < deadline, "no vlm-alert after playing again");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    pipeline.set_state(gst::State::Null).unwrap();
-}
-
-/// A flushing seek from a sync bus handler on a `vlm-alert`, on the alert thread: the seek
-/// returns and the alerts go on after it.
-#[test]
-fn a_flushing_seek_from_a_sync_bus_handler_on_an_alert_returns() {
+/// A live-like alert pipeline (`vlmquery` named q) whose sync bus handler, on the alert thread
+/// posting the first `vlm-alert`, runs `act` on the pipeline and sends what it returns.
+fn on_first_alert<T: Send + 'static>(
+    act: impl Fn(&gst::Element) -> T + Send + Sync + 'static,
+) -> (gst::Element, gst::Element, mpsc::Receiver<T>) {
     use std::sync::atomic::{AtomicBool, Ordering};
     let pipeline = launch(
         "videotestsrc pattern=ball ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
@@ -321,29 +276,53 @@ fn a_flushing_seek_from_a_sync_bus_handler_on_an_alert_returns() {
          ! vlmquery name=q alerts=\"ball:Is there a ball?\" ! fakesink sync=false",
     );
     let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
-    let (seeked_tx, seeked) = mpsc::channel();
-    let once = AtomicBool::new(false);
-    let weak = pipeline.downgrade();
+    let (acted_tx, acted) = mpsc::channel();
+    let (once, weak) = (AtomicBool::new(false), pipeline.downgrade());
     pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
-        let alert = msg.structure().is_some_and(|s| s.name() == "vlm-alert");
-        if alert
-            && !once.swap(true, Ordering::AcqRel)
-            && let Some(p) = weak.upgrade()
-        {
-            let _ = seeked_tx.send(p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok());
+        let first = msg.structure().is_some_and(|s| s.name() == "vlm-alert") && !once.swap(true, Ordering::AcqRel);
+        if let Some(p) = weak.upgrade().filter(|_| first) {
+            let _ = acted_tx.send(act(&p));
         }
         gst::BusSyncReply::Pass
     });
+    (pipeline, q, acted)
+}
+
+/// Wait until `q` has evaluated alerts beyond `before`.
+fn wait_for_evaluations(q: &gst::Element, before: u64, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    while q.property::<u64>("alert-evaluations") <= before {
+        assert!(std::time::Instant::now() < deadline, "no evaluation {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An application that stops its pipeline from a sync bus handler on a `vlm-alert` (stop on the
+/// first alarm), on the alert thread that posts it: NULL returns, and the element evaluates its
+/// alerts again when the pipeline plays again (the stop joined the alert thread, the thread
+/// stopping: it panicked, and the element with it).
+#[test]
+fn null_from_a_sync_bus_handler_on_an_alert_returns_and_the_alerts_go_on_after() {
+    let (pipeline, q, stopped) = on_first_alert(|p| p.set_state(gst::State::Null).is_ok());
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let ok = stopped.recv_timeout(Duration::from_secs(240)).expect("NULL from the alert's sync handler returned");
+    assert!(ok, "the change to NULL failed");
+    assert_eq!(pipeline.current_state(), gst::State::Null);
+    // Played again (its counts start again at zero).
+    pipeline.set_state(gst::State::Playing).expect("PLAYING again");
+    wait_for_evaluations(&q, 0, "after playing again");
+    pipeline.set_state(gst::State::Null).unwrap();
+}
+
+/// A flushing seek from a sync bus handler on a `vlm-alert`, on the alert thread: the seek
+/// returns and the alerts go on after it.
+#[test]
+fn a_flushing_seek_from_a_sync_bus_handler_on_an_alert_returns() {
+    let (pipeline, q, seeked) = on_first_alert(|p| p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok());
     pipeline.set_state(gst::State::Playing).unwrap();
     let ok = seeked.recv_timeout(Duration::from_secs(240)).expect("the seek from the alert's sync handler returned");
     assert!(ok, "the seek was refused");
-    // The alerts go on: frames after the seek are evaluated.
-    let before = q.property::<u64>("alert-evaluations");
-    let deadline = std::time::Instant::now() + Duration::from_secs(240);
-    while q.property::<u64>("alert-evaluations") == before {
-        assert!(std::time::Instant::now() < deadline, "no evaluation after the seek");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_evaluations(&q, q.property::<u64>("alert-evaluations"), "after the seek");
     pipeline.set_state(gst::State::Null).unwrap();
 }
 

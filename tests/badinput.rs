@@ -394,118 +394,117 @@ fn a_flushing_seek_mid_answer_cancels_it_and_the_pipeline_goes_on() {
     assert_clean(&log);
 }
 
+/// A live-like pipeline over a moving ball whose sync bus handler keeps every `vlm-answer` as it
+/// is posted (NULL flushes the bus) and, on the thread posting the first answer to question
+/// `id`, runs `act` on the pipeline and sends what it returns.
+struct OnAnswer<T> {
+    pipeline: gst::Element,
+    sink: gst::Pad,
+    frames: Frames,
+    answers: std::sync::Arc<std::sync::Mutex<Vec<gst::Structure>>>,
+    acted: std::sync::mpsc::Receiver<T>,
+}
+
+impl<T: Send + 'static> OnAnswer<T> {
+    fn new(id: &'static str, act: impl Fn(&gst::Element) -> T + Send + Sync + 'static) -> OnAnswer<T> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let pipeline = launch(
+            "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
+             ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+             ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+             ! vlmquery name=q exact-tokens=true ! fakesink sync=false async=false",
+        );
+        let q = pipeline.clone().downcast::<gst::Bin>().unwrap().by_name("q").unwrap();
+        let sink = q.static_pad("sink").unwrap();
+        let frames = Frames::watch(&sink);
+        let answers = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+        let (acted_tx, acted) = std::sync::mpsc::channel();
+        let (once, seen, weak) = (AtomicBool::new(false), std::sync::Arc::clone(&answers), pipeline.downgrade());
+        pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
+            if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-answer") {
+                seen.lock().unwrap().push(s.to_owned());
+                let first = s.get::<String>("id").is_ok_and(|i| i == id) && !once.swap(true, Ordering::AcqRel);
+                if let Some(p) = weak.upgrade().filter(|_| first) {
+                    let _ = acted_tx.send(act(&p));
+                }
+            }
+            gst::BusSyncReply::Pass
+        });
+        OnAnswer { pipeline, sink, frames, answers, acted }
+    }
+
+    fn ask(&self, id: &str, text: &str, tokens: u32) {
+        assert!(self.sink.send_event(QuestionEvent::event(text, Some(id), Some(tokens))));
+    }
+
+    /// The statuses of the answers to `id` once there is one (or `limit` has passed).
+    fn statuses(&self, id: &str, limit: Duration) -> Vec<String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let of: Vec<String> = self
+                .answers
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|a| a.get::<String>("id").is_ok_and(|i| i == id))
+                .map(status)
+                .collect();
+            if !of.is_empty() || Instant::now() >= deadline {
+                return of;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 /// An application that seeks with a flush from a sync bus handler, on the thread that posts a
 /// `vlm-answer` (a player that restarts its clip on an answer): the seek returns, the question it
 /// cancels gets its one `cancelled` answer, and the pipeline goes on. (It hung: the answers were
 /// posted under the lock the flush takes to cancel the others.)
 #[test]
 fn a_flushing_seek_from_a_sync_bus_handler_on_an_answer_returns() {
-    use std::sync::atomic::{AtomicBool, Ordering};
     let _s = serial();
-    let pipeline = launch(
-        "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
-         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
-         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
-         ! vlmquery name=q exact-tokens=true ! fakesink sync=false async=false",
-    );
-    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
-    let q = bin.by_name("q").unwrap();
-    let frames = Frames::watch(&q.static_pad("sink").unwrap());
-    let bus = pipeline.bus().unwrap();
-    let (seeked_tx, seeked) = std::sync::mpsc::channel();
-    let once = AtomicBool::new(false);
-    let weak = pipeline.downgrade();
-    bus.set_sync_handler(move |_, msg| {
-        let first = msg
-            .structure()
-            .is_some_and(|s| s.name() == "vlm-answer" && s.get::<String>("id").is_ok_and(|id| id == "seek-now"));
-        if first
-            && !once.swap(true, Ordering::AcqRel)
-            && let Some(p) = weak.upgrade()
-        {
-            let _ = seeked_tx.send(p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok());
-        }
-        gst::BusSyncReply::Pass
-    });
-    let mut log = Log::default();
-    set_state(&pipeline, gst::State::Playing, "start");
-    frames.wait(2, "before the questions");
-    let sink = q.static_pad("sink").unwrap();
-    assert!(sink.send_event(QuestionEvent::event("Say something.", Some("seek-now"), Some(2))));
-    assert!(sink.send_event(QuestionEvent::event("Tell me a long story.", Some("long"), Some(300))));
-    let ok = seeked.recv_timeout(Duration::from_secs(60)).expect("the seek from the sync handler returned");
+    let on = OnAnswer::new("seek-now", |p| p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok());
+    set_state(&on.pipeline, gst::State::Playing, "start");
+    on.frames.wait(2, "before the questions");
+    on.ask("seek-now", "Say something.", 2);
+    on.ask("long", "Tell me a long story.", 300);
+    let ok = on.acted.recv_timeout(Duration::from_secs(60)).expect("the seek from the sync handler returned");
     assert!(ok, "the seek was refused");
-    assert!(log.pump(&bus, Duration::from_secs(10), |l| !l.answers_to("long").is_empty()), "{log:?}");
-    assert_eq!(status(log.answers_to("seek-now")[0]), "answered");
-    assert_eq!(status(log.answers_to("long")[0]), "cancelled");
+    assert_eq!(on.statuses("seek-now", Duration::ZERO), ["answered"]);
+    assert_eq!(on.statuses("long", Duration::from_secs(10)), ["cancelled"]);
     // The pipeline goes on after the seek.
-    let before = frames.newest();
-    frames.wait(before + 1, "after the seek");
-    assert!(sink.send_event(QuestionEvent::event("What now?", Some("after-seek"), Some(3))));
-    assert!(log.pump(&bus, Duration::from_secs(30), |l| !l.answers_to("after-seek").is_empty()), "{log:?}");
-    assert_eq!(status(log.answers_to("after-seek")[0]), "answered");
-    set_state(&pipeline, gst::State::Null, "stop");
+    let before = on.frames.newest();
+    on.frames.wait(before + 1, "after the seek");
+    on.ask("after-seek", "What now?", 3);
+    assert_eq!(on.statuses("after-seek", Duration::from_secs(30)), ["answered"]);
+    set_state(&on.pipeline, gst::State::Null, "stop");
     for id in ["seek-now", "long", "after-seek"] {
-        assert_eq!(log.answers_to(id).len(), 1, "{id}: {log:?}");
+        assert_eq!(on.statuses(id, Duration::ZERO).len(), 1, "{id}");
     }
-    assert_clean(&log);
 }
 
 /// An application that stops its pipeline from a sync bus handler on a `vlm-answer` (stop after
 /// the first answer), on the thread that posts it: NULL returns without waiting out the bound on
 /// answering threads (that thread is the one stopping), and the question it cancels gets its
-/// one `cancelled` answer.
+/// one `cancelled` answer before the bus flushes.
 #[test]
 fn null_from_a_sync_bus_handler_on_an_answer_returns_without_waiting_for_itself() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::{Arc, Mutex};
     let _s = serial();
-    let pipeline = launch(
-        "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
-         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
-         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
-         ! vlmquery name=q exact-tokens=true ! fakesink sync=false async=false",
-    );
-    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
-    let q = bin.by_name("q").unwrap();
-    let frames = Frames::watch(&q.static_pad("sink").unwrap());
-    let bus = pipeline.bus().unwrap();
-    // (Read as posted: NULL flushes the bus.)
-    let answers = Arc::new(Mutex::new(vec![]));
-    let (stopped_tx, stopped) = std::sync::mpsc::channel();
-    let once = AtomicBool::new(false);
-    let weak = pipeline.downgrade();
-    let seen = Arc::clone(&answers);
-    bus.set_sync_handler(move |_, msg| {
-        if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-answer") {
-            seen.lock().unwrap().push(s.to_owned());
-            let first = s.get::<String>("id").is_ok_and(|id| id == "stop-now");
-            if first
-                && !once.swap(true, Ordering::AcqRel)
-                && let Some(p) = weak.upgrade()
-            {
-                let began = Instant::now();
-                let result = p.set_state(gst::State::Null);
-                let _ = stopped_tx.send((result.is_ok(), began.elapsed()));
-            }
-        }
-        gst::BusSyncReply::Pass
+    let on = OnAnswer::new("stop-now", |p| {
+        let began = Instant::now();
+        (p.set_state(gst::State::Null).is_ok(), began.elapsed())
     });
-    set_state(&pipeline, gst::State::Playing, "start");
-    frames.wait(2, "before the questions");
-    let sink = q.static_pad("sink").unwrap();
-    assert!(sink.send_event(QuestionEvent::event("Say something.", Some("stop-now"), Some(2))));
-    assert!(sink.send_event(QuestionEvent::event("Tell me a long story.", Some("long"), Some(300))));
-    let (ok, took) = stopped.recv_timeout(Duration::from_secs(60)).expect("NULL from the sync handler returned");
+    set_state(&on.pipeline, gst::State::Playing, "start");
+    on.frames.wait(2, "before the questions");
+    on.ask("stop-now", "Say something.", 2);
+    on.ask("long", "Tell me a long story.", 300);
+    let (ok, took) = on.acted.recv_timeout(Duration::from_secs(60)).expect("NULL from the sync handler returned");
     assert!(ok, "the change to NULL failed");
     // (The bound on answering threads is 5 s; a stop takes a fraction of it.)
     assert!(took < Duration::from_secs(4), "NULL took {took:?}: it waited for the thread that asked for it");
-    let answers = answers.lock().unwrap();
-    let of = |id: &str| {
-        answers.iter().filter(|a| a.get::<String>("id").is_ok_and(|i| i == id)).map(status).collect::<Vec<_>>()
-    };
-    assert_eq!(of("stop-now"), ["answered"]);
-    assert_eq!(of("long"), ["cancelled"]);
+    assert_eq!(on.statuses("stop-now", Duration::ZERO), ["answered"]);
+    assert_eq!(on.statuses("long", Duration::ZERO), ["cancelled"]);
 }
 
 #[test]
