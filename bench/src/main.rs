@@ -18,6 +18,7 @@
 
 mod capacity;
 mod encoders;
+mod gpu_memory;
 mod levels;
 mod peer;
 mod plots;

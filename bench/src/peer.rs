@@ -22,6 +22,7 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use vlm_runtime::prompt::DEFAULT_SYSTEM_PROMPT;
 
+use crate::gpu_memory::GpuMemory;
 use crate::record::{AnswerRecord, Config, FeedStats, RunRecord};
 use crate::workload::{HistorySpec, Workload, ms, peak_rss_kib, picture, question_text, sleep_until};
 
@@ -503,6 +504,7 @@ fn run(
     record: &mut RunRecord,
 ) -> Result<(), BoxError> {
     let loading = Instant::now();
+    let gpu = GpuMemory::watch();
     let server = start(settings, mode, w, label)?;
     let mut window = Window {
         w,
@@ -538,6 +540,7 @@ fn run(
     record.window_ms = ms(*window.last_end.lock().expect("no panics hold it") - window.t0);
     record.answers = window.answers.into_inner().expect("no panics hold it");
     record.peak_rss_kib = peak_rss_kib(Some(server.child.id())).unwrap_or(0);
+    record.peak_gpu_mib = gpu.and_then(|g| g.peak_mib(&[server.child.id()]));
     drop(server);
     result
 }

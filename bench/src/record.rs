@@ -359,6 +359,10 @@ pub struct RunRecord {
     pub load_ms: f64,
     /// Peak RSS (KiB): the worker process, the sum over B3's processes, or the server's.
     pub peak_rss_kib: u64,
+    /// Peak GPU memory (MiB) of the same processes, as `nvidia-smi` saw it every 250 ms (none
+    /// without `nvidia-smi`, or where they used no GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_gpu_mib: Option<u64>,
     /// First frame to last answer (ms).
     pub window_ms: f64,
     pub answers: Vec<AnswerRecord>,
@@ -397,6 +401,7 @@ impl RunRecord {
             processes,
             load_ms: 0.0,
             peak_rss_kib: 0,
+            peak_gpu_mib: None,
             window_ms: 0.0,
             answers: vec![],
             decode_split: None,

@@ -86,6 +86,9 @@ pub struct Summary {
     /// Most peak RSS over the rounds (MiB; B3: summed over its processes).
     #[serde(deserialize_with = "nan_if_null")]
     pub peak_rss_mib: f64,
+    /// Most peak GPU memory over the rounds (MiB), where `nvidia-smi` saw it.
+    #[serde(default)]
+    pub peak_gpu_mib: Option<f64>,
     /// The engines' KV memory (runtime configurations): allocated, and the most in use at once
     /// (MiB, most over the rounds).
     #[serde(default)]
@@ -291,6 +294,7 @@ pub fn summarize(config: Config, runs: &[&RunRecord], expected_per_round: usize)
         lag_mean_ms: has_lag.then(|| lag.mean_ms()),
         frames_skipped: has_lag.then_some(lag.skipped),
         peak_rss_mib: runs.iter().map(|r| r.peak_rss_kib).max().unwrap_or(0) as f64 / 1024.0,
+        peak_gpu_mib: runs.iter().filter_map(|r| r.peak_gpu_mib).max().map(|m| m as f64),
         kv_allocated_mib: runs.iter().filter_map(|r| r.kv).map(|k| k.allocated_bytes).max().map(mib),
         kv_peak_in_use_mib: runs.iter().filter_map(|r| r.kv).map(|k| k.peak_in_use_bytes).max().map(mib),
         load_ms: mean(&runs.iter().map(|r| r.load_ms).collect::<Vec<_>>()),
@@ -336,6 +340,9 @@ pub fn ratios(summaries: &[Summary]) -> serde_json::Value {
     let rss = |a: Config, b: Config| get(a).zip(get(b)).map(|(a, b)| a.peak_rss_mib / b.peak_rss_mib);
     put("B1_over_B3_peak_rss", rss(Config::B1, Config::B3));
     put("P_over_B3_peak_rss", rss(Config::P, Config::B3));
+    put("B1_over_PEER_WARM_peak_rss", rss(Config::B1, Config::PeerWarm));
+    let gpu = |a: Config, b: Config| get(a).zip(get(b)).and_then(|(a, b)| Some(a.peak_gpu_mib? / b.peak_gpu_mib?));
+    put("B1_over_PEER_WARM_peak_gpu", gpu(Config::B1, Config::PeerWarm));
     serde_json::Value::Object(out)
 }
 
@@ -361,7 +368,7 @@ fn feed_column(s: &Summary) -> String {
 pub fn table(summaries: &[Summary]) -> String {
     let mut out = String::new();
     out.push_str(&format!(
-        "{:<9} {:>7} {:>7} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11} {:>7} {:>8} {:>7} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9} {:>11} {:>8} {:>8}\n",
+        "{:<9} {:>7} {:>7} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>11} {:>7} {:>8} {:>7} {:>7} {:>7} {:>15} {:>9} {:>11} {:>11} {:>11} {:>8} {:>8}\n",
         "cfg",
         "answers",
         "ans/s",
@@ -380,14 +387,14 @@ pub fn table(summaries: &[Summary]) -> String {
         "len min/avg/max",
         "res/imp/rep",
         "lag fr/ms",
-        "RSS MiB",
+        "RSS/GPU MiB",
         "KV MiB a/u",
         "load ms",
         "failed",
     ));
     for s in summaries {
         out.push_str(&format!(
-            "{:<9} {:>7} {:>7.3} {:>9.0} {:>9.0} {:>9.0} {:>8.0} {:>8.0} {:>8} {:>11} {:>7} {:>8} {:>7.1} {:>7} {:>7} {:>15} {:>9} {:>11} {:>9.0} {:>11} {:>8.0} {:>8}\n",
+            "{:<9} {:>7} {:>7.3} {:>9.0} {:>9.0} {:>9.0} {:>8.0} {:>8.0} {:>8} {:>11} {:>7} {:>8} {:>7.1} {:>7} {:>7} {:>15} {:>9} {:>11} {:>11} {:>11} {:>8.0} {:>8}\n",
             s.config.name(),
             format!("{}/{}", s.answered, s.expected),
             s.throughput,
@@ -413,7 +420,7 @@ pub fn table(summaries: &[Summary]) -> String {
                 (Some(f), Some(m)) => format!("{f}/{m:.0}"),
                 _ => "-".into(),
             },
-            s.peak_rss_mib,
+            memory_column(s),
             kv_column(s),
             s.load_ms,
             s.failed,
@@ -421,6 +428,14 @@ pub fn table(summaries: &[Summary]) -> String {
     }
     out.push_str("cap: TTFT from capture (ms); q: TTFT from the question's arrival (ms); stale: staleness (ms); feed late: mean/max (ms)\n");
     out
+}
+
+/// Peak RSS, and peak GPU memory where it was seen (MiB).
+fn memory_column(s: &Summary) -> String {
+    match s.peak_gpu_mib {
+        Some(gpu) => format!("{:.0}/{gpu:.0}", s.peak_rss_mib),
+        None => format!("{:.0}", s.peak_rss_mib),
+    }
 }
 
 fn kv_column(s: &Summary) -> String {
@@ -437,12 +452,12 @@ fn ms_cell(v: f64) -> String {
 /// The table as Markdown (for docs/benchmarks.md); the clocks are named in its header.
 pub fn markdown(summaries: &[Summary]) -> String {
     let mut out = String::from(
-        "| config | answers | answers/s | TTFT from capture mean | p50 | p95 | TTFT from question mean | p95 | staleness mean / max | feed lateness mean / max | encoder frames/s | wait mean | decode tok/s (all / ingesting / idle) | length min/mean/max | resident/import/replay | lag max (frames / ms) | peak RSS MiB | KV MiB allocated / in use | load ms |\n\
+        "| config | answers | answers/s | TTFT from capture mean | p50 | p95 | TTFT from question mean | p95 | staleness mean / max | feed lateness mean / max | encoder frames/s | wait mean | decode tok/s (all / ingesting / idle) | length min/mean/max | resident/import/replay | lag max (frames / ms) | peak RSS / GPU MiB | KV MiB allocated / in use | load ms |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for s in summaries {
         out.push_str(&format!(
-            "| {} ({}) | {}/{} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} / {} / {} | {}/{:.0}/{} | {} | {} | {:.0} | {} | {:.0} |\n",
+            "| {} ({}) | {}/{} | {:.3} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} / {} / {} | {}/{:.0}/{} | {} | {} | {} | {} | {:.0} |\n",
             s.config.name(),
             s.description,
             s.answered,
@@ -478,7 +493,7 @@ pub fn markdown(summaries: &[Summary]) -> String {
                 (Some(f), Some(m)) => format!("{f} / {m:.0}"),
                 _ => "-".into(),
             },
-            s.peak_rss_mib,
+            memory_column(s),
             kv_column(s),
             s.load_ms,
         ));

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::ProgressBar;
 
+use crate::gpu_memory::GpuMemory;
 use crate::record::{AnswerRecord, Config, DecodeSplit, FeedStats, LagStats, RunRecord, WorkerMsg};
 use crate::runtime_run::WorkerSpec;
 use crate::workload::{CpuTicks, HistorySpec, Workload, unix_ms};
@@ -45,6 +46,7 @@ fn run_workers(
     let (tx, rx) = mpsc::channel();
     let mut children = vec![];
     let mut stdins = vec![];
+    let gpu = GpuMemory::watch();
     for (i, spec) in specs.iter().enumerate() {
         let log = std::fs::File::create(logs.join(format!("{label}-{}-{i}.log", config.name())))?;
         let mut child = Command::new(&exe)
@@ -138,6 +140,7 @@ fn run_workers(
         }
     }
     drop(stdins);
+    let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
     for (i, mut child) in children.into_iter().enumerate() {
         if !started {
             let _ = child.kill();
@@ -147,6 +150,7 @@ fn run_workers(
             errors.push(format!("worker {i} exited with {status}"));
         }
     }
+    record.peak_gpu_mib = gpu.and_then(|g| g.peak_mib(&pids));
     if !errors.is_empty() {
         record.error = Some(format!("{} (logs in {})", errors.join("; "), logs.display()));
     }
