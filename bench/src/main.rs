@@ -392,6 +392,9 @@ fn report_run(bar: &ProgressBar, prefix: &str, record: &RunRecord, expected: usi
         record.load_ms,
         record.peak_rss_kib / 1024
     );
+    if let Some(gpu) = record.peak_gpu_mib {
+        line.push_str(&format!(", peak GPU {gpu} MiB"));
+    }
     if let Some(f) = record.feed.filter(|f| f.frames > 0) {
         line.push_str(&format!(", feed late {:.0}/{:.0} ms", f.late_mean_ms().unwrap_or(0.0), f.late_max_ms));
         if let Some(fps) = f.encoder_fps() {
