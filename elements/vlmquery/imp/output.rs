@@ -588,11 +588,7 @@ impl VlmQuery {
             return;
         }
         outbox.poster = Some(std::thread::current().id());
-        while let Some((p, message)) = outbox.messages.pop_front() {
-            drop(outbox);
-            self.post_answer(&p, message);
-            outbox = self.outbox.lock();
-        }
+        self.post_queued(&mut outbox);
         outbox.poster = None;
         self.outbox_idle.notify_all();
     }
@@ -615,14 +611,20 @@ impl VlmQuery {
                 return;
             }
         }
-        if outbox.poster.is_none() {
-            drop(outbox);
-            return self.drain_outbox();
+        // (Inside this thread's own posting, that loop then finds the outbox empty.)
+        let nested = outbox.poster.is_some();
+        outbox.poster = Some(me);
+        self.post_queued(&mut outbox);
+        if !nested {
+            outbox.poster = None;
+            self.outbox_idle.notify_all();
         }
+    }
+
+    /// Post the outbox's answers in order, its lock released while each is posted.
+    fn post_queued(&self, outbox: &mut parking_lot::MutexGuard<'_, super::Outbox>) {
         while let Some((p, message)) = outbox.messages.pop_front() {
-            drop(outbox);
-            self.post_answer(&p, message);
-            outbox = self.outbox.lock();
+            parking_lot::MutexGuard::unlocked(outbox, || self.post_answer(&p, message));
         }
     }
 
