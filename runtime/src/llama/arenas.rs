@@ -22,7 +22,7 @@
 //! to be sure.
 
 /// Arenas the runtime asks for where the environment names none.
-pub(crate) const ARENAS: i32 = 2;
+const ARENAS: i32 = 2;
 
 /// Whether the environment chose the arenas itself (`MALLOC_ARENA_MAX`, or
 /// `glibc.malloc.arena_max` in `GLIBC_TUNABLES`).
@@ -53,11 +53,16 @@ pub fn limit_once() {
     });
 }
 
-/// Limit glibc's arenas to [`ARENAS`] unless the environment chose; returns the limit set.
-fn limit() -> Option<i32> {
+/// Whether this process's environment chose the arenas (the runtime then sets none).
+pub fn environment_chose() -> bool {
     let arena_max = std::env::var("MALLOC_ARENA_MAX").ok();
     let tunables = std::env::var("GLIBC_TUNABLES").ok();
-    if chosen_by_environment(arena_max.as_deref(), tunables.as_deref()) {
+    chosen_by_environment(arena_max.as_deref(), tunables.as_deref())
+}
+
+/// Limit glibc's arenas to [`ARENAS`] unless the environment chose; returns the limit set.
+fn limit() -> Option<i32> {
+    if environment_chose() {
         return None;
     }
     set(ARENAS).then_some(ARENAS)
