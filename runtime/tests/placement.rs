@@ -20,6 +20,22 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Seed `to` with `from`'s measured rates: between two identical engines the placer's choice then
+/// turns on the paths (where the history is, what waits on each engine), not on calibration
+/// noise (on a loaded machine `a`'s decode step once measured 1.5x `b`'s, and an idle resident
+/// engine lost to an import).
+fn same_rates(from: &Engine, to: &Engine) {
+    use vlm_runtime::engine::Stage;
+    let r = from.rates();
+    to.call(move |w| {
+        w.set_rate(Stage::Prefill, r.prefill_ms_per_token);
+        w.set_rate(Stage::DecodeStep, r.decode_ms_per_step);
+        w.set_rate(Stage::Export, r.export_ms_per_token);
+        w.set_rate(Stage::Import, r.import_ms_per_token);
+    })
+    .unwrap();
+}
+
 fn engine_named(name: &str, flash_attention: bool) -> Arc<Engine> {
     let config = EngineConfig {
         name: name.into(),
@@ -120,6 +136,7 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
     let (a, b, version) = two_engines(false, 3);
     let enc = encoder();
     let q = question("What is in the picture?", 8);
+    same_rates(&a, &b);
     let paths = vlm_runtime::placer::estimate(&version, 20, 8, false);
     let idle = answer_placed(&version, &q, "auto", &never(), |_| {}).unwrap();
     assert_eq!(
@@ -151,6 +168,7 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
     }
     assert!(a.ingest_backlog_ms() > 0.0);
     let q2 = question("What is in the picture?", 8);
+    same_rates(&a, &b);
     let imported = answer_placed(&version, &q2, "auto", &never(), |_| {}).unwrap();
     assert_eq!((imported.engine.as_str(), imported.path), ("b", PreparePath::Import), "{imported:?}");
     assert_eq!(imported.text, idle.text);
@@ -172,6 +190,7 @@ fn the_placer_stays_resident_when_idle_and_moves_when_the_resident_engine_is_bus
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     assert!(a.start_backlog_ms() > 1000.0, "a: {} ms of answer starts ahead", a.start_backlog_ms());
+    same_rates(&a, &b);
     let moved = answer_placed(&version, &question("What is in the picture?", 8), "auto", &never(), |_| {}).unwrap();
     let _ = placed.send(());
     holder.join().unwrap();
