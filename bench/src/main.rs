@@ -152,15 +152,17 @@ pub struct CommonArgs {
     /// the server encodes on the device its `--peer-args` give it.
     #[arg(long, default_value = "cpu:1")]
     encoder: String,
-    /// The runtime's encoder contexts (vlmencode's encoder-contexts; 0: 4 on a GPU, 1 on the CPU).
+    /// The runtime's encoder contexts (vlmencode's encoder-contexts; 0, automatic, as there: on a
+    /// GPU 2 for up to 4 streams of a worker and 4 for more, 1 on the CPU).
     #[arg(long, default_value_t = 0)]
     encoder_contexts: usize,
     /// Threads resizing each picture of a tiled (SmolVLM) projector before libmtmd cuts it (0:
     /// libmtmd resizes it on the encode's thread, as before the resize moved; default: up to 4).
     #[arg(long)]
     prepare_threads: Option<usize>,
-    /// The engines' KV layout: per-sequence or unified (vlmcontext's kv-layout).
-    #[arg(long, default_value = "per-sequence")]
+    /// The engines' KV layout: auto, per-sequence or unified (vlmcontext's kv-layout; auto as
+    /// there: the unified pool on CPU engines and for at most 2 streams on a GPU).
+    #[arg(long, default_value = "auto")]
     kv_layout: String,
     /// KV element type: f16, q8_0, q4_0 (vlmcontext's kv-type; quantized types need
     /// --flash-attention); the server gets the same.
@@ -255,7 +257,7 @@ fn build_workload(
         merge_frames: c.merge_frames.clone(),
         encoder_gpu,
         encoder_threads,
-        encoder_contexts: vlm_runtime::encoder::encoder_contexts(c.encoder_contexts, encoder_gpu),
+        encoder_contexts: c.encoder_contexts,
         prepare_threads: c.prepare_threads,
         streams,
         frames,

@@ -80,8 +80,19 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     let base = EngineConfig {
         max_streams: streams.len() as u32,
         max_branches: w.max_answers,
-        kv_layout: KvLayout::parse(&w.kv_layout)
-            .ok_or_else(|| format!("--kv-layout {}: per-sequence or unified", w.kv_layout))?,
+        kv_layout: match w.kv_layout.as_str() {
+            // vlmcontext's `auto`, for this worker's engines and streams.
+            "auto" => {
+                let list = if matches!(spec.config, Config::B0 | Config::B1) { &w.engine } else { &w.engines };
+                let devices: Vec<_> = vlm_runtime::engine_spec::parse_list(list)
+                    .map_err(|e| format!("--engine(s) {list}: {e}"))?
+                    .into_iter()
+                    .map(|e| e.device)
+                    .collect();
+                KvLayout::auto(&devices, streams.len() as u32)
+            }
+            l => KvLayout::parse(l).ok_or_else(|| format!("--kv-layout {l}: auto, per-sequence or unified"))?,
+        },
         kv_type: KvType::parse(&w.kv_type).ok_or_else(|| format!("--kv-type {}: f16, q8_0 or q4_0", w.kv_type))?,
         flash_attention: w.flash_attention,
         merge_frames: match w.merge_frames.as_str() {
@@ -110,7 +121,8 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     // model is the first engine's copy (vlmencode takes any loaded copy), so a GPU engine's
     // weights are not loaded a second time on the CPU.
     let model = models::model(&w.model, &configs[0].device)?;
-    let projector = models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32, w.encoder_contexts)?;
+    let contexts = vlm_runtime::encoder::encoder_contexts(w.encoder_contexts, w.encoder_gpu, streams.len());
+    let projector = models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32, contexts)?;
     if let Some(threads) = w.prepare_threads {
         projector.set_prepare_threads(threads);
     }

@@ -58,7 +58,7 @@ pub struct Workload {
     /// Threads of the runtime's CPU vision encoder (vlmencode's `threads`).
     #[serde(default = "one")]
     pub encoder_threads: u32,
-    /// The runtime's encoder contexts (resolved: never 0).
+    /// The runtime's encoder contexts (0: automatic, resolved by each worker for its streams).
     #[serde(default = "one")]
     pub encoder_contexts: usize,
     /// Threads resizing each picture of a tiled projector before libmtmd (`None`: the

@@ -74,7 +74,7 @@ pub enum OverloadKind {
 #[enum_type(name = "GstVlmKvLayout")]
 pub enum KvLayoutKind {
     #[enum_value(
-        name = "Auto: unified on CPU engines, per sequence where an engine is on a GPU or remote (resolved at load: active-kv-layout)",
+        name = "Auto: unified on CPU engines and for at most 2 streams on a GPU, per sequence for more streams on a GPU or with a remote engine (resolved at load: active-kv-layout)",
         nick = "auto"
     )]
     Auto,

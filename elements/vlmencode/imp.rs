@@ -645,7 +645,8 @@ impl ObjectImpl for VlmEncode {
                     .nick("Encoder contexts")
                     .blurb(
                         "libmtmd encoder contexts shared by the process's vlmencodes of one projector: tiles and \
-                         streams' frames encoded side by side (0: 4 on a GPU, 1 on the CPU)",
+                         streams' frames encoded side by side (0: on a GPU 2 for up to 4 vlmencodes of the \
+                         process and 4 for more, 1 on the CPU: active-encoder-contexts)",
                     )
                     .maximum(vlm_runtime::llama::MAX_ENCODER_CONTEXTS as u32)
                     .default_value(0)
@@ -684,6 +685,11 @@ impl ObjectImpl for VlmEncode {
                         "Of mean-encode-ms: preparing the picture on the CPU (the projector's resize, tiling and \
                          normalisation), in milliseconds",
                     )
+                    .read_only()
+                    .build(),
+                glib::ParamSpecUInt::builder("active-encoder-contexts")
+                    .nick("Active encoder contexts")
+                    .blurb("Encoder contexts the process's projector has loaded (encoder-contexts resolved; 0 before it loads)")
                     .read_only()
                     .build(),
                 glib::ParamSpecDouble::builder("mean-context-wait-ms")
@@ -754,6 +760,10 @@ impl ObjectImpl for VlmEncode {
             "mean-encode-ms" => self.stats.lock().mean(|st| st.encode_ms_total).to_value(),
             "mean-prepare-ms" => self.stats.lock().mean(|st| st.prepare_ms_total).to_value(),
             "mean-context-wait-ms" => self.stats.lock().mean(|st| st.wait_ms_total).to_value(),
+            "active-encoder-contexts" => {
+                let encoder = self.state.lock().encoder.clone();
+                encoder.map_or(0, |e| e.encoder().contexts() as u32).to_value()
+            }
             _ => unreachable!(),
         }
     }

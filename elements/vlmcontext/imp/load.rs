@@ -24,24 +24,22 @@ pub(super) struct Loading {
 /// Engines and prompt loaded for some settings.
 type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
 
-/// The KV layout and flash attention the engines get. `kv-layout=auto` is the unified pool on
-/// CPU engines (W1 on the CPU: 230 MiB peak RSS against per-sequence's 612 and llama-server's
-/// 261-281, TTFT no worse: docs/benchmarks.md, "Defaults"; a slide shifts its cells there too) and
-/// per-sequence where an engine is on a GPU or a remote device: in the unified pool every
-/// sequence's attention spans the cells of all streams, which on the GPU, where many streams
-/// share one engine, grows with them (SmolVLM-500M on an H100, two GPU engines, p95 TTFT from
-/// capture 337 against 238 ms at 8 streams and 3170 against 535 ms at 16: docs/benchmarks.md,
-/// "The KV layout on the GPU"). `flash-attention` unset is on with the unified pool (its compute
-/// buffer is what keeps the pool small) and on a GPU; a quantized `kv-type` needs it (llama.cpp
-/// quantizes V only with flash attention).
+/// The KV layout and flash attention the engines get: `kv-layout=auto` is
+/// [`KvLayout::auto`] for the engines and the streams the load sizes (the unified pool on CPU
+/// engines, and on a GPU for at most two streams; per-sequence KV for more streams on a GPU,
+/// where every sequence's attention in the pool would span the cells of all streams, and with a
+/// remote engine). `flash-attention` unset is on with the unified pool (its compute buffer is
+/// what keeps the pool small) and on a GPU; a quantized `kv-type` needs it (llama.cpp quantizes V
+/// only with flash attention).
 fn resolved(s: &Settings) -> (KvLayout, bool) {
-    let off_cpu = vlm_runtime::engine_spec::parse_list(&s.engines)
-        .is_ok_and(|list| list.iter().any(|e| e.device != vlm_runtime::engine_spec::SpecDevice::Cpu));
+    let devices: Vec<_> = vlm_runtime::engine_spec::parse_list(&s.engines)
+        .map(|list| list.into_iter().map(|e| e.device).collect())
+        .unwrap_or_default();
+    let off_cpu = devices.iter().any(|d| *d != vlm_runtime::engine_spec::SpecDevice::Cpu);
     let layout = match s.kv_layout {
         KvLayoutKind::PerSequence => KvLayout::PerSequence,
         KvLayoutKind::Unified => KvLayout::Unified,
-        KvLayoutKind::Auto if off_cpu => KvLayout::PerSequence,
-        KvLayoutKind::Auto => KvLayout::Unified,
+        KvLayoutKind::Auto => KvLayout::auto(&devices, s.max_streams),
     };
     let flash = if s.flash_attention_set { s.flash_attention } else { layout == KvLayout::Unified || off_cpu };
     (layout, flash || s.kv_type != KvTypeKind::F16)
@@ -328,16 +326,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_is_the_unified_pool_on_cpu_engines_and_per_sequence_with_a_gpu_or_remote_engine() {
+    fn auto_is_the_unified_pool_on_cpu_engines_and_for_few_streams_on_a_gpu() {
         let with = |engines: &str, kv_layout| Settings { engines: engines.into(), kv_layout, ..Settings::default() };
         assert_eq!(resolved(&with("cpu", KvLayoutKind::Auto)), (KvLayout::Unified, true));
         assert_eq!(resolved(&with("big:cpu:4,little:cpu:2", KvLayoutKind::Auto)), (KvLayout::Unified, true));
-        assert_eq!(resolved(&with("cpu,gpu", KvLayoutKind::Auto)), (KvLayout::PerSequence, true));
+        // The default two streams on a GPU: the pool; more: per-sequence KV.
+        assert_eq!(resolved(&with("cpu,gpu", KvLayoutKind::Auto)), (KvLayout::Unified, true));
+        let many = Settings { max_streams: 3, ..with("cpu,gpu", KvLayoutKind::Auto) };
+        assert_eq!(resolved(&many), (KvLayout::PerSequence, true));
         assert_eq!(resolved(&with("cpu,far:rpc:10.0.0.2:50052", KvLayoutKind::Auto)), (KvLayout::PerSequence, true));
         // Set, a layout is kept; flash attention unset follows the layout and the devices.
         assert_eq!(resolved(&with("gpu", KvLayoutKind::Unified)), (KvLayout::Unified, true));
         assert_eq!(resolved(&with("cpu", KvLayoutKind::PerSequence)), (KvLayout::PerSequence, false));
         let set_off = Settings { flash_attention_set: true, flash_attention: false, ..with("gpu", KvLayoutKind::Auto) };
-        assert_eq!(resolved(&set_off), (KvLayout::PerSequence, false));
+        assert_eq!(resolved(&set_off), (KvLayout::Unified, false));
     }
 }

@@ -83,7 +83,15 @@ impl VlmEncode {
                 .build(),
             );
         }
-        gst::info!(CAT, imp = self, "{} vision encoder loaded for {}", choice.backend, model_path);
+        gst::info!(
+            CAT,
+            imp = self,
+            "{} vision encoder loaded for {} ({} encoder contexts, encoder-contexts={})",
+            choice.backend,
+            model_path,
+            choice.encoder.contexts(),
+            settings.contexts
+        );
         self.state.lock().backend = choice.backend;
         let encoder =
             Arc::new(FrameEncoder::new(choice.encoder, settings.cache_entries as usize, settings.cache_bytes as usize));

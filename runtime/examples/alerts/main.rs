@@ -212,7 +212,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
     let device = if args.gpu { Device::Gpu(Gpu { index: 0, layers: None }) } else { Device::Cpu };
     let model = models::model(&args.files.model, &device)?;
-    let contexts = vlm_runtime::encoder::encoder_contexts(args.encoder_contexts, args.gpu);
+    let contexts = vlm_runtime::encoder::encoder_contexts(
+        args.encoder_contexts,
+        args.gpu,
+        args.streams.iter().copied().max().unwrap_or(1),
+    );
     let projector = models::projector(&args.files.mmproj, &model, args.gpu, threads, contexts)?;
     if let Some(n) = args.prepare_threads {
         projector.set_prepare_threads(n);

@@ -269,6 +269,11 @@ pub trait VisionEncoder: Send + Sync {
         ))
     }
 
+    /// How many encodes can run side by side (libmtmd's encoder contexts loaded now).
+    fn contexts(&self) -> usize {
+        1
+    }
+
     /// Preprocess and encode one picture.
     fn encode(&self, picture: &Picture<'_>) -> Result<Frame> {
         self.encode_for(picture, Turn::default())
@@ -285,12 +290,32 @@ pub trait VisionEncoder: Send + Sync {
 pub struct MtmdEncoder {
     projector: Arc<Projector>,
     id: String,
+    /// Counted among the projector's streams ([`MtmdEncoder::for_stream`]) until dropped.
+    counted: bool,
 }
 
 impl MtmdEncoder {
     pub fn new(projector: Arc<Projector>) -> MtmdEncoder {
         let id = format!("mtmd:{}:{}", projector.path().display(), projector.model().identity());
-        MtmdEncoder { projector, id }
+        MtmdEncoder { projector, id, counted: false }
+    }
+
+    /// The encoder of one more stream of the process on `projector`, whose encoder contexts
+    /// follow the streams ([`encoder_contexts`] with 0): loaded now up to what they number.
+    pub fn for_stream(projector: Arc<Projector>, threads: i32) -> Result<MtmdEncoder> {
+        let streams = projector.stream_opened();
+        let mut encoder = MtmdEncoder::new(projector);
+        encoder.counted = true;
+        encoder.projector.ensure_contexts(encoder_contexts(0, encoder.projector.uses_gpu(), streams), threads)?;
+        Ok(encoder)
+    }
+}
+
+impl Drop for MtmdEncoder {
+    fn drop(&mut self) {
+        if self.counted {
+            self.projector.stream_closed();
+        }
     }
 }
 
@@ -301,6 +326,10 @@ impl VisionEncoder for MtmdEncoder {
 
     fn encode_rgb(&self, rgb: &Rgb) -> Result<Vec<Segment>> {
         self.projector.encode(&rgb.data, rgb.width, rgb.height)
+    }
+
+    fn contexts(&self) -> usize {
+        self.projector.contexts()
     }
 
     fn encode_rgb_tiles(
@@ -357,13 +386,29 @@ fn open_rknn(model: &std::path::Path, _width: usize) -> Result<Arc<dyn VisionEnc
     )))
 }
 
-/// How many libmtmd encoder contexts `contexts` means (0: automatic): on a GPU several, so that
-/// the tiles of a frame and the frames of several streams are encoded side by side (a small
-/// vision tower leaves most of a GPU idle while one context launches its kernels); on the CPU
-/// one, whose threads already take every core given.
-pub fn encoder_contexts(contexts: usize, gpu: bool) -> usize {
+/// Most streams of a process for which a projector on a GPU keeps
+/// [`FEW_STREAMS_ENCODER_CONTEXTS`] encoder contexts when their number is automatic.
+pub const FEW_ENCODER_STREAMS: usize = 4;
+/// Encoder contexts on a GPU for up to [`FEW_ENCODER_STREAMS`] streams. Each holds a copy of the
+/// projector's weights and its compute buffers (SmolVLM-500M: ~320 MiB of GPU memory). Measured
+/// on an H200 (`vlm-bench encoders`, SmolVLM-500M's shapes, docs/benchmarks.md, "Vision encoding
+/// that scales"): 2 contexts encode 7.9 frames/s for one stream and 21.2 for four, against 8.5 and
+/// 21.6 on 4 (5.2 and 15.1 on one); W1 on an H100, TTFT from capture 149 ms mean against 143 on
+/// 4 and 196 on 1, at 642 MiB less GPU memory than 4.
+pub const FEW_STREAMS_ENCODER_CONTEXTS: usize = 2;
+/// Encoder contexts on a GPU for more streams: 30.3 frames/s at 16 streams against 24.5 on 2;
+/// more add nothing (29.7 on 8).
+pub const MANY_STREAMS_ENCODER_CONTEXTS: usize = 4;
+
+/// How many libmtmd encoder contexts `contexts` means for `streams` streams of the process (0:
+/// automatic): on a GPU several, so that the tiles of a frame and the frames of several streams
+/// are encoded side by side (a small vision tower leaves most of a GPU idle while one context
+/// launches its kernels), two for a few streams and four for more; on the CPU one, whose
+/// threads already take every core given.
+pub fn encoder_contexts(contexts: usize, gpu: bool, streams: usize) -> usize {
     match contexts {
-        0 if gpu => 4,
+        0 if gpu && streams <= FEW_ENCODER_STREAMS => FEW_STREAMS_ENCODER_CONTEXTS,
+        0 if gpu => MANY_STREAMS_ENCODER_CONTEXTS,
         0 => 1,
         n => n.min(crate::llama::MAX_ENCODER_CONTEXTS),
     }
@@ -381,8 +426,11 @@ pub fn open_encoder(
     contexts: usize,
 ) -> Result<EncoderChoice> {
     let mtmd = |gpu: bool| -> Result<Arc<dyn VisionEncoder>> {
-        let projector = crate::models::projector(mmproj, model, gpu, threads, encoder_contexts(contexts, gpu))?;
-        Ok(Arc::new(MtmdEncoder::new(projector)))
+        let projector = crate::models::projector(mmproj, model, gpu, threads, encoder_contexts(contexts, gpu, 1))?;
+        Ok(Arc::new(match contexts {
+            0 => MtmdEncoder::for_stream(projector, threads)?,
+            _ => MtmdEncoder::new(projector),
+        }))
     };
     let rknn = || match rknn_model {
         Some(m) => match model.plain_embeddings_refusal() {
@@ -580,6 +628,17 @@ impl FrameEncoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn automatic_encoder_contexts_follow_the_streams_on_a_gpu_and_stay_one_on_the_cpu() {
+        let auto = |gpu, streams| encoder_contexts(0, gpu, streams);
+        assert_eq!((auto(true, 1), auto(true, FEW_ENCODER_STREAMS)), (2, 2));
+        assert_eq!((auto(true, FEW_ENCODER_STREAMS + 1), auto(true, 32)), (4, 4));
+        assert_eq!((auto(false, 1), auto(false, 32)), (1, 1));
+        // A number given is kept, up to the most a projector loads.
+        assert_eq!((encoder_contexts(3, true, 32), encoder_contexts(3, false, 1)), (3, 3));
+        assert_eq!(encoder_contexts(1000, true, 1), crate::llama::MAX_ENCODER_CONTEXTS);
+    }
 
     #[test]
     fn strided_layouts_pack_to_the_same_rgb() {

@@ -126,7 +126,32 @@ pub enum KvLayout {
     Unified,
 }
 
+/// Most streams for which `kv-layout=auto` keeps the engines of a list with a GPU engine in the
+/// unified pool. W1 (2 live SmolVLM-500M streams at 2 frames/s, 128-token answers) on one H100
+/// GPU engine: the same TTFT from capture as per-sequence KV (143 ms mean, rounds 142 and 144,
+/// against 141 and 145) at 3,466 MiB of GPU memory against 5,572; at 4 streams the pool's
+/// attention over every stream's cells costs 294 ms against 254 (docs/benchmarks.md, "W1's memory
+/// on a GPU with the defaults"; at 8 and 16 streams 337 against 238 and 3,170 against 535 ms,
+/// "The KV layout on the GPU").
+pub const UNIFIED_GPU_MAX_STREAMS: u32 = 2;
+
 impl KvLayout {
+    /// What `kv-layout=auto` is for engines on `devices` serving `max_streams` streams: the
+    /// unified pool where every engine is on the CPU (W1's peak RSS under llama-server's, TTFT no
+    /// worse: docs/benchmarks.md, "Defaults"), or on the CPU and GPUs for at most
+    /// [`UNIFIED_GPU_MAX_STREAMS`] streams; per-sequence KV otherwise, and with a remote engine
+    /// (not measured in the pool).
+    pub fn auto(devices: &[SpecDevice], max_streams: u32) -> KvLayout {
+        let on = |d: fn(&SpecDevice) -> bool| devices.iter().any(d);
+        if on(|d| matches!(d, SpecDevice::Rpc(_))) {
+            KvLayout::PerSequence
+        } else if !on(|d| *d == SpecDevice::Gpu) || max_streams <= UNIFIED_GPU_MAX_STREAMS {
+            KvLayout::Unified
+        } else {
+            KvLayout::PerSequence
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             KvLayout::PerSequence => "per-sequence",
@@ -180,6 +205,17 @@ impl EngineConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_layout_is_the_pool_on_cpus_and_for_few_streams_on_a_gpu() {
+        let rpc = SpecDevice::Rpc(vec!["10.0.0.2:50052".into()]);
+        let (cpu, gpu) = (SpecDevice::Cpu, SpecDevice::Gpu);
+        assert_eq!(KvLayout::auto(&[cpu.clone(), cpu.clone()], 64), KvLayout::Unified);
+        assert_eq!(KvLayout::auto(&[gpu.clone()], 1), KvLayout::Unified);
+        assert_eq!(KvLayout::auto(&[cpu.clone(), gpu.clone()], UNIFIED_GPU_MAX_STREAMS), KvLayout::Unified);
+        assert_eq!(KvLayout::auto(&[cpu.clone(), gpu], UNIFIED_GPU_MAX_STREAMS + 1), KvLayout::PerSequence);
+        assert_eq!(KvLayout::auto(&[cpu, rpc], 1), KvLayout::PerSequence);
+    }
 
     #[test]
     fn engine_lists_parse_and_bad_ones_are_refused() {

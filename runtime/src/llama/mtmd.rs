@@ -296,6 +296,9 @@ pub struct Projector {
     /// Threads that resize a picture and prepare its tiles (0: libmtmd prepares it whole on the
     /// encode's thread).
     prepare_threads: std::sync::atomic::AtomicUsize,
+    /// The process's streams whose encoder contexts follow their number
+    /// (`crate::encoder::MtmdEncoder::for_stream`).
+    streams: std::sync::atomic::AtomicUsize,
 }
 
 /// The most threads one picture's resize is split over.
@@ -507,6 +510,7 @@ impl Projector {
             tiled: super::gguf::tile_geometry(path).filter(|g| g.longest_edge % g.tile == 0),
             prepare_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(PREPARE_THREADS)).into(),
             cutter: OnceLock::new(),
+            streams: 0.into(),
         };
         projector.ensure_contexts(contexts, threads)?;
         Ok(projector)
@@ -565,6 +569,21 @@ impl Projector {
     /// How many encoder contexts are loaded.
     pub fn contexts(&self) -> usize {
         self.contexts.loaded.lock().len()
+    }
+
+    /// One more stream counts on the projector's contexts: how many do now.
+    pub fn stream_opened(&self) -> usize {
+        self.streams.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// A stream counted by [`Projector::stream_opened`] has ended.
+    pub fn stream_closed(&self) {
+        self.streams.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Whether its contexts encode on the GPU.
+    pub fn uses_gpu(&self) -> bool {
+        self.use_gpu
     }
 
     pub fn path(&self) -> &Path {
