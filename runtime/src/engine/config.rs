@@ -208,13 +208,15 @@ mod tests {
 
     #[test]
     fn auto_layout_is_the_pool_on_cpus_and_for_few_streams_on_a_gpu() {
-        let rpc = SpecDevice::Rpc(vec!["10.0.0.2:50052".into()]);
-        let (cpu, gpu) = (SpecDevice::Cpu, SpecDevice::Gpu);
-        assert_eq!(KvLayout::auto(&[cpu.clone(), cpu.clone()], 64), KvLayout::Unified);
-        assert_eq!(KvLayout::auto(&[gpu.clone()], 1), KvLayout::Unified);
-        assert_eq!(KvLayout::auto(&[cpu.clone(), gpu.clone()], UNIFIED_GPU_MAX_STREAMS), KvLayout::Unified);
-        assert_eq!(KvLayout::auto(&[cpu.clone(), gpu], UNIFIED_GPU_MAX_STREAMS + 1), KvLayout::PerSequence);
-        assert_eq!(KvLayout::auto(&[cpu, rpc], 1), KvLayout::PerSequence);
+        let rpc = || SpecDevice::Rpc(vec!["10.0.0.2:50052".into()]);
+        assert_eq!(KvLayout::auto(&[SpecDevice::Cpu, SpecDevice::Cpu], 64), KvLayout::Unified);
+        assert_eq!(KvLayout::auto(&[SpecDevice::Gpu], 1), KvLayout::Unified);
+        assert_eq!(KvLayout::auto(&[SpecDevice::Cpu, SpecDevice::Gpu], UNIFIED_GPU_MAX_STREAMS), KvLayout::Unified);
+        assert_eq!(
+            KvLayout::auto(&[SpecDevice::Cpu, SpecDevice::Gpu], UNIFIED_GPU_MAX_STREAMS + 1),
+            KvLayout::PerSequence
+        );
+        assert_eq!(KvLayout::auto(&[SpecDevice::Cpu, rpc()], 1), KvLayout::PerSequence);
     }
 
     #[test]
