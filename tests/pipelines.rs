@@ -432,6 +432,8 @@ fn the_npu_backend_falls_back_or_fails_clearly_in_a_build_without_it() {
     let enc = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
     assert_eq!(enc.property::<String>("active-backend"), "cpu");
     assert_eq!(enc.property::<u64>("frames-encoded"), 3);
+    // encoder-contexts=0 resolved: one context on the CPU.
+    assert_eq!(enc.property::<u32>("active-encoder-contexts"), 1);
     // rknn asked for explicitly: a clear error naming what is missing, not a crash.
     let model = model();
     let e = error_of(&format!(

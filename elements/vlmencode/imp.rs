@@ -645,8 +645,7 @@ impl ObjectImpl for VlmEncode {
                     .nick("Encoder contexts")
                     .blurb(
                         "libmtmd encoder contexts shared by the process's vlmencodes of one projector: tiles and \
-                         streams' frames encoded side by side (0: on a GPU 2 for up to 4 vlmencodes of the \
-                         process and 4 for more, 1 on the CPU: active-encoder-contexts)",
+                         frames encoded side by side (0: on a GPU 2 for up to 4 vlmencodes, 4 for more; 1 on the CPU)",
                     )
                     .maximum(vlm_runtime::llama::MAX_ENCODER_CONTEXTS as u32)
                     .default_value(0)
