@@ -381,6 +381,12 @@ pub struct RunRecord {
     /// KV cells one frame fills, as the runtime measured it (runtime configurations).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frame_cells: Option<u32>,
+    /// The KV layout and encoder contexts the runtime's workers ran with (`--kv-layout auto` and
+    /// `--encoder-contexts 0` resolved; runtime configurations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_layout: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encoder_contexts: Option<usize>,
     /// CPU that other processes on the machine used during the run (percent of all cores):
     /// a run sharing the machine with other work shows it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -410,6 +416,8 @@ impl RunRecord {
             frame_timings: vec![],
             kv: None,
             frame_cells: None,
+            kv_layout: None,
+            encoder_contexts: None,
             foreign_cpu_pct: None,
             discarded_busy_pct: vec![],
             error: None,
@@ -427,6 +435,11 @@ pub enum WorkerMsg {
         /// KV cells one frame fills (the warm-up frame's).
         #[serde(default)]
         frame_cells: Option<u32>,
+        /// The KV layout its engines use and the encoder contexts loaded.
+        #[serde(default)]
+        kv_layout: Option<String>,
+        #[serde(default)]
+        encoder_contexts: Option<usize>,
     },
     Answer(AnswerRecord),
     /// A frame's way from capture to its version, once published (or skipped).

@@ -126,6 +126,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     if let Some(threads) = w.prepare_threads {
         projector.set_prepare_threads(threads);
     }
+    let encoder_contexts = projector.contexts();
     let encoder = MtmdEncoder::new(projector);
     // (A stream's demand puts its frames first while a question waits on it, as vlmencode's do.)
     let encode = |rgb: &[u8], demand: Option<&Demand>| {
@@ -165,7 +166,12 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         let placement = if spec.config == Config::P { "auto".to_owned() } else { resident.name().to_owned() };
         opened.push(Opened { gs, stream, placement });
     }
-    emit(&WorkerMsg::Ready { load_ms: ms(loading.elapsed()), frame_cells: Some(frame_cells) });
+    emit(&WorkerMsg::Ready {
+        load_ms: ms(loading.elapsed()),
+        frame_cells: Some(frame_cells),
+        kv_layout: Some(base.kv_layout.name().into()),
+        encoder_contexts: Some(encoder_contexts),
+    });
 
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line)?;

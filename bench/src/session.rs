@@ -94,9 +94,11 @@ fn run_workers(
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
         match event {
-            Some((_, WorkerMsg::Ready { load_ms, frame_cells })) => {
+            Some((_, WorkerMsg::Ready { load_ms, frame_cells, kv_layout, encoder_contexts })) => {
                 record.load_ms = record.load_ms.max(load_ms);
                 record.frame_cells = record.frame_cells.max(frame_cells);
+                record.kv_layout = record.kv_layout.take().or(kv_layout);
+                record.encoder_contexts = record.encoder_contexts.max(encoder_contexts);
                 ready += 1;
                 if ready == specs.len() {
                     // Everyone loaded: start the window together, a moment from now.

@@ -95,6 +95,9 @@ fn smoke_run_answers_every_question_with_the_exact_length() {
     assert!(f64_of(s, "feed_late_mean_ms") > 0.0, "registration follows encoding");
     assert!(f64_of(s, "encoder_fps") > 0.0);
     assert!(s["staleness_mean_ms"].as_f64().is_some());
+    // The defaults resolved by the worker: on CPU engines the unified pool and one encoder context.
+    let run = &report["runs"][0];
+    assert_eq!((run["kv_layout"].as_str(), run["encoder_contexts"].as_u64()), (Some("unified"), Some(1)), "{run}");
     let feed = &report["runs"][0]["feed"];
     assert_eq!((feed["frames"].as_u64(), feed["encoded"].as_u64()), (Some(4), Some(4)), "2 streams x 2 frames");
     assert!(report["markdown_table"].as_str().unwrap().contains("TTFT from capture mean"));
