@@ -74,15 +74,20 @@ pub fn default_threads(device: &Device, threads: i32) -> i32 {
     }
 }
 
-/// Most inputs one `llama_decode` of an engine on `device` takes (its `n_batch` and
-/// `n_ubatch`): 2048 on a GPU, where a SmolVLM-500M frame (862 rows) then goes in one decode
-/// instead of two: measured with `examples/ingest_rate.rs` on an H100 (the frame after a
-/// 2,048-row history, a per-sequence context of 24 sequences as an engine's, flash attention),
-/// 21.5 ms a frame at 2048 and 22.3 ms at 1024 against 28.5 ms at 512, 1.33x the rows a second.
-/// Elsewhere 512, as before (not measured with more; on the CPU the compute buffer it sizes
-/// stays small).
-pub fn decode_batch(device: &Device) -> u32 {
+/// Most inputs one `llama_decode` of an engine on `device` serving `max_streams` streams takes
+/// (its `n_batch` and `n_ubatch`). On a GPU 2048 for many streams and 1024 for a few (at most
+/// [`FEW_GPU_STREAMS`]): a SmolVLM-500M frame (862 rows) then goes in one decode instead of two,
+/// measured with `examples/ingest_rate.rs` on an H100 (the frame after a 2,048-row history, a
+/// per-sequence context of 24 sequences as an engine's, flash attention): 21.5 ms a frame at 2048
+/// and 22.3 ms at 1024 against 28.5 ms at 512, 1.33x the rows a second. The compute buffer holds
+/// a row of logits for every input of a decode (4 bytes a vocabulary entry: for SmolVLM's 49,280
+/// entries 192 MiB at 1024 against 385 at 2048, by that count), so a few streams, where
+/// ingestion is not what bounds the engine, take the smaller batch for 4% of a frame's
+/// ingestion. Elsewhere 512 (not measured with more; on the CPU
+/// the compute buffer it sizes stays small).
+pub fn decode_batch(device: &Device, max_streams: u32) -> u32 {
     match device {
+        Device::Gpu(_) if max_streams <= FEW_GPU_STREAMS => 1024,
         Device::Gpu(_) => 2048,
         Device::Cpu | Device::Rpc(_) => 512,
     }
@@ -126,26 +131,27 @@ pub enum KvLayout {
     Unified,
 }
 
-/// Most streams for which `kv-layout=auto` keeps the engines of a list with a GPU engine in the
-/// unified pool. W1 (2 live SmolVLM-500M streams at 2 frames/s, 128-token answers) on one H100
+/// Most streams for which a list with a GPU engine counts as serving a few: `kv-layout=auto`
+/// keeps its engines in the unified pool, and its GPU engines decode at most 1024 inputs at once
+/// ([`decode_batch`]). W1 (2 live SmolVLM-500M streams at 2 frames/s, 128-token answers) on one H100
 /// GPU engine: the same TTFT from capture as per-sequence KV (143 ms mean, rounds 142 and 144,
 /// against 141 and 145) at 3,466 MiB of GPU memory against 5,572; at 4 streams the pool's
 /// attention over every stream's cells costs 294 ms against 254 (docs/benchmarks.md, "W1's memory
 /// on a GPU with the defaults"; at 8 and 16 streams 337 against 238 and 3,170 against 535 ms,
 /// "The KV layout on the GPU").
-pub const UNIFIED_GPU_MAX_STREAMS: u32 = 2;
+pub const FEW_GPU_STREAMS: u32 = 2;
 
 impl KvLayout {
     /// What `kv-layout=auto` is for engines on `devices` serving `max_streams` streams: the
     /// unified pool where every engine is on the CPU (W1's peak RSS under llama-server's, TTFT no
     /// worse: docs/benchmarks.md, "Defaults"), or on the CPU and GPUs for at most
-    /// [`UNIFIED_GPU_MAX_STREAMS`] streams; per-sequence KV otherwise, and with a remote engine
+    /// [`FEW_GPU_STREAMS`] streams; per-sequence KV otherwise, and with a remote engine
     /// (not measured in the pool).
     pub fn auto(devices: &[SpecDevice], max_streams: u32) -> KvLayout {
         let on = |d: fn(&SpecDevice) -> bool| devices.iter().any(d);
         if on(|d| matches!(d, SpecDevice::Rpc(_))) {
             KvLayout::PerSequence
-        } else if !on(|d| *d == SpecDevice::Gpu) || max_streams <= UNIFIED_GPU_MAX_STREAMS {
+        } else if !on(|d| *d == SpecDevice::Gpu) || max_streams <= FEW_GPU_STREAMS {
             KvLayout::Unified
         } else {
             KvLayout::PerSequence
@@ -211,11 +217,8 @@ mod tests {
         let rpc = || SpecDevice::Rpc(vec!["10.0.0.2:50052".into()]);
         assert_eq!(KvLayout::auto(&[SpecDevice::Cpu, SpecDevice::Cpu], 64), KvLayout::Unified);
         assert_eq!(KvLayout::auto(&[SpecDevice::Gpu], 1), KvLayout::Unified);
-        assert_eq!(KvLayout::auto(&[SpecDevice::Cpu, SpecDevice::Gpu], UNIFIED_GPU_MAX_STREAMS), KvLayout::Unified);
-        assert_eq!(
-            KvLayout::auto(&[SpecDevice::Cpu, SpecDevice::Gpu], UNIFIED_GPU_MAX_STREAMS + 1),
-            KvLayout::PerSequence
-        );
+        assert_eq!(KvLayout::auto(&[SpecDevice::Cpu, SpecDevice::Gpu], FEW_GPU_STREAMS), KvLayout::Unified);
+        assert_eq!(KvLayout::auto(&[SpecDevice::Cpu, SpecDevice::Gpu], FEW_GPU_STREAMS + 1), KvLayout::PerSequence);
         assert_eq!(KvLayout::auto(&[SpecDevice::Cpu, rpc()], 1), KvLayout::PerSequence);
     }
 

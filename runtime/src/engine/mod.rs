@@ -215,7 +215,7 @@ impl Engine {
         let params = ContextParams {
             n_ctx_per_seq: config.context_per_sequence,
             n_seq: config.max_streams + config.max_branches,
-            n_batch: config::decode_batch(&config.device),
+            n_batch: config::decode_batch(&config.device, config.max_streams),
             threads: config.threads,
             kv_unified: config.unified_cells(),
             flash_attention: config.flash_attention,
