@@ -80,10 +80,9 @@ pub fn default_threads(device: &Device, threads: i32) -> i32 {
 /// measured with `examples/ingest_rate.rs` on an H100 (the frame after a 2,048-row history, a
 /// per-sequence context of 24 sequences as an engine's, flash attention): 21.5 ms a frame at 2048
 /// and 22.3 ms at 1024 against 28.5 ms at 512, 1.33x the rows a second. The compute buffer holds
-/// a row of logits for every input of a decode (4 bytes a vocabulary entry: for SmolVLM's 49,280
-/// entries 192 MiB at 1024 against 385 at 2048, by that count), so a few streams, where
-/// ingestion is not what bounds the engine, take the smaller batch for 4% of a frame's
-/// ingestion. Elsewhere 512 (not measured with more; on the CPU
+/// a row of logits for every input of a decode, so a few streams, where ingestion is not what
+/// bounds the engine, take the smaller batch for 4% of a frame's ingestion: W1 on an H100, 96 MiB
+/// less GPU memory (docs/benchmarks.md, "W1's memory on a GPU with the defaults"). Elsewhere 512 (not measured with more; on the CPU
 /// the compute buffer it sizes stays small).
 pub fn decode_batch(device: &Device, max_streams: u32) -> u32 {
     match device {

@@ -576,6 +576,11 @@ impl Projector {
         self.streams.fetch_add(1, Ordering::AcqRel) + 1
     }
 
+    /// The streams counted on the projector's contexts now.
+    pub fn streams(&self) -> usize {
+        self.streams.load(Ordering::Acquire)
+    }
+
     /// A stream counted by [`Projector::stream_opened`] has ended.
     pub fn stream_closed(&self) {
         self.streams.fetch_sub(1, Ordering::AcqRel);
