@@ -40,6 +40,8 @@ struct Contexts {
     returned: Condvar,
     /// Every context loaded (freed in the Projector's Drop), the first being the decode view's.
     loaded: Mutex<Vec<MtmdPtr>>,
+    /// How many are loaded (read without waiting for a load in progress).
+    count: std::sync::atomic::AtomicUsize,
 }
 
 /// How many readers wait for a stream's next frames (questions waiting for a frame not yet
@@ -140,6 +142,7 @@ impl Contexts {
             pool: Mutex::new(Pool { free: vec![first], ..Pool::default() }),
             returned: Condvar::new(),
             loaded: Mutex::new(vec![first]),
+            count: 1.into(),
         }
     }
 
@@ -528,6 +531,7 @@ impl Projector {
             let max_tokens = tile_view.map(|(_, tokens)| tokens);
             let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)?;
             loaded.push(MtmdPtr(ctx));
+            self.contexts.count.store(loaded.len(), Ordering::Release);
             self.contexts.give(MtmdPtr(ctx));
             if let Some((tile, tokens)) = tile_view {
                 let _ = self.cutter.set(Cutter::new(DecodeView(ctx), tile, tokens));
@@ -568,7 +572,7 @@ impl Projector {
 
     /// How many encoder contexts are loaded.
     pub fn contexts(&self) -> usize {
-        self.contexts.loaded.lock().len()
+        self.contexts.count.load(Ordering::Acquire)
     }
 
     /// One more stream counts on the projector's contexts: how many do now.
