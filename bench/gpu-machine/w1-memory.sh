@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine after `. DIR/setup.sh`, from the repository root: where W1's GPU memory goes
 # with SmolVLM-500M (docs/benchmarks.md, "W1's memory on a GPU with the defaults"): the runtime
-# alone (B1), 2 rounds of each KV layout x encoder contexts; vlm-bench's JSON has each run's peak
+# alone (B1), 2 rounds of the defaults (auto, 0) and of each KV layout x encoder contexts; vlm-bench's JSON has each run's peak
 # host RSS and GPU memory (nvidia-smi), KV and TTFT from capture. JSON and logs under $OUT.
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-for v in "per-sequence 4" "unified 4" "per-sequence 1" "unified 1"; do
+for v in "auto 0" "per-sequence 4" "unified 4" "unified 2" "unified 1"; do
     set -- $v
     name="w1-gpu-$1-ctx$2"
     vlm-bench --pair smolvlm-500m --engine g0:gpu --encoder gpu --encoder-contexts "$2" --kv-layout "$1" \
