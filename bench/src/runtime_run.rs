@@ -84,11 +84,8 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
             // vlmcontext's `auto`, for this worker's engines and streams.
             "auto" => {
                 let list = if matches!(spec.config, Config::B0 | Config::B1) { &w.engine } else { &w.engines };
-                let devices: Vec<_> = vlm_runtime::engine_spec::parse_list(list)
-                    .map_err(|e| format!("--engine(s) {list}: {e}"))?
-                    .into_iter()
-                    .map(|e| e.device)
-                    .collect();
+                let devices =
+                    vlm_runtime::engine_spec::devices(list).map_err(|e| format!("--engine(s) {list}: {e}"))?;
                 KvLayout::auto(&devices, streams.len() as u32)
             }
             l => KvLayout::parse(l).ok_or_else(|| format!("--kv-layout {l}: auto, per-sequence or unified"))?,

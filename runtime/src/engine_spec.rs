@@ -28,6 +28,11 @@ pub struct EngineSpec {
     pub cores: Vec<usize>,
 }
 
+/// The devices of an engine list, in order ([`parse_list`]'s errors).
+pub fn devices(spec: &str) -> Result<Vec<SpecDevice>, String> {
+    Ok(parse_list(spec)?.into_iter().map(|e| e.device).collect())
+}
+
 /// Engines from a list such as `cpu`, `cpu,gpu`, `big:cpu:4:4-7,little:cpu:4:0-3` or
 /// `cpu,far:rpc:10.0.0.2:50052`: each entry is `NAME[:DEVICE[:THREADS[:CORES]]]`, DEVICE `cpu` or
 /// `gpu` (default: `gpu` for a name starting with "gpu", else `cpu`), THREADS 1 to

@@ -32,9 +32,7 @@ type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
 /// what keeps the pool small) and on a GPU; a quantized `kv-type` needs it (llama.cpp quantizes V
 /// only with flash attention).
 fn resolved(s: &Settings) -> (KvLayout, bool) {
-    let devices: Vec<_> = vlm_runtime::engine_spec::parse_list(&s.engines)
-        .map(|list| list.into_iter().map(|e| e.device).collect())
-        .unwrap_or_default();
+    let devices = vlm_runtime::engine_spec::devices(&s.engines).unwrap_or_default();
     let off_cpu = devices.iter().any(|d| *d != vlm_runtime::engine_spec::SpecDevice::Cpu);
     let layout = match s.kv_layout {
         KvLayoutKind::PerSequence => KvLayout::PerSequence,
