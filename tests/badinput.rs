@@ -396,7 +396,8 @@ fn a_flushing_seek_mid_answer_cancels_it_and_the_pipeline_goes_on() {
 
 /// A live-like pipeline over a moving ball whose sync bus handler keeps every `vlm-answer` as it
 /// is posted (NULL flushes the bus) and, on the thread posting the first answer to question
-/// `id`, runs `act` on the pipeline and sends what it returns.
+/// `id` (or, `on_warning`, the first warning about it), runs `act` on the pipeline and sends
+/// what it returns. `query`: vlmquery's further properties.
 struct OnAnswer<T> {
     pipeline: gst::Element,
     sink: gst::Pad,
@@ -407,13 +408,22 @@ struct OnAnswer<T> {
 
 impl<T: Send + 'static> OnAnswer<T> {
     fn new(id: &'static str, act: impl Fn(&gst::Element) -> T + Send + Sync + 'static) -> OnAnswer<T> {
+        Self::with(id, "", false, act)
+    }
+
+    fn with(
+        id: &'static str,
+        query: &str,
+        on_warning: bool,
+        act: impl Fn(&gst::Element) -> T + Send + Sync + 'static,
+    ) -> OnAnswer<T> {
         use std::sync::atomic::{AtomicBool, Ordering};
-        let pipeline = launch(
+        let pipeline = launch(&format!(
             "videotestsrc pattern=ball ! video/x-raw,format=RGB,width=64,height=48,framerate=5/1 \
              ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
              ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
-             ! vlmquery name=q exact-tokens=true ! fakesink sync=false async=false",
-        );
+             ! vlmquery name=q exact-tokens=true {query} ! fakesink sync=false async=false"
+        ));
         let q = pipeline.clone().downcast::<gst::Bin>().unwrap().by_name("q").unwrap();
         let sink = q.static_pad("sink").unwrap();
         let frames = Frames::watch(&sink);
@@ -421,8 +431,14 @@ impl<T: Send + 'static> OnAnswer<T> {
         let (acted_tx, acted) = std::sync::mpsc::channel();
         let (once, seen, weak) = (AtomicBool::new(false), std::sync::Arc::clone(&answers), pipeline.downgrade());
         pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
-            if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-answer") {
-                seen.lock().unwrap().push(s.to_owned());
+            let about = match msg.view() {
+                gst::MessageView::Warning(w) if on_warning => w.details().map(|d| d.to_owned()),
+                _ => msg.structure().filter(|s| s.name() == "vlm-answer").map(|s| s.to_owned()),
+            };
+            if let Some(s) = about {
+                if s.name() == "vlm-answer" {
+                    seen.lock().unwrap().push(s.clone());
+                }
                 let first = s.get::<String>("id").is_ok_and(|i| i == id) && !once.swap(true, Ordering::AcqRel);
                 if let Some(p) = weak.upgrade().filter(|_| first) {
                     let _ = acted_tx.send(act(&p));
@@ -516,6 +532,43 @@ fn null_from_a_sync_bus_handler_on_an_answer_returns_without_waiting_for_itself(
     assert!(!gave_up.load(Ordering::Acquire), "the stop waited out its bound for the thread that asked for it");
     assert_eq!(on.statuses("stop-now", Duration::ZERO), ["answered"]);
     assert_eq!(on.statuses("long", Duration::ZERO), ["cancelled"]);
+}
+
+/// The same from the warning a failed question posts (here: `placement` names no engine), which
+/// went out under the lock that orders the answers and that a stop takes: it hung.
+#[test]
+fn null_from_a_sync_bus_handler_on_a_failed_questions_warning_returns() {
+    let _s = serial();
+    let on = OnAnswer::with("fail-now", "placement=nosuch", true, |p| p.set_state(gst::State::Null).is_ok());
+    set_state(&on.pipeline, gst::State::Playing, "start");
+    on.frames.wait(2, "before the question");
+    on.ask("fail-now", "Say something.", 2);
+    let ok = on.acted.recv_timeout(Duration::from_secs(60)).expect("NULL from the sync handler returned");
+    assert!(ok, "the change to NULL failed");
+    assert_eq!(on.statuses("fail-now", Duration::ZERO), ["failed"]);
+}
+
+/// An application that names its questions `q<N>` itself: a generated id passes over the ones it
+/// took (the generated question was refused as a duplicate of the application's).
+#[test]
+fn generated_question_ids_pass_over_the_applications_own() {
+    let _s = serial();
+    let mut f = Fed::new("", "max-tokens=2", "");
+    f.push_frames(1);
+    let first = f.ask("One?").expect("accepted");
+    let n: u64 = first[1..].parse().expect("a generated id is q<N>");
+    let sink = f.q.static_pad("sink").unwrap();
+    for taken in [n + 1, n + 2] {
+        assert!(sink.send_event(QuestionEvent::event("Mine?", Some(&format!("q{taken}")), None)));
+    }
+    let generated = f.ask("Three?").expect("a generated id that is free");
+    assert!(![first.clone(), format!("q{}", n + 1), format!("q{}", n + 2)].contains(&generated), "{generated}");
+    let bus = f.bus.clone();
+    f.log.pump(&bus, Duration::from_secs(120), |l| l.answers.len() >= 4);
+    let log = f.finish();
+    assert_eq!(log.answers.len(), 4, "{:?}", log.answers);
+    assert!(log.answers.iter().all(|a| status(a) == "answered"), "{:?}", log.answers);
+    assert_clean(&log);
 }
 
 #[test]

@@ -437,11 +437,12 @@ impl Stream {
             used: tail.cells as u32,
             cells: self.engine().n_ctx_per_seq(),
         };
-        // Keep the entries from the newest `keep` frames on, fewer if they do not fit; a slide
-        // keeps what leaves a quarter of the cells free.
+        // Keep the entries from the newest `keep` frames on (a slide: all), fewer where they
+        // would not leave a quarter of the cells free: the next frames then join the history
+        // instead of starting it again each.
         let (keep, room) = match self.config.history_policy {
             HistoryPolicy::Stop => return Err(full()),
-            HistoryPolicy::Restart { keep } => (keep, capacity),
+            HistoryPolicy::Restart { keep } => (keep, capacity - capacity / 4),
             HistoryPolicy::Slide => (usize::MAX, capacity - capacity / 4),
         };
         let prefix_len = self.prompt.prefix.len() as i32;

@@ -168,6 +168,23 @@ fn weights_are_shared_between_engines() {
     assert!(vlm_runtime::models::model_owners(&model_path()) >= 2);
 }
 
+/// A restart asked to keep more frames than the context holds keeps what leaves a quarter of it
+/// free, so the frames after it join the history (it restarted on every frame: each re-prefilled
+/// the whole context).
+#[test]
+fn a_restart_keeping_more_frames_than_fit_leaves_room_for_the_next_ones() {
+    // 9 frames of 36 cells fit (see below).
+    let engine = engine_with("cpu", 512);
+    let enc = encoder();
+    let stream = open_with(&engine, "s", true, vlm_runtime::HistoryPolicy::Restart { keep: 100 });
+    let never = Arc::new(AtomicBool::new(false));
+    let restarts: Vec<bool> =
+        (0..16).map(|v| stream.register(frame(&enc, v), &never).unwrap().restart.is_some()).collect();
+    assert!(restarts.iter().any(|&r| r), "the history restarted: {restarts:?}");
+    assert!(!restarts.windows(2).any(|w| w[0] && w[1]), "a restart on two frames in a row: {restarts:?}");
+    stream.wait_version(16, &never).unwrap();
+}
+
 #[test]
 fn a_full_history_restarts_from_its_newest_frames_without_changing_pinned_versions() {
     // 512 cells - 128 reserved for the answer leave room for the prompt and 9 frames of 36.

@@ -16,12 +16,17 @@ const W: u32 = 64;
 const H: u32 = 48;
 
 fn encoder(family: &str) -> FrameEncoder {
+    // No embedding cache: every frame goes to the encoder.
+    encoder_cached(family, 0)
+}
+
+/// With an embedding cache of `entries` frames.
+fn encoder_cached(family: &str, entries: usize) -> FrameEncoder {
     let dir = common::models_dir();
     let (lm, mmproj) = (dir.join(format!("test-{family}-lm.gguf")), dir.join(format!("test-{family}-mmproj.gguf")));
     let model = models::model(&lm, &Device::Cpu).expect("model");
     let projector = models::projector(&mmproj, &model, false, 2, 1).expect("projector");
-    // No embedding cache: every frame goes to the encoder.
-    FrameEncoder::new(Arc::new(MtmdEncoder::new(projector)), 0, 0)
+    FrameEncoder::new(Arc::new(MtmdEncoder::new(projector)), entries, usize::MAX)
 }
 
 fn picture(rgb: &[u8]) -> Picture<'_> {
@@ -98,6 +103,42 @@ fn threshold_reuse_follows_the_gate_from_the_pixels_a_tile_was_encoded_from() {
     // The same picture again: every tile from before; the overview, the whole picture, is the
     // change gate's to hold or encode (here it lets the frame through: min-change is tiny).
     assert_eq!(encode(&with_square(48, 32, 14)), (1, 4));
+}
+
+/// A frame given reused tiles (rows of pixels within the threshold, not its own) is not cached
+/// under its own pixels: after a flush, or with reuse off, the same picture is encoded afresh
+/// (it came back from the cache with the older tiles' rows).
+#[test]
+fn a_frame_with_reused_tiles_is_not_cached_as_its_own_encode() {
+    let enc = encoder_cached("idefics3", 16);
+    let mut gate = ChangeGate::default();
+    let a = common::picture(0);
+    // The top-left tile a little brighter: under the gate's noise floor.
+    let mut nearly = a.clone();
+    for y in 0..20 {
+        for x in 0..20 {
+            let at = ((y * W + x) * 3) as usize;
+            nearly[at..at + 3].iter_mut().for_each(|v| *v = v.saturating_add(10));
+        }
+    }
+    for rgb in [&a, &nearly] {
+        let luma = match gate.decide(&picture(rgb), 0.0001).unwrap() {
+            Decision::Changed(_, l) | Decision::Unchanged(_, l) => Arc::new(l),
+        };
+        gate.encoded(Arc::clone(&luma));
+        let e = enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma), Turn::default()).unwrap();
+        assert!(!e.hit);
+        if std::ptr::eq(rgb, &nearly) {
+            assert!(e.tiles.reused > 0, "the brighter tile is taken from the frame before: {:?}", e.tiles);
+        }
+    }
+    enc.forget_last();
+    let again = enc.encode_reusing(&picture(&nearly), TileReuse::Off, Turn::default()).unwrap();
+    assert!(!again.hit, "a frame with reused tiles came back from the cache");
+    let fresh = encoder("idefics3").encode_reusing(&picture(&nearly), TileReuse::Off, Turn::default()).unwrap();
+    assert_eq!(images(&again.frame), images(&fresh.frame));
+    // A full encode is cached.
+    assert!(enc.encode_reusing(&picture(&nearly), TileReuse::Off, Turn::default()).unwrap().hit);
 }
 
 #[test]

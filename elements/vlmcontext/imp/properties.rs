@@ -187,7 +187,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecUInt::builder(PROP_HISTORY_KEEP)
             .nick("History keep")
-            .blurb("Newest frames kept when history-policy=restart starts the history again")
+            .blurb("Newest frames kept when history-policy=restart starts the history again (fewer where they would leave under a quarter of context-size free)")
             .maximum(4096)
             .default_value(DEFAULT_HISTORY_KEEP)
             .mutable_ready()

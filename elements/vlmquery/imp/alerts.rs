@@ -352,7 +352,7 @@ impl VlmQuery {
             };
             let mut st = self.alerts.state.lock();
             st.waiting_on.clear();
-            let mut posts = vec![];
+            let (mut posts, mut warnings) = (vec![], vec![]);
             for ((stream, frame), result) in taken.into_iter().zip(results) {
                 match result {
                     _ if cancel.load(Ordering::Acquire) || st.flushing => (),
@@ -361,9 +361,7 @@ impl VlmQuery {
                         let first =
                             st.streams.get_mut(&stream.id()).is_some_and(|s| !std::mem::replace(&mut s.warned, true));
                         if first {
-                            let message = format!("alerts of stream {} not evaluated: {e}", stream.name());
-                            gst::warning!(CAT, imp = self, "{message}");
-                            gst::element_imp_warning!(self, gst::StreamError::Failed, ("{}", message));
+                            warnings.push(format!("alerts of stream {} not evaluated: {e}", stream.name()));
                         } else {
                             gst::debug!(CAT, imp = self, "alerts of frame {} not evaluated: {e}", frame.number);
                         }
@@ -371,6 +369,11 @@ impl VlmQuery {
                 }
             }
             drop(st);
+            // (Posted with no lock held: a sync bus handler may stop the pipeline or set alerts.)
+            for message in warnings {
+                gst::warning!(CAT, imp = self, "{message}");
+                gst::element_imp_warning!(self, gst::StreamError::Failed, ("{}", message));
+            }
             self.post_alerts(posts);
             // Busy until its lines are queued: the video's EOS waits for them (`alerts_drain`).
             let mut st = self.alerts.state.lock();

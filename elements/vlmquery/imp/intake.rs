@@ -54,10 +54,21 @@ impl Pending {
 }
 
 impl VlmQuery {
-    fn question(&self, text: &str, id: Option<String>, max_tokens: Option<u32>) -> Question {
+    /// A question as asked; without an id of its own it gets `q<N>` from the process's counter,
+    /// passing over any id this element has accepted lately (an application may have chosen
+    /// `q7` itself).
+    fn question(&self, shared: &Shared, text: &str, id: Option<String>, max_tokens: Option<u32>) -> Question {
+        let id = id.unwrap_or_else(|| {
+            loop {
+                let id = format!("q{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
+                if !shared.recent_ids.contains(&id) {
+                    break id;
+                }
+            }
+        });
         let settings = self.settings.lock();
         Question {
-            id: id.unwrap_or_else(|| format!("q{}", NEXT_ID.fetch_add(1, Ordering::Relaxed))),
+            id,
             text: text.trim().to_owned(),
             max_tokens: max_tokens.unwrap_or(settings.max_tokens),
             ignore_eos: settings.exact_tokens,
@@ -407,7 +418,7 @@ impl VlmQuery {
             return;
         }
         shared.video.last_caption = rt;
-        let question = self.question(&prompt, None, None);
+        let question = self.question(shared, &prompt, None, None);
         let stream = shared.video.stream.clone();
         if self.accept(shared, Job { question, stream, frames: number, pts, at: rt }, false).is_err() {
             gst::debug!(CAT, imp = self, "caption at frame {number} skipped: the question queue is full");
@@ -434,7 +445,7 @@ impl VlmQuery {
             match parsed {
                 Ok(q) => {
                     let mut shared = self.shared.lock();
-                    let question = self.question(&q.text, q.id, q.max_tokens);
+                    let question = self.question(&shared, &q.text, q.id, q.max_tokens);
                     let (frames, pts) = shared.video.newest();
                     let stream = shared.video.stream.clone();
                     let refusal = question.clone();
@@ -583,7 +594,7 @@ impl VlmQuery {
             drop(shared);
             return self.query_flow();
         }
-        let question = self.question(&text, None, None);
+        let question = self.question(&shared, &text, None, None);
         let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
         let (frames, pts) = match t {
             Some(t) => {
@@ -677,7 +688,7 @@ impl VlmQuery {
             return None;
         }
         let mut shared = self.shared.lock();
-        let question = self.question(text, None, None);
+        let question = self.question(&shared, text, None, None);
         let stream = shared.video.stream.clone();
         let frames = stream.as_ref().map_or(0, |s| s.registered());
         let pts = shared.video.frames.iter().rev().find(|f| f.2 <= frames).and_then(|f| f.1);

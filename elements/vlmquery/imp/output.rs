@@ -628,13 +628,25 @@ impl VlmQuery {
         }
     }
 
-    /// Post one question's `vlm-answer`, and mark it posted for the text pad's task.
+    /// Post one question's `vlm-answer` (a failed one's warning after it), and mark it posted
+    /// for the text pad's task. Called with no lock held: a sync bus handler may stop or seek
+    /// the pipeline on either message (and after NULL the bus drops what comes: the answer goes
+    /// first).
     fn post_answer(&self, p: &Pending, message: gst::Structure) {
         self.post_message(&message);
+        let failed = match (message.get::<&str>("status"), message.get::<&str>("reason")) {
+            (Ok("failed"), Ok(reason)) => Some(format!("question {} not answered: {reason}", p.job.question.id)),
+            _ => None,
+        };
         *p.message.lock() = Some(message);
-        let _shared = self.shared.lock();
-        p.posted.store(true, Ordering::Release);
-        self.changed.notify_all();
+        {
+            let _shared = self.shared.lock();
+            p.posted.store(true, Ordering::Release);
+            self.changed.notify_all();
+        }
+        if let Some(warning) = failed {
+            self.warn_question(gst::StreamError::Failed, Some(&p.job.question.id), &warning);
+        }
     }
 
     fn post_message(&self, message: &gst::Structure) {
@@ -656,7 +668,7 @@ impl VlmQuery {
         }
     }
 
-    /// The question's `vlm-answer` (a failed one's warning is posted here).
+    /// The question's `vlm-answer` (a failed one's warning goes out with it: `post_answer`).
     pub(super) fn answer_message(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
         let q = &p.job.question;
         let stream = p.stream().map_or("", |s| s.name());
@@ -710,10 +722,6 @@ impl VlmQuery {
             Outcome::Cancelled(reason) | Outcome::Failed(reason) => {
                 let status = if matches!(outcome, Outcome::Failed(_)) { "failed" } else { "cancelled" };
                 gst::debug!(CAT, imp = self, "question {} {status}: {reason}", q.id);
-                if status == "failed" {
-                    let message = format!("question {} not answered: {reason}", q.id);
-                    self.warn_question(gst::StreamError::Failed, Some(&q.id), &message);
-                }
                 let total = q.arrival.elapsed().as_secs_f64() * 1e3;
                 // No version was bound: its history length is unknown (0), the frame it waited
                 // for is `frame`.

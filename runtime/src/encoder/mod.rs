@@ -619,7 +619,12 @@ impl FrameEncoder {
             })
             .collect();
         let frame = Arc::new(Frame { content_hash, segments });
-        self.cache.insert(content_hash, Arc::clone(&frame));
+        // Cached only as a full encode of these pixels: a reused tile's rows may come from other
+        // pixels (within the threshold), which a later identical picture must not be handed
+        // (after a flush, or with reuse off).
+        if tiles.reused == 0 {
+            self.cache.insert(content_hash, Arc::clone(&frame));
+        }
         *last = Some(LastFrame { rgb, frame: Arc::clone(&frame), tiles: origins });
         Ok(Encoded { frame, hit: false, tiles })
     }
