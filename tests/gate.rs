@@ -96,6 +96,30 @@ fn new_caps_and_a_flush_start_the_gate_afresh() {
     assert_eq!(e.property::<u64>("frames-encoded"), 4);
 }
 
+/// A gate turned off and on again starts afresh: it held a frame against the picture encoded
+/// before it was off (a newer one had been encoded meanwhile).
+#[test]
+fn a_gate_turned_on_again_starts_afresh() {
+    init();
+    let e = gst::ElementFactory::make("vlmencode")
+        .property("mmproj", mmproj())
+        .property("model", model())
+        .property("interval", 0u64)
+        .property("cache-entries", 0u32)
+        .property_from_str("tile-reuse", "off")
+        .build()
+        .unwrap();
+    let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
+    h.set_src_caps(rgb_caps(64, 48));
+    let mut seen = vec![push(&mut h, gray(100), 0)];
+    e.set_property("min-change", 0.0);
+    seen.push(push(&mut h, gray(160), 1));
+    e.set_property("min-change", 0.001);
+    seen.push(push(&mut h, gray(100), 2));
+    seen.push(push(&mut h, gray(100), 3));
+    assert_eq!(seen, ["encoded", "encoded", "encoded", "held"]);
+}
+
 /// Frames (gray level, second) through the three elements, then a question timed at 4.5 s;
 /// returns its `vlm-answer`, vlmencode's frames-unchanged and, for each video buffer reaching
 /// vlmquery, whether it was held and the frame number it carries.

@@ -709,6 +709,7 @@ impl ObjectImpl for VlmEncode {
             return;
         }
         let mut s = self.settings.lock();
+        let gate_before = (s.min_change, s.tile_reuse);
         match pspec.name() {
             "backend" => s.backend = value.get().unwrap(),
             "rknn-model" => s.rknn_model = value.get::<Option<String>>().unwrap().unwrap_or_default(),
@@ -726,6 +727,12 @@ impl ObjectImpl for VlmEncode {
             "max-unchanged" => s.max_unchanged = value.get().unwrap(),
             "tile-reuse" => s.tile_reuse = value.get().unwrap(),
             _ => unreachable!(),
+        }
+        // The gate's reference is kept only while it samples: a gate turned on again starts
+        // afresh (it held frames against a picture from before it was off).
+        if (s.min_change, s.tile_reuse) != gate_before {
+            drop(s);
+            self.reset_gate();
         }
     }
 

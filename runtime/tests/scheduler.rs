@@ -220,8 +220,8 @@ fn a_stream_that_cannot_keep_up_skips_frames_and_stays_bounded() {
 }
 
 /// A panic on one engine's thread fails what waits on that engine (a frame's version, an answer)
-/// with an error instead of leaving it waiting, later work there is refused, and another engine
-/// keeps answering.
+/// with an error instead of leaving it waiting, the engine counts as failed (no new stream is
+/// placed there), later work there is refused, and another engine keeps answering.
 #[test]
 fn a_panic_on_one_engine_fails_its_waiters_and_another_engine_keeps_answering() {
     let _alone = serial();
@@ -244,6 +244,10 @@ fn a_panic_on_one_engine_fails_its_waiters_and_another_engine_keeps_answering() 
     release.send(()).unwrap();
     let waited = waiter.join().unwrap();
     assert!(waited.is_err(), "the frame's version was waited for on a dead engine: {waited:?}");
+    // The dead engine counts as failed: a new stream goes to the other one.
+    assert!(bad.failure().is_some_and(|f| f.contains("injected engine fault")), "{:?}", bad.failure());
+    let engines = [Arc::clone(&bad), Arc::clone(&good)];
+    assert!(Arc::ptr_eq(vlm_runtime::residence::resident_engine(&engines).unwrap(), &good));
     let version0 = s.wait_version(0, &never);
     assert!(
         version0.is_err() || answer(&version0.unwrap(), &question("Hi?", 4), &never, |_| {}).is_err(),

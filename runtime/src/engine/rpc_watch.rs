@@ -27,6 +27,8 @@ use crate::llama::rpc;
 const STUCK_LIMIT: Duration = Duration::from_secs(30);
 /// The default stall limit (see [`stall_limit`]).
 const STALL_LIMIT: Duration = Duration::from_secs(30);
+/// The longest stall limit (a larger one, a natural "never", is this).
+const MAX_STALL_LIMIT: Duration = Duration::from_secs(365 * 24 * 3600);
 /// A stall limit set by [`set_stall_limit`], in ms (0: none set).
 static STALL_LIMIT_SET_MS: AtomicU64 = AtomicU64::new(0);
 
@@ -35,13 +37,15 @@ static STALL_LIMIT_SET_MS: AtomicU64 = AtomicU64::new(0);
 /// (seconds), else 30 s.
 pub fn stall_limit() -> Duration {
     match STALL_LIMIT_SET_MS.load(Ordering::Relaxed) {
-        0 => std::env::var("VLM_RPC_STALL_S")
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map_or(STALL_LIMIT, Duration::from_secs_f64),
-        ms => Duration::from_millis(ms),
+        0 => std::env::var("VLM_RPC_STALL_S").ok().and_then(|s| parse_stall_limit(&s)).unwrap_or(STALL_LIMIT),
+        ms => Duration::from_millis(ms).min(MAX_STALL_LIMIT),
     }
+}
+
+/// `VLM_RPC_STALL_S`'s seconds: positive, at most [`MAX_STALL_LIMIT`].
+fn parse_stall_limit(seconds: &str) -> Option<Duration> {
+    let s = seconds.trim().parse::<f64>().ok().filter(|s| *s > 0.0)?;
+    Some(Duration::try_from_secs_f64(s).map_or(MAX_STALL_LIMIT, |d| d.min(MAX_STALL_LIMIT)))
 }
 
 /// Set the stall limit of the process (tests; an application may set it too).
@@ -103,7 +107,7 @@ fn check_stalls(last: &mut Vec<(Weak<Engine>, u64, Instant)>) {
             continue;
         }
         // Before its first turn the engine runs its calibration: several computations.
-        let limit = if turns == 0 { limit * 4 } else { limit };
+        let limit = if turns == 0 { limit.saturating_mul(4) } else { limit };
         let still = last[i].2.elapsed();
         if still >= limit {
             let endpoints = engine.config.device.endpoints().join(" + ");
@@ -156,6 +160,25 @@ fn watch_failures() {
                 }
                 true
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A huge limit (a natural "never") is the longest one: it panicked the watchdog's thread
+    /// (a Duration out of range, or four times it before the first turn).
+    #[test]
+    fn a_huge_stall_limit_saturates() {
+        assert_eq!(parse_stall_limit("5"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_stall_limit(" 0.5 "), Some(Duration::from_millis(500)));
+        for never in ["1e19", "1e20", "inf"] {
+            assert_eq!(parse_stall_limit(never), Some(MAX_STALL_LIMIT), "{never}");
+        }
+        for bad in ["0", "-3", "nan", "soon"] {
+            assert_eq!(parse_stall_limit(bad), None, "{bad}");
         }
     }
 }

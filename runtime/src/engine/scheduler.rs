@@ -624,7 +624,11 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
         }));
         if let Err(panic) = stepped {
             let what = crate::error::panic_message(panic.as_ref());
-            crate::llama::log(crate::llama::LogLevel::Error, &format!("engine {}: panic: {what}", config.name));
+            let why = format!("engine {}: panic: {what}", config.name);
+            crate::llama::log(crate::llama::LogLevel::Error, &why);
+            // Failed for good, as the placer and stream placement read it: no new stream,
+            // import or replay is sent to an engine whose thread has ended.
+            *shared.failure.lock() = Some(why);
             return;
         }
     }
