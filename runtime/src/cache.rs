@@ -93,20 +93,23 @@ impl<K: Eq + Hash + Clone, V: Weighted> BoundedCache<K, V> {
             inner.stats.refused += 1;
             return false;
         }
-        if let Some((old, _)) = inner.map.remove(&key) {
-            inner.stats.bytes -= old.bytes();
-            inner.stats.entries -= 1;
-        }
+        // An entry under the same key is replaced, but only once the new one is known to fit:
+        // a refused insert leaves it.
+        let replaced = inner.map.get(&key).map(|(old, _)| old.bytes());
         // Unheld entries, least recently used first.
         let mut candidates: Vec<(u64, K)> = inner
             .map
             .iter()
-            .filter(|(_, (v, _))| Arc::strong_count(v) == 1)
+            .filter(|(k, (v, _))| Arc::strong_count(v) == 1 && **k != key)
             .map(|(k, (_, used))| (*used, k.clone()))
             .collect();
         candidates.sort_by_key(|(used, _)| *used);
         let over = |s: &CacheStats| s.entries + 1 > self.max_entries || s.bytes + size > self.max_bytes;
         let (mut entries, mut bytes) = (inner.stats.entries, inner.stats.bytes);
+        if let Some(old) = replaced {
+            entries -= 1;
+            bytes -= old;
+        }
         let mut evict = vec![];
         for (_, k) in candidates {
             if !over(&CacheStats { entries, bytes, ..CacheStats::default() }) {
@@ -163,6 +166,22 @@ mod tests {
         assert!(s.entries <= 3 && s.bytes <= 100, "{s:?}");
         assert!(!cache.insert(5, Arc::new(Blob(101))), "larger than the byte limit");
         assert_eq!(s.misses, 1);
+    }
+
+    /// A new value for a key that does not fit (only held entries could make room) is refused
+    /// and the key's old value stays (it was dropped first); one that fits replaces it.
+    #[test]
+    fn a_refused_replacement_keeps_the_old_value() {
+        let cache = BoundedCache::new(2, 100);
+        assert!(cache.insert("a", Arc::new(Blob(40))));
+        assert!(cache.insert("b", Arc::new(Blob(50))));
+        let _held = cache.get(&"b").unwrap();
+        assert!(!cache.insert("a", Arc::new(Blob(60))));
+        assert_eq!(cache.get(&"a").map(|a| a.0), Some(40));
+        assert_eq!((cache.stats().entries, cache.stats().bytes), (2, 90));
+        assert!(cache.insert("a", Arc::new(Blob(45))));
+        assert_eq!(cache.get(&"a").map(|a| a.0), Some(45));
+        assert_eq!((cache.stats().entries, cache.stats().bytes), (2, 95));
     }
 
     #[test]

@@ -538,10 +538,8 @@ impl Stream {
             t.skipped += 1;
             return Ok(Registration { number: t.registered, restart: None, slid: false, skipped: true });
         }
-        while (t.tail.serial - t.published_serial) as usize >= self.config.max_pending
-            && t.failed.is_none()
-            && !t.closed
-        {
+        // (The same count as the skip above: a skipping stream never waits for its prompt.)
+        while full(&t) && t.failed.is_none() && !t.closed {
             if cancel.load(Ordering::Acquire) {
                 return Err(Error::Cancelled);
             }

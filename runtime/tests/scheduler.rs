@@ -219,6 +219,37 @@ fn a_stream_that_cannot_keep_up_skips_frames_and_stays_bounded() {
     assert_eq!(stream.wait_version(newest, &never).unwrap().frames(), newest);
 }
 
+/// A skipping stream (a live camera) never waits, even for its prompt's prefill behind a busy
+/// engine: past `max-pending` its frames are skipped (the prompt was counted while it waited,
+/// blocking the camera's thread until the engine got to it).
+#[test]
+fn a_skipping_stream_does_not_wait_for_its_prompt() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    let (release, holder) = hold(&engine);
+    let stream = open_pending(&engine, "live", 1, Overload::Skip);
+    let (done, registered) = std::sync::mpsc::channel();
+    let frames: Vec<_> = (0..3).map(|v| frame(&enc, v)).collect();
+    let registering = {
+        let stream = Arc::clone(&stream);
+        std::thread::spawn(move || {
+            let never = AtomicBool::new(false);
+            for f in frames {
+                let _ = done.send(stream.register(f, &never).unwrap().skipped);
+            }
+        })
+    };
+    // The engine is held: nothing is prefilled, the prompt included.
+    let skipped: Vec<bool> =
+        (0..3).map(|_| registered.recv_timeout(Duration::from_secs(20)).expect("register returned")).collect();
+    assert_eq!(skipped, [false, true, true], "one frame pending, the rest skipped");
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    registering.join().unwrap();
+    stream.wait_version(1, &AtomicBool::new(false)).unwrap();
+}
+
 /// A panic on one engine's thread fails what waits on that engine (a frame's version, an answer)
 /// with an error instead of leaving it waiting, the engine counts as failed (no new stream is
 /// placed there), later work there is refused, and another engine keeps answering.
