@@ -101,6 +101,23 @@ fn buffers_without_timestamps_join_the_history_and_timed_questions_bind_to_the_n
     assert_clean(&f.finish());
 }
 
+/// Periodic captions over untimed video keep their interval on the wall clock: one caption for a
+/// burst of frames (one was asked on every frame, filling the question queue).
+#[test]
+fn periodic_captions_over_untimed_video_keep_their_interval() {
+    let _s = serial();
+    let mut f = Fed::new("", "max-tokens=2 caption-prompt=Describe. caption-interval=600000000000", "");
+    for i in 0..8 {
+        f.push(VideoFormat::Rgb, 64, 48, i, None);
+    }
+    f.frames.wait(8, "untimed frames");
+    let bus = f.bus.clone();
+    f.log.pump(&bus, Duration::from_secs(60), |l| !l.answers.is_empty());
+    let log = f.finish();
+    let captions = log.answers.iter().filter(|a| field::<String>(a, "question") == "Describe.").count();
+    assert_eq!(captions, 1, "{:?}", log.answers);
+}
+
 #[test]
 fn a_gap_event_and_a_discontinuity_leave_the_stream_answering() {
     let _s = serial();

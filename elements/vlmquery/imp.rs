@@ -179,8 +179,9 @@ struct Video {
     between_segments: bool,
     segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     eos: bool,
-    /// Running time of the frame the last periodic caption was asked at.
-    last_caption: Option<gst::ClockTime>,
+    /// Running time of the frame the last periodic caption was asked at (none for untimed
+    /// video), and when.
+    last_caption: Option<(Option<gst::ClockTime>, std::time::Instant)>,
 }
 
 impl Video {

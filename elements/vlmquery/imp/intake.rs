@@ -411,13 +411,15 @@ impl VlmQuery {
             (s.caption_prompt.clone(), gst::ClockTime::from_nseconds(s.caption_interval))
         };
         let due = match (rt, shared.video.last_caption) {
-            (Some(rt), Some(last)) => rt >= last.saturating_add(interval) || rt < last,
-            _ => true,
+            (_, None) => true,
+            (Some(rt), Some((Some(last), _))) => rt >= last.saturating_add(interval) || rt < last,
+            // Untimed video: the interval on the wall clock (a caption on every frame before).
+            (_, Some((_, at))) => at.elapsed() >= std::time::Duration::from_nanos(interval.nseconds()),
         };
         if prompt.trim().is_empty() || !due {
             return;
         }
-        shared.video.last_caption = rt;
+        shared.video.last_caption = Some((rt, Instant::now()));
         let question = self.question(shared, &prompt, None, None);
         let stream = shared.video.stream.clone();
         if self.accept(shared, Job { question, stream, frames: number, pts, at: rt }, false).is_err() {
