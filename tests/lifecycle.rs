@@ -369,6 +369,68 @@ fn a_live_encoder_lets_frames_pass_while_its_projector_loads() {
     pipeline.set_state(gst::State::Null).unwrap();
 }
 
+/// A `leaky` load of one run that ends after a stop and a new start is not the new run's: its
+/// failure (here the language model the held query answers does not fit the projector) is
+/// dropped, and the new run loads its own encoder. (It posted its error and failed the new run.)
+#[test]
+fn a_leaky_load_overtaken_by_a_restart_does_not_reach_the_new_run() {
+    use gst_vlm_elements::events::ModelQuery;
+    use gst_vlm_elements::meta::VlmFrameMeta;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    init();
+    let pipeline = launch(
+        "appsrc name=src is-live=true format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 leaky=true \
+         ! appsink name=sink sync=false",
+    );
+    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
+    let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
+    let sink = bin.by_name("sink").unwrap().downcast::<gst_app::AppSink>().unwrap();
+    let (release, released) = mpsc::channel::<()>();
+    let (released, asked) = (std::sync::Mutex::new(released), Arc::new(AtomicUsize::new(0)));
+    let first_asked = Arc::clone(&asked);
+    sink.static_pad("sink").unwrap().add_probe(gst::PadProbeType::QUERY_DOWNSTREAM, move |_, info| {
+        let Some(query) = info.query_mut().filter(|q| ModelQuery::is(q)) else { return gst::PadProbeReturn::Ok };
+        // The first run's query waits for the test, then names a model of another width.
+        if first_asked.fetch_add(1, Ordering::AcqRel) == 0 {
+            let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(120));
+            ModelQuery::answer(query, "models/test-idefics3-lm.gguf");
+        } else {
+            ModelQuery::answer(query, &model());
+        }
+        gst::PadProbeReturn::Handled
+    });
+    let info = gst_video::VideoInfo::builder(gst_video::VideoFormat::Rgb, 64, 48).build().unwrap();
+    src.set_caps(Some(&info.to_caps().unwrap()));
+    let push = |i: u64| {
+        let mut buffer = gst::Buffer::from_mut_slice(vec![(i * 40) as u8; info.size()]);
+        buffer.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(100 * i));
+        src.push_buffer(buffer)
+    };
+    let pull = || sink.try_pull_sample(gst::ClockTime::from_seconds(60)).expect("a frame").buffer_owned().unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    assert_eq!(push(0), Ok(gst::FlowSuccess::Ok));
+    pull();
+    while asked.load(Ordering::Acquire) == 0 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    set_state_within(&pipeline, gst::State::Null, Duration::from_secs(30), "stop while the load waits");
+    pipeline.set_state(gst::State::Playing).unwrap();
+    // The first run's load now ends, failing.
+    release.send(()).unwrap();
+    let bus = pipeline.bus().unwrap();
+    let encoded = (1..3000).any(|i| {
+        if push(i).is_err() {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        pull().meta::<VlmFrameMeta>().is_some()
+    });
+    let errors: Vec<_> = std::iter::from_fn(|| bus.pop_filtered(&[gst::MessageType::Error])).collect();
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert!(errors.is_empty(), "the first run's load failed the second: {errors:?}");
+    assert!(encoded, "no embeddings in the second run");
+}
+
 /// READY→PAUSED in a bin never waits for the model: from a synchronous bus handler (which sees
 /// each message as it is posted, on the posting thread), `set_state` has returned before the
 /// load's Progress `Complete` is posted. (The element's ASYNC_START and ASYNC_DONE stay inside

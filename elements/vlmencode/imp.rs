@@ -236,6 +236,8 @@ pub struct VlmEncode {
     /// Held while the projector loads, so that the encoding task and a background load never
     /// load it twice.
     load: Mutex<()>,
+    /// Runs started (READY→PAUSED): a load begun in an earlier run is not this run's encoder.
+    runs: std::sync::atomic::AtomicU64,
 }
 
 impl VlmEncode {
@@ -463,6 +465,7 @@ impl VlmEncode {
             if s.backend == Backend::Rknn { (&s.rknn_model, "rknn-model") } else { (&s.mmproj, "mmproj") };
         vlm_runtime::llama::check_readable(&PathBuf::from(file), what)
             .map_err(|e| gst::error_msg!(gst::ResourceError::OpenRead, ("{}", e), ["vlmencode {what}={file}"]))?;
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         *self.state.lock() = State::default();
         *self.stats.lock() = Stats::default();
         *self.queue.lock() = Queue::default();
@@ -519,6 +522,7 @@ impl ObjectSubclass for VlmEncode {
             changed: Condvar::new(),
             flushing: std::sync::atomic::AtomicBool::new(false),
             load: Mutex::new(()),
+            runs: 0.into(),
         }
     }
 }

@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use gst::prelude::*;
@@ -17,12 +18,15 @@ use crate::events::{DemandQuery, ModelQuery};
 use crate::meta::VlmFrameMeta;
 
 impl VlmEncode {
-    /// Load the projector, asking downstream for the language model when `model` is unset.
+    /// Load the projector, asking downstream for the language model when `model` is unset. A
+    /// load that a stop and a new start overtook (a `leaky` one, on its own thread) is not kept:
+    /// the new run loads with its own settings.
     fn encoder(&self) -> Result<Arc<FrameEncoder>, gst::ErrorMessage> {
         if let Some(e) = self.state.lock().encoder.clone() {
             return Ok(e);
         }
         let _loading = self.load.lock();
+        let run = self.runs.load(Ordering::Acquire);
         if let Some(e) = self.state.lock().encoder.clone() {
             return Ok(e); // loaded meanwhile by the other loader
         }
@@ -92,10 +96,13 @@ impl VlmEncode {
             choice.encoder.contexts(),
             settings.contexts
         );
-        self.state.lock().backend = choice.backend;
         let encoder =
             Arc::new(FrameEncoder::new(choice.encoder, settings.cache_entries as usize, settings.cache_bytes as usize));
-        self.state.lock().encoder = Some(Arc::clone(&encoder));
+        let mut state = self.state.lock();
+        if self.runs.load(Ordering::Acquire) == run {
+            state.backend = choice.backend;
+            state.encoder = Some(Arc::clone(&encoder));
+        }
         Ok(encoder)
     }
 
@@ -109,8 +116,12 @@ impl VlmEncode {
         if !state.loading {
             state.loading = true;
             let this = self.ref_counted();
+            let run = self.runs.load(Ordering::Acquire);
             let load = move || {
                 let loaded = this.encoder();
+                if this.runs.load(Ordering::Acquire) != run {
+                    return; // stopped and started again meanwhile: that run loads its own
+                }
                 this.state.lock().loading = false;
                 if let Err(e) = loaded {
                     this.post_error_message(e);
