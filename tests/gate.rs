@@ -96,6 +96,40 @@ fn new_caps_and_a_flush_start_the_gate_afresh() {
     assert_eq!(e.property::<u64>("frames-encoded"), 4);
 }
 
+/// A buffer smaller than the `VideoMeta` on it says (GStreamer maps such a frame without checking
+/// how far its planes reach) is refused with an error naming its size: it was read past its end.
+#[test]
+fn a_buffer_smaller_than_its_video_meta_says_is_refused() {
+    init();
+    let e = gst::ElementFactory::make("vlmencode")
+        .property("mmproj", mmproj())
+        .property("model", model())
+        .property("interval", 0u64)
+        .build()
+        .unwrap();
+    let bus = gst::Bus::new();
+    e.set_bus(Some(&bus));
+    let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
+    h.set_src_caps(rgb_caps(64, 48));
+    assert_eq!(push(&mut h, gray(100), 0), "encoded");
+    let mut short = gst::Buffer::from_mut_slice(vec![0u8; 64]);
+    short.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(1));
+    gst_video::VideoMeta::add_full(
+        short.get_mut().unwrap(),
+        gst_video::VideoFrameFlags::empty(),
+        gst_video::VideoFormat::Rgb,
+        64,
+        48,
+        &[0],
+        &[64 * 3],
+    )
+    .unwrap();
+    let _ = h.push(short);
+    let error = bus.timed_pop_filtered(gst::ClockTime::from_seconds(60), &[gst::MessageType::Error]).expect("an error");
+    let gst::MessageView::Error(error) = error.view() else { unreachable!() };
+    assert!(error.error().message().contains("64 bytes is smaller than its video meta"), "{}", error.error());
+}
+
 /// A gate turned off and on again starts afresh: it held a frame against the picture encoded
 /// before it was off (a newer one had been encoded meanwhile).
 #[test]

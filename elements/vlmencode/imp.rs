@@ -287,6 +287,41 @@ enum Gate {
     Hold(f64),
 }
 
+/// `buffer` mapped as a video frame of `info`. A buffer with a `VideoMeta` is refused where a
+/// plane reaches past its end: GStreamer maps such a frame without checking how far its planes
+/// reach (without a meta it checks the size), and a plane is read as stride x rows bytes from
+/// its offset.
+pub(crate) fn map_frame<'a>(
+    buffer: &'a gst::BufferRef,
+    info: &gst_video::VideoInfo,
+) -> Result<gst_video::VideoFrameRef<&'a gst::BufferRef>, String> {
+    if let Some(meta) = buffer.meta::<gst_video::VideoMeta>() {
+        let format = gst_video::VideoFormatInfo::from_format(meta.format());
+        for plane in 0..meta.n_planes() as usize {
+            // (The rows of the plane's first component.)
+            let rows = (0..format.n_components())
+                .find(|&c| format.plane()[c as usize] == plane as u32)
+                .map_or(0, |c| format.scale_height(c as u8, meta.height()) as usize);
+            let end = usize::try_from(meta.stride()[plane])
+                .ok()
+                .and_then(|stride| stride.checked_mul(rows)?.checked_add(meta.offset()[plane]));
+            if end.is_none_or(|end| end > buffer.size()) {
+                return Err(format!(
+                    "a buffer of {} bytes is smaller than its video meta says ({}x{} {:?}, plane {plane} at offset {} with                      stride {})",
+                    buffer.size(),
+                    meta.width(),
+                    meta.height(),
+                    meta.format(),
+                    meta.offset()[plane],
+                    meta.stride()[plane]
+                ));
+            }
+        }
+    }
+    gst_video::VideoFrameRef::from_buffer_ref_readable(buffer, info)
+        .map_err(|_| format!("cannot map a video frame of {info:?}"))
+}
+
 /// The raw picture of a mapped video frame.
 pub(crate) fn picture<'a>(
     vframe: &'a gst_video::VideoFrameRef<&'a gst::BufferRef>,
@@ -316,7 +351,8 @@ impl VlmEncode {
             return Gate::Encode(None, false);
         }
         let Some(format) = pixel_format(info) else { return Gate::Encode(None, false) };
-        let Ok(vframe) = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer.as_ref(), info) else {
+        // (A frame that cannot be mapped fails in the encode, which says why.)
+        let Ok(vframe) = map_frame(buffer.as_ref(), info) else {
             return Gate::Encode(None, false);
         };
         let state = self.state.lock();

@@ -170,8 +170,8 @@ impl VlmEncode {
             (TileReuseKind::Threshold, Some(luma)) => TileReuse::Unchanged(luma),
         };
         let encoded = {
-            let vframe = gst_video::VideoFrameRef::from_buffer_ref_readable(buffer.as_ref(), info).map_err(|_| {
-                gst::element_imp_error!(self, gst::StreamError::Format, ("cannot map a video frame of {:?}", info));
+            let vframe = super::map_frame(buffer.as_ref(), info).map_err(|why| {
+                gst::element_imp_error!(self, gst::StreamError::Format, ("{}", why));
                 gst::FlowError::Error
             })?;
             let demand = self.demand();
