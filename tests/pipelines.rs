@@ -420,6 +420,33 @@ fn a_stream_named_on_its_pad_is_reported_by_that_name() {
     assert_eq!(streams, ["door", "sink_1"]);
 }
 
+/// At NULL `vlmencode` lets its encoder go: the projector, and the language model copy it was
+/// bound to, are freed (they stayed loaded, and the stopped element still counted as one of
+/// the process's streams for automatic encoder contexts); its statistics stay readable.
+#[test]
+fn a_stopped_encoder_frees_its_projector_and_keeps_its_statistics() {
+    init();
+    // A copy of the model under a name of its own: no other test holds it.
+    let dir = std::env::temp_dir().join(format!("vlm-stop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("model.gguf");
+    std::fs::copy(model(), &copy).unwrap();
+    let pipeline = launch(&format!(
+        "videotestsrc num-buffers=3 ! videoconvert ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf model={} \
+         interval=0 min-change=0 ! fakesink",
+        copy.display()
+    ));
+    let run = run_to_eos(&pipeline, 240);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let enc = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
+    assert!(vlm_runtime::models::model_owners(&copy) > 0, "loaded while the pipeline runs");
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert_eq!(vlm_runtime::models::model_owners(&copy), 0, "the stopped encoder still holds the model");
+    assert_eq!(enc.property::<u64>("frames-encoded"), 3);
+    assert_eq!(enc.property::<u32>("active-encoder-contexts"), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn the_npu_backend_falls_back_or_fails_clearly_in_a_build_without_it() {
     // auto with an RKNN model: this build has no NPU backend, so it says why and uses the CPU.

@@ -174,6 +174,10 @@ struct State {
     info: Option<gst_video::VideoInfo>,
     segment: Option<gst::FormattedSegment<gst::ClockTime>>,
     encoder: Option<Arc<FrameEncoder>>,
+    /// After a stop: the encoder's cache statistics and contexts then (the encoder itself is let
+    /// go: the projector and the model copy it holds are freed, and it no longer counts as one of
+    /// the process's streams for automatic encoder contexts).
+    stopped: Option<(vlm_runtime::cache::CacheStats, u32)>,
     /// The projector is loading on a thread of its own (`leaky`: frames pass meanwhile).
     loading: bool,
     /// The backend the encoder runs on (`cpu`, `gpu`, `rknn`).
@@ -242,7 +246,8 @@ pub struct VlmEncode {
 
 impl VlmEncode {
     fn cache_stats(&self) -> vlm_runtime::cache::CacheStats {
-        self.state.lock().encoder.as_ref().map(|e| e.cache_stats()).unwrap_or_default()
+        let state = self.state.lock();
+        state.encoder.as_ref().map(|e| e.cache_stats()).or(state.stopped.map(|s| s.0)).unwrap_or_default()
     }
 
     /// Whether the frame at running time `time` is due for encoding under `interval` and
@@ -510,9 +515,11 @@ impl VlmEncode {
 
     /// PAUSED→READY, once the pads are inactive (the task stopped with its pad).
     fn stop(&self) {
-        // The encoder and its cache statistics stay readable until the next start.
+        // The encoder is let go; its cache statistics and contexts stay readable until the next
+        // start.
         let mut state = self.state.lock();
-        *state = State { encoder: state.encoder.take(), backend: state.backend, ..State::default() };
+        let stopped = state.encoder.take().map(|e| (e.cache_stats(), e.encoder().contexts() as u32)).or(state.stopped);
+        *state = State { stopped, backend: state.backend, ..State::default() };
     }
 }
 
@@ -807,8 +814,11 @@ impl ObjectImpl for VlmEncode {
             "mean-prepare-ms" => self.stats.lock().mean(|st| st.prepare_ms_total).to_value(),
             "mean-context-wait-ms" => self.stats.lock().mean(|st| st.wait_ms_total).to_value(),
             "active-encoder-contexts" => {
-                let encoder = self.state.lock().encoder.clone();
-                encoder.map_or(0, |e| e.encoder().contexts() as u32).to_value()
+                let (encoder, stopped) = {
+                    let state = self.state.lock();
+                    (state.encoder.clone(), state.stopped.map(|s| s.1))
+                };
+                encoder.map(|e| e.encoder().contexts() as u32).or(stopped).unwrap_or(0).to_value()
             }
             _ => unreachable!(),
         }
