@@ -694,18 +694,41 @@ impl Stream {
         self.changed.notify_all();
     }
 
-    /// Stop accepting frames and wake every waiter.
-    pub fn close(&self) {
+    /// Stop accepting frames, wake every waiter, and give the stream's sequence back to its
+    /// engine at once: a reader may hold the stream for long (an element downstream, its
+    /// alerts), and a camera reconnecting then needs the sequence. After the frames already
+    /// queued there, the stream's versions stop being resident (an answer still asked over one
+    /// replays it), then the sequence is cleared and free.
+    pub fn close(self: &Arc<Self>) {
         self.closing.store(true, Ordering::Release);
         self.timeline.lock().closed = true;
         self.changed.notify_all();
+        let mut home = self.home.lock();
+        if home.seq < 0 {
+            return;
+        }
+        let seq = std::mem::replace(&mut home.seq, -1);
+        let stream = Arc::downgrade(self);
+        let _ = home.engine.submit(move |_| {
+            if let Some(s) = stream.upgrade() {
+                s.resident_epoch.store(u32::MAX, Ordering::Release);
+            }
+        });
+        home.engine.give_stream_seq(seq);
+    }
+
+    /// Whether the stream gave its sequence back ([`Stream::close`]).
+    pub(crate) fn gave_back(&self) -> bool {
+        self.home.lock().seq < 0
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
         let home = self.home.lock();
-        home.engine.give_stream_seq(home.seq);
+        if home.seq >= 0 {
+            home.engine.give_stream_seq(home.seq);
+        }
     }
 }
 

@@ -168,6 +168,34 @@ fn weights_are_shared_between_engines() {
     assert!(vlm_runtime::models::model_owners(&model_path()) >= 2);
 }
 
+/// A closed stream gives its sequence back at once, though a reader still holds it: a new
+/// stream opens in its place (a camera reconnecting on an engine of `max-streams` streams was
+/// refused while anything downstream held the old stream), and an answer still asked over the
+/// closed stream's version replays it, as a full recompute gives it.
+#[test]
+fn a_closed_stream_gives_its_sequence_back_while_a_reader_holds_it() {
+    let engine = engine("cpu"); // max_streams 2
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let (a, b) = (open(&engine, "a", true), open(&engine, "b", true));
+    for v in 0..3 {
+        a.register(frame(&enc, v), &never).unwrap();
+    }
+    let held = a.wait_version(3, &never).unwrap();
+    let resident = answer(&held, &question("What changed?", 10), &never, |_| {}).unwrap();
+    assert_eq!(resident.path, PreparePath::Resident);
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    assert!(Stream::open(&engine, prompt, StreamConfig::new("c")).is_err(), "both sequences taken");
+    a.close();
+    let c = open(&engine, "c", true);
+    c.register(frame(&enc, 7), &never).unwrap();
+    assert_eq!(ask(&c, 1, "What changed?").path, PreparePath::Resident);
+    let after = answer(&held, &question("What changed?", 10), &never, |_| {}).unwrap();
+    assert_eq!(after.path, PreparePath::Replay, "the closed stream's sequence is another stream's now");
+    assert_eq!(after.text, resident.text);
+    drop(b);
+}
+
 /// A restart asked to keep more frames than the context holds keeps what leaves a quarter of it
 /// free, so the frames after it join the history (it restarted on every frame: each re-prefilled
 /// the whole context).

@@ -34,7 +34,8 @@ pub(super) enum Rebuild {
 /// with nowhere to go fails with `error` (the other streams go on).
 pub(super) fn move_resident(engine: &Arc<Engine>, error: &Error) {
     let streams: Vec<Arc<Stream>> = STREAMS.lock().values().filter_map(Weak::upgrade).collect();
-    for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine(), engine)) {
+    // (A closed stream gave its sequence back: nothing of it is resident to move.)
+    for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine(), engine) && !s.gave_back()) {
         if let Err(e) = stream.move_home(engine) {
             let why = format!("{error}; stream {} could not move to another engine: {e}", stream.name());
             crate::llama::log(crate::llama::LogLevel::Error, &why);
