@@ -67,18 +67,29 @@ fn push(h: &mut Harness, mut buffer: gst::Buffer, secs: u64) -> &'static str {
     }
 }
 
-#[test]
-fn new_caps_and_a_flush_start_the_gate_afresh() {
+/// A `vlmencode` encoding every frame with no embedding cache, `tile_reuse` set, in a harness
+/// fed 64x48 RGB (its bus given first, when there is one).
+fn harness(tile_reuse: &str, bus: Option<&gst::Bus>) -> (gst::Element, Harness) {
     init();
     let e = gst::ElementFactory::make("vlmencode")
         .property("mmproj", mmproj())
         .property("model", model())
         .property("interval", 0u64)
         .property("cache-entries", 0u32)
+        .property_from_str("tile-reuse", tile_reuse)
         .build()
         .unwrap();
+    if let Some(bus) = bus {
+        e.set_bus(Some(bus));
+    }
     let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
     h.set_src_caps(rgb_caps(64, 48));
+    (e, h)
+}
+
+#[test]
+fn new_caps_and_a_flush_start_the_gate_afresh() {
+    let (e, mut h) = harness("threshold", None);
     let mut seen = vec![push(&mut h, gray(100), 0), push(&mut h, gray(100), 1), push(&mut h, gray(160), 2)];
     // The same caps again change nothing; a new size does (the harness sends a new segment with
     // new caps, which starts afresh too).
@@ -101,16 +112,8 @@ fn new_caps_and_a_flush_start_the_gate_afresh() {
 #[test]
 fn a_buffer_smaller_than_its_video_meta_says_is_refused() {
     init();
-    let e = gst::ElementFactory::make("vlmencode")
-        .property("mmproj", mmproj())
-        .property("model", model())
-        .property("interval", 0u64)
-        .build()
-        .unwrap();
     let bus = gst::Bus::new();
-    e.set_bus(Some(&bus));
-    let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
-    h.set_src_caps(rgb_caps(64, 48));
+    let (_e, mut h) = harness("threshold", Some(&bus));
     assert_eq!(push(&mut h, gray(100), 0), "encoded");
     let mut short = gst::Buffer::from_mut_slice(vec![0u8; 64]);
     short.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(1));
@@ -134,17 +137,7 @@ fn a_buffer_smaller_than_its_video_meta_says_is_refused() {
 /// before it was off (a newer one had been encoded meanwhile).
 #[test]
 fn a_gate_turned_on_again_starts_afresh() {
-    init();
-    let e = gst::ElementFactory::make("vlmencode")
-        .property("mmproj", mmproj())
-        .property("model", model())
-        .property("interval", 0u64)
-        .property("cache-entries", 0u32)
-        .property_from_str("tile-reuse", "off")
-        .build()
-        .unwrap();
-    let mut h = Harness::with_element(&e, Some("sink"), Some("src"));
-    h.set_src_caps(rgb_caps(64, 48));
+    let (e, mut h) = harness("off", None);
     let mut seen = vec![push(&mut h, gray(100), 0)];
     e.set_property("min-change", 0.0);
     seen.push(push(&mut h, gray(160), 1));

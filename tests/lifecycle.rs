@@ -318,6 +318,64 @@ fn a_stop_while_a_stream_waits_for_the_load_posts_no_error() {
     assert!(errors.is_empty(), "a stop during the load posted {errors:?}");
 }
 
+/// A live camera (`appsrc`, 64x48 RGB) into a `leaky` `vlmencode` with no `model`, whose
+/// language-model query the appsink's probe answers with what `answer` returns for the query's
+/// count (0 for the first), when it returns.
+struct LiveEncoder {
+    pipeline: gst::Element,
+    src: gst_app::AppSrc,
+    sink: gst_app::AppSink,
+    info: gst_video::VideoInfo,
+}
+
+impl LiveEncoder {
+    fn new(answer: impl Fn(usize) -> String + Send + Sync + 'static) -> LiveEncoder {
+        use gst_vlm_elements::events::ModelQuery;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        init();
+        let pipeline = launch(
+            "appsrc name=src is-live=true format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 leaky=true \
+             ! appsink name=sink sync=false",
+        );
+        let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
+        let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
+        let sink = bin.by_name("sink").unwrap().downcast::<gst_app::AppSink>().unwrap();
+        let asked = AtomicUsize::new(0);
+        sink.static_pad("sink").unwrap().add_probe(gst::PadProbeType::QUERY_DOWNSTREAM, move |_, info| {
+            let Some(query) = info.query_mut().filter(|q| ModelQuery::is(q)) else { return gst::PadProbeReturn::Ok };
+            ModelQuery::answer(query, &answer(asked.fetch_add(1, Ordering::AcqRel)));
+            gst::PadProbeReturn::Handled
+        });
+        let info = gst_video::VideoInfo::builder(gst_video::VideoFormat::Rgb, 64, 48).build().unwrap();
+        src.set_caps(Some(&info.to_caps().unwrap()));
+        LiveEncoder { pipeline, src, sink, info }
+    }
+
+    fn push(&self, i: u64) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let mut buffer = gst::Buffer::from_mut_slice(vec![(i * 40) as u8; self.info.size()]);
+        buffer.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(100 * i));
+        self.src.push_buffer(buffer)
+    }
+
+    /// Whether the next frame out carries embeddings.
+    fn pull_encoded(&self) -> bool {
+        let sample = self.sink.try_pull_sample(gst::ClockTime::from_seconds(60)).expect("a frame");
+        sample.buffer().unwrap().meta::<gst_vlm_elements::meta::VlmFrameMeta>().is_some()
+    }
+
+    /// A frame every 20 ms (a camera) from `from` until one carries embeddings, for at most a
+    /// minute; whether one did.
+    fn encodes_from(&self, from: u64) -> bool {
+        (from..from + 3000).any(|i| {
+            if self.push(i).is_err() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            self.pull_encoded()
+        })
+    }
+}
+
 /// A live camera is not held up while `vlmencode` loads its projector (100-700 MB for real
 /// models): with `leaky`, frames pass without embeddings meanwhile, and embeddings come once it
 /// has loaded. The load is held at a point the test controls (downstream answers the
@@ -325,48 +383,23 @@ fn a_stop_while_a_stream_waits_for_the_load_posts_no_error() {
 /// certainly still loading.
 #[test]
 fn a_live_encoder_lets_frames_pass_while_its_projector_loads() {
-    use gst_vlm_elements::events::ModelQuery;
-    use gst_vlm_elements::meta::VlmFrameMeta;
-    init();
-    let pipeline = launch(
-        "appsrc name=src is-live=true format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 leaky=true \
-         ! appsink name=sink sync=false",
-    );
-    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
-    let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
-    let sink = bin.by_name("sink").unwrap().downcast::<gst_app::AppSink>().unwrap();
     let (release, released) = mpsc::channel::<()>();
-    let released = std::sync::Mutex::new(released);
-    sink.static_pad("sink").unwrap().add_probe(gst::PadProbeType::QUERY_DOWNSTREAM, move |_, info| {
-        let Some(query) = info.query_mut().filter(|q| ModelQuery::is(q)) else { return gst::PadProbeReturn::Ok };
+    let released = Mutex::new(released);
+    let live = LiveEncoder::new(move |_| {
         let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(120));
-        ModelQuery::answer(query, &model());
-        gst::PadProbeReturn::Handled
+        model()
     });
-    let info = gst_video::VideoInfo::builder(gst_video::VideoFormat::Rgb, 64, 48).build().unwrap();
-    src.set_caps(Some(&info.to_caps().unwrap()));
-    pipeline.set_state(gst::State::Playing).unwrap();
-    let push = |i: u64| {
-        let mut buffer = gst::Buffer::from_mut_slice(vec![(i * 40) as u8; info.size()]);
-        buffer.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(100 * i));
-        assert_eq!(src.push_buffer(buffer), Ok(gst::FlowSuccess::Ok));
-    };
-    let pull = || sink.try_pull_sample(gst::ClockTime::from_seconds(60)).expect("a frame").buffer_owned().unwrap();
+    live.pipeline.set_state(gst::State::Playing).unwrap();
     for i in 0..3 {
-        push(i);
-        assert!(pull().meta::<VlmFrameMeta>().is_none(), "frame {i} passed before the projector could load");
+        assert_eq!(live.push(i), Ok(gst::FlowSuccess::Ok));
+        assert!(!live.pull_encoded(), "frame {i} passed before the projector could load");
     }
     release.send(()).unwrap();
-    // A frame every 20 ms (a camera) until one carries embeddings, for at most a minute.
-    let encoded = (3..3000).any(|i| {
-        push(i);
-        std::thread::sleep(Duration::from_millis(20));
-        pull().meta::<VlmFrameMeta>().is_some()
-    });
-    assert!(encoded, "no embeddings once the projector loaded");
-    let skipped = bin.by_name("enc").unwrap().property::<u64>("frames-skipped");
+    assert!(live.encodes_from(3), "no embeddings once the projector loaded");
+    let enc = live.pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap();
+    let skipped = enc.property::<u64>("frames-skipped");
     assert!(skipped >= 3, "frames passed while loading are counted as skipped: {skipped}");
-    pipeline.set_state(gst::State::Null).unwrap();
+    live.pipeline.set_state(gst::State::Null).unwrap();
 }
 
 /// A `leaky` load of one run that ends after a stop and a new start is not the new run's: its
@@ -374,59 +407,30 @@ fn a_live_encoder_lets_frames_pass_while_its_projector_loads() {
 /// dropped, and the new run loads its own encoder. (It posted its error and failed the new run.)
 #[test]
 fn a_leaky_load_overtaken_by_a_restart_does_not_reach_the_new_run() {
-    use gst_vlm_elements::events::ModelQuery;
-    use gst_vlm_elements::meta::VlmFrameMeta;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    init();
-    let pipeline = launch(
-        "appsrc name=src is-live=true format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 leaky=true \
-         ! appsink name=sink sync=false",
-    );
-    let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
-    let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
-    let sink = bin.by_name("sink").unwrap().downcast::<gst_app::AppSink>().unwrap();
     let (release, released) = mpsc::channel::<()>();
-    let (released, asked) = (std::sync::Mutex::new(released), Arc::new(AtomicUsize::new(0)));
-    let first_asked = Arc::clone(&asked);
-    sink.static_pad("sink").unwrap().add_probe(gst::PadProbeType::QUERY_DOWNSTREAM, move |_, info| {
-        let Some(query) = info.query_mut().filter(|q| ModelQuery::is(q)) else { return gst::PadProbeReturn::Ok };
-        // The first run's query waits for the test, then names a model of another width.
-        if first_asked.fetch_add(1, Ordering::AcqRel) == 0 {
-            let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(120));
-            ModelQuery::answer(query, "models/test-idefics3-lm.gguf");
-        } else {
-            ModelQuery::answer(query, &model());
+    let (asked, first) = mpsc::channel::<()>();
+    let (released, asked) = (Mutex::new(released), Mutex::new(asked));
+    let live = LiveEncoder::new(move |n| {
+        if n > 0 {
+            return model();
         }
-        gst::PadProbeReturn::Handled
+        // The first run's query waits for the test, then names a model of another width.
+        let _ = asked.lock().unwrap().send(());
+        let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(120));
+        "models/test-idefics3-lm.gguf".into()
     });
-    let info = gst_video::VideoInfo::builder(gst_video::VideoFormat::Rgb, 64, 48).build().unwrap();
-    src.set_caps(Some(&info.to_caps().unwrap()));
-    let push = |i: u64| {
-        let mut buffer = gst::Buffer::from_mut_slice(vec![(i * 40) as u8; info.size()]);
-        buffer.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(100 * i));
-        src.push_buffer(buffer)
-    };
-    let pull = || sink.try_pull_sample(gst::ClockTime::from_seconds(60)).expect("a frame").buffer_owned().unwrap();
-    pipeline.set_state(gst::State::Playing).unwrap();
-    assert_eq!(push(0), Ok(gst::FlowSuccess::Ok));
-    pull();
-    while asked.load(Ordering::Acquire) == 0 {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    set_state_within(&pipeline, gst::State::Null, Duration::from_secs(30), "stop while the load waits");
-    pipeline.set_state(gst::State::Playing).unwrap();
+    live.pipeline.set_state(gst::State::Playing).unwrap();
+    assert_eq!(live.push(0), Ok(gst::FlowSuccess::Ok));
+    live.pull_encoded();
+    first.recv_timeout(Duration::from_secs(60)).expect("the first run asked for the model");
+    set_state_within(&live.pipeline, gst::State::Null, Duration::from_secs(30), "stop while the load waits");
+    live.pipeline.set_state(gst::State::Playing).unwrap();
     // The first run's load now ends, failing.
     release.send(()).unwrap();
-    let bus = pipeline.bus().unwrap();
-    let encoded = (1..3000).any(|i| {
-        if push(i).is_err() {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-        pull().meta::<VlmFrameMeta>().is_some()
-    });
+    let encoded = live.encodes_from(1);
+    let bus = live.pipeline.bus().unwrap();
     let errors: Vec<_> = std::iter::from_fn(|| bus.pop_filtered(&[gst::MessageType::Error])).collect();
-    pipeline.set_state(gst::State::Null).unwrap();
+    live.pipeline.set_state(gst::State::Null).unwrap();
     assert!(errors.is_empty(), "the first run's load failed the second: {errors:?}");
     assert!(encoded, "no embeddings in the second run");
 }
