@@ -312,7 +312,7 @@ pub(crate) fn map_frame<'a>(
                 .and_then(|stride| stride.checked_mul(rows)?.checked_add(meta.offset()[plane]));
             if end.is_none_or(|end| end > buffer.size()) {
                 return Err(format!(
-                    "a buffer of {} bytes is smaller than its video meta says ({}x{} {:?}, plane {plane} at offset {} with                      stride {})",
+                    "a buffer of {} bytes is smaller than its video meta says ({}x{} {:?}, plane {plane} at offset {} with stride {})",
                     buffer.size(),
                     meta.width(),
                     meta.height(),

@@ -440,11 +440,12 @@ impl Stream {
         // Keep the entries from the newest `keep` frames on (a slide: all), fewer where they
         // would not leave a quarter of the cells free: the next frames then join the history
         // instead of starting it again each.
-        let (keep, room) = match self.config.history_policy {
+        let keep = match self.config.history_policy {
             HistoryPolicy::Stop => return Err(full()),
-            HistoryPolicy::Restart { keep } => (keep, capacity - capacity / 4),
-            HistoryPolicy::Slide => (usize::MAX, capacity - capacity / 4),
+            HistoryPolicy::Restart { keep } => keep,
+            HistoryPolicy::Slide => usize::MAX,
         };
+        let room = capacity - capacity / 4;
         let prefix_len = self.prompt.prefix.len() as i32;
         let mut from = tail.history.len();
         let mut seen = 0;
