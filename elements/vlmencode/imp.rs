@@ -699,7 +699,7 @@ impl ObjectImpl for VlmEncode {
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecUInt64::builder("frames-seen").nick("Frames seen").blurb("Video frames received").read_only().build(),
-                glib::ParamSpecUInt64::builder("frames-encoded").nick("Frames encoded").blurb("Frames given embeddings").read_only().build(),
+                glib::ParamSpecUInt64::builder("frames-encoded").nick("Frames encoded").blurb("Frames run through the vision encoder (frames given embeddings from the cache: cache-hits)").read_only().build(),
                 glib::ParamSpecUInt64::builder("frames-skipped")
                     .nick("Frames skipped")
                     .blurb("Due frames that passed without embeddings because of max-rate or, when leaky, a full encoder or a projector still loading")
