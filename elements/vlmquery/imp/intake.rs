@@ -175,12 +175,13 @@ impl VlmQuery {
             });
             *p.outcome.lock() = Some(outcome);
             p.commit.end();
-            {
-                let _guard = this.shared.lock();
-                this.changed.notify_all();
-            }
-            // Its vlm-answer goes out now, unless an earlier question is still being answered.
+            // Its vlm-answer goes out now, from this thread, unless an earlier question is still
+            // being answered; the source pad's task is woken after, so that it does not post it
+            // instead (an application may stop the pipeline from a sync bus handler on the
+            // answer or on a failed question's warning, which a pad's own task cannot do).
             this.post_finished();
+            let _guard = this.shared.lock();
+            this.changed.notify_all();
         });
         match thread {
             Ok(t) => *pending.thread.lock() = Some(t),

@@ -192,7 +192,17 @@ impl VlmQuery {
     /// streams, what is shown while the text pad follows the video, a GAP while there is nothing
     /// to say, or EOS after the last answer.
     fn task_iteration(&self) {
-        self.post_finished();
+        // The answering threads post their answers (an application may stop the pipeline from
+        // a sync bus handler on one, which this pad's own task cannot do); the task posts only
+        // where the oldest question waiting for its answer has no thread left to do it.
+        let front_thread_runs = {
+            let shared = self.shared.lock();
+            let front = shared.pending.iter().find(|p| !p.decided.load(Ordering::Acquire));
+            front.is_some_and(|p| p.thread.lock().as_ref().is_some_and(|t| !t.is_finished()))
+        };
+        if !front_thread_runs {
+            self.post_finished();
+        }
         let (next, stats) = {
             let mut shared = self.shared.lock();
             let before = shared.stats;
