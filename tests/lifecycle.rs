@@ -330,13 +330,17 @@ struct LiveEncoder {
 
 impl LiveEncoder {
     fn new(answer: impl Fn(usize) -> String + Send + Sync + 'static) -> LiveEncoder {
+        LiveEncoder::leaky(true, answer)
+    }
+
+    fn leaky(leaky: bool, answer: impl Fn(usize) -> String + Send + Sync + 'static) -> LiveEncoder {
         use gst_vlm_elements::events::ModelQuery;
         use std::sync::atomic::{AtomicUsize, Ordering};
         init();
-        let pipeline = launch(
-            "appsrc name=src is-live=true format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 leaky=true \
-             ! appsink name=sink sync=false",
-        );
+        let pipeline = launch(&format!(
+            "appsrc name=src is-live=true format=time ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 leaky={leaky} \
+             ! appsink name=sink sync=false"
+        ));
         let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
         let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
         let sink = bin.by_name("sink").unwrap().downcast::<gst_app::AppSink>().unwrap();
@@ -433,6 +437,39 @@ fn a_leaky_load_overtaken_by_a_restart_does_not_reach_the_new_run() {
     live.pipeline.set_state(gst::State::Null).unwrap();
     assert!(errors.is_empty(), "the first run's load failed the second: {errors:?}");
     assert!(encoded, "no embeddings in the second run");
+}
+
+/// A flush while a (not leaky) encoder's projector still loads returns at once: the encoding
+/// task waits for the load instead of loading, so the flush does not wait for 100-700 MB to
+/// load. The load is held at a point the test controls (the language-model query), and the
+/// frame after the flush is encoded once it is released.
+#[test]
+fn a_flush_does_not_wait_for_the_projector_to_load() {
+    let (release, released) = mpsc::channel::<()>();
+    let (asked, first) = mpsc::channel::<()>();
+    let (released, asked) = (Mutex::new(released), Mutex::new(asked));
+    let live = LiveEncoder::leaky(false, move |_| {
+        let _ = asked.lock().unwrap().send(());
+        let _ = released.lock().unwrap().recv_timeout(Duration::from_secs(120));
+        model()
+    });
+    live.pipeline.set_state(gst::State::Playing).unwrap();
+    assert_eq!(live.push(0), Ok(gst::FlowSuccess::Ok));
+    first.recv_timeout(Duration::from_secs(60)).expect("the load asked for the model");
+    let pad = live.src.static_pad("src").unwrap();
+    let (done, flushed) = mpsc::channel();
+    std::thread::spawn(move || {
+        let segment = gst::event::Segment::new(&gst::FormattedSegment::<gst::ClockTime>::new());
+        let ok = pad.push_event(gst::event::FlushStart::new())
+            && pad.push_event(gst::event::FlushStop::new(true))
+            && pad.push_event(segment);
+        let _ = done.send(ok);
+    });
+    let returned = flushed.recv_timeout(Duration::from_secs(20));
+    release.send(()).unwrap();
+    assert_eq!(returned, Ok(true), "the flush waited for the projector's load");
+    assert!(live.encodes_from(1), "no embeddings after the flush once the projector loaded");
+    live.pipeline.set_state(gst::State::Null).unwrap();
 }
 
 /// READY→PAUSED in a bin never waits for the model: from a synchronous bus handler (which sees

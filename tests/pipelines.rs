@@ -383,6 +383,48 @@ fn questions_asked_together_with_ordered_commits_see_each_others_answers() {
     }
 }
 
+/// Answers committed to a history that no frame fills (two frames, then five answers of 40
+/// tokens in 512 cells) make the history policy slide it: each slide is counted in
+/// `history-slides` and announced by `vlm-history` with `cause=answer`, as a frame's is.
+#[test]
+fn a_slide_caused_by_a_committed_answer_is_counted_and_announced() {
+    let srt = std::env::temp_dir().join(format!("vlm-commit-slide-{}.srt", std::process::id()));
+    let text: String = (1..=5)
+        .map(|i| format!("{i}\n00:00:00,500 --> 00:00:00,600\nQuestion number {i}: what do you see?\n\n"))
+        .collect();
+    std::fs::write(&srt, text).unwrap();
+    let pipeline = launch(&format!(
+        "videotestsrc pattern=ball num-buffers=8 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf context-size=512 \
+         ! vlmquery name=q max-tokens=40 exact-tokens=true commit-answers=ordered ! fakesink sync=false \
+         filesrc location={} ! subparse ! q.query",
+        srt.display()
+    ));
+    let history = Arc::new(Mutex::new(vec![]));
+    let h = Arc::clone(&history);
+    let bus = pipeline.bus().unwrap();
+    bus.enable_sync_message_emission();
+    bus.connect_sync_message(None, move |_, msg| {
+        if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-history") {
+            h.lock().unwrap().push(s.to_owned());
+        }
+    });
+    let run = run_to_eos(&pipeline, 240);
+    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let counted = ctx.property::<u64>("history-slides") + ctx.property::<u64>("history-restarts");
+    pipeline.set_state(gst::State::Null).unwrap();
+    std::fs::remove_file(&srt).unwrap();
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert_eq!(run.answers.len(), 5);
+    assert!(run.answers.iter().all(|a| a.get::<String>("status").unwrap() == "answered"));
+    let history = history.lock().unwrap();
+    let by_answers = history.iter().filter(|s| s.get::<String>("cause").unwrap() == "answer").count();
+    // Two frames of 36 cells fit 256 cells: only the answers (about 50 cells each) can fill them.
+    assert!(by_answers >= 1, "{history:?}");
+    assert_eq!(counted, history.len() as u64, "{history:?}");
+}
+
 /// A question source that stays open (an appsrc that never sends EOS) does not hold the
 /// pipeline's EOS: the video's EOS ends the answers after a short grace, with the text pad
 /// linked or not, and the question asked before is answered.

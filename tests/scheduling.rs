@@ -645,7 +645,11 @@ fn display_replace_shows_a_newer_answer_at_once_and_queue_keeps_each_for_its_dur
         } else {
             assert_eq!((first.len(), second.len()), (1, 1), "{display}: one buffer per answer: {buffers:?}");
             assert_eq!(first[0].4, Some(gst::ClockTime::from_seconds(60)), "{display}");
-            assert!(second_start < first_end, "{display}: the second answer waits behind the first: {buffers:?}");
+            // The second waits behind the first: it starts where the first ends, so it too is
+            // shown for its whole duration (from where it completed, textoverlay would show it
+            // only once the first has ended, for less than 60 s).
+            assert_eq!(second_start, first_end, "{display}: the second answer waits behind the first: {buffers:?}");
+            assert_eq!(second[0].4, Some(gst::ClockTime::from_seconds(60)), "{display}");
         }
     }
 }

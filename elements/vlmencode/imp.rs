@@ -411,10 +411,10 @@ impl VlmEncode {
             let s = self.settings.lock();
             (s.max_pending as usize, s.leaky)
         };
-        // The projector (100-700 MB for real models) never loads on this, the streaming thread:
-        // on the encoding task with the first frame due, or with `leaky` (a live camera) on a
-        // thread of its own while frames pass without embeddings. A bad file fails the stream
-        // from there.
+        // The projector (100-700 MB for real models) never loads on this, the streaming thread,
+        // nor on the encoding task (a flush waits for that): on a thread of its own, started
+        // with the first due frame, which the task then waits for, or with `leaky` (a live
+        // camera) while frames pass without embeddings. A bad file fails the stream from there.
         if leaky && !self.encoder_ready() {
             self.stats.lock().skipped += 1;
             gst::debug!(CAT, imp = self, "projector loading: frame {:?} passes without embeddings", buffer.pts());
@@ -516,7 +516,8 @@ impl VlmEncode {
     /// PAUSED→READY, once the pads are inactive (the task stopped with its pad).
     fn stop(&self) {
         // The encoder is let go; its cache statistics and contexts stay readable until the next
-        // start.
+        // start. A load still running is not this run's any more: dropped when it ends.
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let mut state = self.state.lock();
         let stopped = state.encoder.take().map(|e| (e.cache_stats(), e.encoder().contexts() as u32)).or(state.stopped);
         *state = State { stopped, backend: state.backend, ..State::default() };

@@ -48,6 +48,6 @@ pub use error::{Error, Result};
 pub use llama::{Device, Gpu, KvType};
 pub use placer::PreparePath;
 pub use stream::{
-    DEFAULT_ANSWER_RESERVE, DEFAULT_SLIDE_WAIT, Frame, HistoryPolicy, Lag, Overload, Registration, Stream,
-    StreamConfig, Version, Watch,
+    DEFAULT_ANSWER_RESERVE, DEFAULT_SLIDE_WAIT, Frame, HistoryPolicy, Lag, Overload, RebuildListener, Registration,
+    Stream, StreamConfig, Version, Watch,
 };

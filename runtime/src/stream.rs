@@ -14,7 +14,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, LazyLock, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -263,7 +263,15 @@ pub struct Stream {
     demand: Demand,
     timeline: Mutex<Timeline>,
     changed: Condvar,
+    /// Told of every restart or slide of the history, whoever appended the entry that caused it
+    /// (a frame, or a committed answer from another element's thread): [`Stream::on_rebuild`].
+    on_rebuild: OnceLock<RebuildListener>,
 }
+
+/// See [`Stream::on_rebuild`].
+/// Its arguments: the stream, the registration that rebuilt the history, and whether a frame
+/// (true) or a committed answer (false) caused it.
+pub type RebuildListener = Box<dyn Fn(&Stream, &Registration, bool) + Send + Sync>;
 
 /// The stream registry: every stream by id. It moves the streams resident on an engine that fails
 /// for good when the engine reports the failure ([`crate::engine::on_failure`], registered with
@@ -319,6 +327,7 @@ impl Stream {
                 closed: false,
             }),
             changed: Condvar::new(),
+            on_rebuild: OnceLock::new(),
         });
         {
             let mut streams = STREAMS.lock();
@@ -331,6 +340,14 @@ impl Stream {
 
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Call `listener` after each entry whose registration restarted or slid the history
+    /// (`Registration::restart` set), with the lock of the history released, on the thread that
+    /// appended it: a frame's ([`Stream::register`]) or a committed answer's ([`Stream::commit`]).
+    /// One listener per stream; a second is refused (returned).
+    pub fn on_rebuild(&self, listener: RebuildListener) -> std::result::Result<(), RebuildListener> {
+        self.on_rebuild.set(listener)
     }
 
     pub fn name(&self) -> &str {
@@ -576,12 +593,17 @@ impl Stream {
         // is released they could reach the engine the other way round, and llama.cpp would
         // refuse the positions). Handing over only queues a job.
         self.ingest(&mut t, record.clone(), rebuild)?;
-        Ok(Registration {
+        drop(t);
+        let registration = Registration {
             number: record.number,
             restart,
             slid: matches!(rebuild, Rebuild::Shift { .. } | Rebuild::Drop { .. }),
             skipped: false,
-        })
+        };
+        if let (Some(listener), Some(_)) = (self.on_rebuild.get(), restart) {
+            listener(self, &registration, new_frame);
+        }
+        Ok(registration)
     }
 
     /// Publish a version (or record the failure that prevents it) and wake waiters.

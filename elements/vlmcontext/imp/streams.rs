@@ -86,6 +86,16 @@ impl VlmContext {
             gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])
         })?;
         gst::info!(CAT, obj = pads.sink, "opened stream {} on engine {}", stream.id(), engine.name());
+        // Restarts and slides, whichever thread's entry caused them (a frame here, an answer
+        // `vlmquery` commits from its own thread).
+        let (element, sink) = (self.obj().downgrade(), pads.sink.downgrade());
+        let _ = stream.on_rebuild(Box::new(move |stream, registration, by_frame| {
+            let Some(element) = element.upgrade() else { return };
+            let pads = sink.upgrade().and_then(|sink| element.imp().pads_of(&sink));
+            if let (Some(pads), Some(kept)) = (pads, registration.restart) {
+                element.imp().history_restarted(&pads, stream, registration, kept, by_frame);
+            }
+        }));
         *pads.stream.lock() = Some(Arc::clone(&stream));
         Ok(Some(stream))
     }
@@ -121,9 +131,6 @@ impl VlmContext {
                 Ok(registration) => {
                     let number = registration.number;
                     gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
-                    if let Some((kept, dropped)) = registration.restart {
-                        self.history_restarted(pads, &stream, number, (kept, dropped), registration.slid);
-                    }
                     let buf = buffer.make_mut();
                     if let Some(mut m) = buf.meta_mut::<VlmFrameMeta>() {
                         m.set_position(stream.id(), number);
@@ -186,16 +193,17 @@ impl VlmContext {
         }
     }
 
-    /// The history policy restarted (or slid) a stream's history: count it and tell the
-    /// application.
+    /// The history policy restarted (or slid) a stream's history, for a frame or for an answer
+    /// committed to it (`by_frame` false): count it and tell the application.
     fn history_restarted(
         &self,
         pads: &StreamPads,
         stream: &Stream,
-        frame: u64,
+        registration: &vlm_runtime::Registration,
         (kept, dropped): (usize, usize),
-        slid: bool,
+        by_frame: bool,
     ) {
+        let (frame, slid) = (registration.number, registration.slid);
         let (policy, how) = if slid {
             self.update_stats(pads, |stats| stats.slides += 1);
             ("slide", "slid in place")
@@ -206,7 +214,8 @@ impl VlmContext {
         gst::info!(
             CAT,
             obj = pads.sink,
-            "history full at frame {frame}: {how}, keeping the newest {kept} frames ({dropped} dropped)"
+            "history full at {} {frame}: {how}, keeping the newest {kept} frames ({dropped} dropped)",
+            if by_frame { "frame" } else { "an answer committed after frame" }
         );
         let engine = stream.engine();
         if !slid
@@ -228,6 +237,7 @@ impl VlmContext {
             .field("frame", frame)
             .field("kept", kept as u32)
             .field("dropped", dropped as u32)
+            .field("cause", if by_frame { "frame" } else { "answer" })
             .field("restarts", stream.restarts())
             .field("slides", stream.slides())
             .build();

@@ -1,5 +1,5 @@
-//! The vision encoder of `vlmencode`: the projector, loaded on the encoding task or (`leaky`)
-//! on a thread of its own, the language model asked of downstream when `model` is unset; each
+//! The vision encoder of `vlmencode`: the projector, loaded on a thread of its own (the
+//! encoding task waits for it, a `leaky` element lets frames pass meanwhile), the language model asked of downstream when `model` is unset; each
 //! due frame encoded (or taken from the cache) and its embeddings attached as meta.
 
 use std::path::PathBuf;
@@ -126,15 +126,45 @@ impl VlmEncode {
                 if let Err(e) = loaded {
                     this.post_error_message(e);
                     this.queue.lock().flow = Some(gst::FlowError::Error);
-                    this.changed.notify_all();
                 }
+                // (A frame waiting for it on the encoding task: `wait_encoder`.)
+                let _q = this.queue.lock();
+                this.changed.notify_all();
             };
             if let Err(e) = std::thread::Builder::new().name("vlmencode-load".into()).spawn(load) {
                 gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading on the encoding task");
+                state.loading = false;
                 return true;
             }
         }
         false
+    }
+
+    /// The projector for a due frame, on the encoding task: loaded on a thread of its own while
+    /// the task waits, so that a flush or a stop meanwhile ends the wait at once (the task's
+    /// iteration returns `Flushing`; the load goes on, and is dropped if a stop overtook it).
+    fn wait_encoder(&self) -> Result<Arc<FrameEncoder>, gst::FlowError> {
+        let mut q = self.queue.lock();
+        loop {
+            if let Some(e) = self.state.lock().encoder.clone() {
+                return Ok(e);
+            }
+            if q.flushing {
+                return Err(gst::FlowError::Flushing);
+            }
+            if let Some(flow) = q.flow {
+                return Err(flow); // the load failed (and said so)
+            }
+            if self.encoder_ready() {
+                // (No thread for it: loaded here.)
+                drop(q);
+                return self.encoder().map_err(|e| {
+                    self.post_error_message(e);
+                    gst::FlowError::Error
+                });
+            }
+            self.changed.wait(&mut q);
+        }
     }
 
     /// The demand of the stream these frames feed, asked downstream (`vlm-demand`) until a
@@ -156,10 +186,7 @@ impl VlmEncode {
     /// and attach the embeddings.
     pub(super) fn encode(&self, buffer: &mut gst::Buffer, due: &Due) -> Result<(), gst::FlowError> {
         let info = &due.info;
-        let encoder = self.encoder().map_err(|e| {
-            self.post_error_message(e);
-            gst::FlowError::Error
-        })?;
+        let encoder = self.wait_encoder()?;
         let format = pixel_format(info).ok_or(gst::FlowError::NotNegotiated)?;
         let started = Instant::now();
         let reuse = match (self.settings.lock().tile_reuse, &due.luma) {

@@ -320,8 +320,10 @@ impl VlmQuery {
                     shared.stats.answers += 1;
                     let text = message.get::<String>("text").unwrap_or_default();
                     if !replace {
-                        // (Following the video, from where its pieces ended: no frame between.)
-                        let at = if following { shared.text_position.min(at).or(at) } else { at };
+                        // Following the video, from where the text pad is: where its pieces
+                        // ended (no frame between), or where the answer before it ends (its
+                        // whole `answer-duration`: an overlay takes the next buffer only then).
+                        let at = if following { shared.text_position.or(at) } else { at };
                         let text = line(format, &p, &text, "answered");
                         return Some(Self::text(shared, p, text, at, Some(duration), "answered"));
                     }
