@@ -268,9 +268,8 @@ pub struct Stream {
     on_rebuild: OnceLock<RebuildListener>,
 }
 
-/// See [`Stream::on_rebuild`].
-/// Its arguments: the stream, the registration that rebuilt the history, and whether a frame
-/// (true) or a committed answer (false) caused it.
+/// What [`Stream::on_rebuild`] calls: with the stream, the registration that rebuilt its
+/// history, and whether a frame (true) or a committed answer (false) caused it.
 pub type RebuildListener = Box<dyn Fn(&Stream, &Registration, bool) + Send + Sync>;
 
 /// The stream registry: every stream by id. It moves the streams resident on an engine that fails

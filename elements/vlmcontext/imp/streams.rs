@@ -91,9 +91,8 @@ impl VlmContext {
         let (element, sink) = (self.obj().downgrade(), pads.sink.downgrade());
         let _ = stream.on_rebuild(Box::new(move |stream, registration, by_frame| {
             let Some(element) = element.upgrade() else { return };
-            let pads = sink.upgrade().and_then(|sink| element.imp().pads_of(&sink));
-            if let (Some(pads), Some(kept)) = (pads, registration.restart) {
-                element.imp().history_restarted(&pads, stream, registration, kept, by_frame);
+            if let Some(pads) = sink.upgrade().and_then(|sink| element.imp().pads_of(&sink)) {
+                element.imp().history_restarted(&pads, stream, registration, by_frame);
             }
         }));
         *pads.stream.lock() = Some(Arc::clone(&stream));
@@ -200,10 +199,10 @@ impl VlmContext {
         pads: &StreamPads,
         stream: &Stream,
         registration: &vlm_runtime::Registration,
-        (kept, dropped): (usize, usize),
         by_frame: bool,
     ) {
         let (frame, slid) = (registration.number, registration.slid);
+        let (kept, dropped) = registration.restart.unwrap_or_default();
         let (policy, how) = if slid {
             self.update_stats(pads, |stats| stats.slides += 1);
             ("slide", "slid in place")
