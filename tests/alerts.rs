@@ -314,16 +314,151 @@ fn null_from_a_sync_bus_handler_on_an_alert_returns_and_the_alerts_go_on_after()
     pipeline.set_state(gst::State::Null).unwrap();
 }
 
+/// The application stops its pipeline (NULL) from its own thread while a sync bus handler on
+/// the alert thread stops it too: both return. (The stop waited for the alert thread without
+/// end, and the alert thread, in the handler, for the pipeline's state lock that the stop holds.)
+#[test]
+fn null_from_the_application_and_from_an_alert_handler_at_once_both_return() {
+    let (go, stop_now) = mpsc::channel::<()>();
+    let (pipeline, _q, handler_stopped) = on_first_alert(move |p| {
+        let _ = go.send(());
+        // (The application's stop is under way meanwhile, holding the pipeline's state lock.)
+        std::thread::sleep(Duration::from_millis(500));
+        p.set_state(gst::State::Null).is_ok()
+    });
+    pipeline.set_state(gst::State::Playing).unwrap();
+    stop_now.recv_timeout(Duration::from_secs(240)).expect("no vlm-alert in 240 s");
+    let (tx, app_stopped) = mpsc::channel();
+    let p = pipeline.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(p.set_state(gst::State::Null).is_ok());
+    });
+    assert_eq!(app_stopped.recv_timeout(Duration::from_secs(60)), Ok(true), "the application's stop hung");
+    assert_eq!(handler_stopped.recv_timeout(Duration::from_secs(60)), Ok(true), "the handler's stop hung");
+    assert_eq!(pipeline.current_state(), gst::State::Null);
+}
+
 /// A flushing seek from a sync bus handler on a `vlm-alert`, on the alert thread: the seek
-/// returns and the alerts go on after it.
+/// returns, nothing evaluated before it is posted after it (two alerts' first states come from
+/// one evaluation: the handler seeks on the first, and the second was still posted after the
+/// seek), and each alert starts afresh after it (its first state posted again).
 #[test]
 fn a_flushing_seek_from_a_sync_bus_handler_on_an_alert_returns() {
-    let (pipeline, q, seeked) = on_first_alert(|p| p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok());
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let pipeline = launch(
+        "videotestsrc pattern=ball ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q alerts=\"ball:Is there a ball?;dark:Is it dark?\" ! fakesink sync=false",
+    );
+    // (frame, id, first, posted after the seek) of each vlm-alert, in order.
+    let seen = Arc::new(Mutex::new(Vec::<(u64, String, bool, bool)>::new()));
+    let (seeked_tx, seeked) = mpsc::channel();
+    let (seen2, after, weak) = (Arc::clone(&seen), AtomicBool::new(false), pipeline.downgrade());
+    pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
+        if let Some(a) = msg.structure().filter(|s| s.name() == "vlm-alert") {
+            let was_after = after.load(Ordering::Acquire);
+            let (frame, id, first) = (a.get("frame").unwrap(), a.get("id").unwrap(), a.get("first").unwrap());
+            seen2.lock().unwrap().push((frame, id, first, was_after));
+            if let Some(p) = weak.upgrade().filter(|_| !was_after) {
+                let ok = p.seek_simple(gst::SeekFlags::FLUSH, gst::ClockTime::ZERO).is_ok();
+                after.store(true, Ordering::Release);
+                let _ = seeked_tx.send(ok);
+            }
+        }
+        gst::BusSyncReply::Pass
+    });
     pipeline.set_state(gst::State::Playing).unwrap();
     let ok = seeked.recv_timeout(Duration::from_secs(240)).expect("the seek from the alert's sync handler returned");
     assert!(ok, "the seek was refused");
-    wait_for_evaluations(&q, q.property::<u64>("alert-evaluations"), "after the seek");
+    // Both alerts post their first states again after the seek.
+    let firsts_after = || {
+        let seen = seen.lock().unwrap();
+        ["ball", "dark"].iter().all(|id| seen.iter().any(|(_, i, first, after)| *after && *first && i == id))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    while !firsts_after() {
+        assert!(std::time::Instant::now() < deadline, "no first states after the seek: {:?}", seen.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     pipeline.set_state(gst::State::Null).unwrap();
+    let seen = seen.lock().unwrap();
+    let before = seen[0].0;
+    assert!(
+        seen.iter().filter(|s| s.3).all(|(frame, ..)| *frame > before),
+        "an evaluation of frame {before}, from before the seek, was posted after it: {seen:?}"
+    );
+}
+
+/// An alert whose question changes while an evaluation of it is in flight (set from a sync bus
+/// handler on the `vlm-alert-overload` that the alert thread posts after taking its next frames,
+/// before it evaluates them): the old question's result is not reported, neither under the new
+/// question nor as its first state; the new question's first state follows.
+#[test]
+fn an_alert_changed_during_its_evaluation_reports_the_new_question_only() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // A long question: each evaluation takes longer than a frame, so frames are thinned.
+    let old = format!("Is there a ball{}?", " in the picture".repeat(40));
+    let new = "Is it dark?";
+    let pipeline = launch(&format!(
+        "videotestsrc pattern=ball num-buffers=600 ! video/x-raw,width=96,height=96,framerate=10/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q alerts=\"ball:{old}\" ! fakesink sync=false"
+    ));
+    let q = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("q").unwrap();
+    // (question, first, posted after the change) of each vlm-alert, in order.
+    let seen = Arc::new(Mutex::new(Vec::<(String, bool, bool)>::new()));
+    let (seen2, changed, weak) = (Arc::clone(&seen), Arc::new(AtomicBool::new(false)), q.downgrade());
+    let changed2 = Arc::clone(&changed);
+    pipeline.bus().unwrap().set_sync_handler(move |_, msg| {
+        match msg.structure() {
+            Some(s) if s.name() == "vlm-alert-overload" && !changed2.load(Ordering::Acquire) => {
+                if let Some(q) = weak.upgrade() {
+                    q.set_property("alerts", format!("ball:{new}"));
+                    changed2.store(true, Ordering::Release);
+                }
+            }
+            Some(s) if s.name() == "vlm-alert" => {
+                let after = changed2.load(Ordering::Acquire);
+                seen2.lock().unwrap().push((s.get("question").unwrap(), s.get("first").unwrap(), after));
+            }
+            _ => (),
+        }
+        gst::BusSyncReply::Pass
+    });
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let new_first = || seen.lock().unwrap().iter().any(|(question, first, after)| *after && *first && question == new);
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    while !new_first() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no first state of the new question in 240 s (changed: {}): {:?}",
+            changed.load(Ordering::Acquire),
+            seen.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    pipeline.set_state(gst::State::Null).unwrap();
+    let seen = seen.lock().unwrap();
+    assert!(
+        seen.iter().filter(|s| s.2).all(|(question, ..)| question == new),
+        "the old question's result was reported after the change: {seen:?}"
+    );
+}
+
+/// An alert whose question does not fit an answer's cells fails on every frame: a WARNING says
+/// so once, and the other alert goes on.
+#[test]
+fn an_alert_that_cannot_be_evaluated_is_warned_about_once() {
+    let long = format!("Is it{} big?", " very".repeat(400));
+    let run = alert_run(&format!("alerts=\"ball:Is there a ball?;long:{long}\""));
+    assert!(run.run.errors.is_empty(), "{:?}", run.run.errors);
+    let about: Vec<_> = run.run.warnings.iter().filter(|w| w.contains("alert long")).collect();
+    assert_eq!(about.len(), 1, "{:?}", run.run.warnings);
+    let alerts = alerts_of(&run.run);
+    assert!(alerts.iter().any(|a| a.get::<String>("id").unwrap() == "ball"), "{alerts:?}");
+    assert!(alerts.iter().all(|a| a.get::<String>("id").unwrap() != "long"), "{alerts:?}");
 }
 
 /// A flushing seek drops the frames waiting for evaluation and ends the one in flight; the

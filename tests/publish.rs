@@ -66,6 +66,8 @@ impl Drop for TempDir {
 #[derive(Clone, Copy, PartialEq)]
 enum Second {
     None,
+    /// None, and the main listener refuses (drops the client over) packets over 2 KiB.
+    SmallPackets,
     /// A TLS listener (a CA and a server certificate for localhost and 127.0.0.1, made with
     /// openssl in its directory: `ca.pem`).
     Tls,
@@ -96,7 +98,10 @@ impl Broker {
              log_dest stderr\nlog_type error\nlog_type warning\nlog_type notice\n\
              listener {port} 127.0.0.1\nallow_anonymous true\n"
         );
-        let second_port = (second != Second::None).then(|| {
+        if second == Second::SmallPackets {
+            conf += "max_packet_size 2048\n";
+        }
+        let second_port = matches!(second, Second::Tls | Second::Password).then(|| {
             let second_port = free_port();
             conf += &format!("listener {second_port} 127.0.0.1\n");
             if second == Second::Tls {
@@ -527,6 +532,44 @@ fn a_broker_that_comes_later_gets_the_newest_messages() {
     assert_eq!((p.count("messages-published"), p.count("messages-dropped")), (5, 7));
 }
 
+/// A line whose topic (its stream's name put in) is over what MQTT encodes (65535 bytes) is
+/// dropped with a WARNING and counted; the lines after it are published. (Its length was written
+/// in two bytes, wrapped, and the broker read a cut topic and garbage.)
+#[test]
+fn a_line_whose_topic_is_too_long_is_dropped_and_the_next_published() {
+    init();
+    let broker = Broker::start("long-topic");
+    let sub = Subscriber::connect(broker.port, "sub-long-topic", "t9/#");
+    let p = Publisher::new(&format!("address={} topic=t9/{{stream}}", broker.address()));
+    p.push(&format!("{}\n{}\n", answer("long", &"a".repeat(70_000)), answer("next", "cam")));
+    sub.wait("the next line", |got| got.iter().any(|(t, m)| t == "t9/cam" && m.contains("next")));
+    let run = p.finish();
+    assert_eq!((p.count("messages-published"), p.count("messages-dropped")), (1, 1));
+    assert!(run.warnings.iter().any(|w| w.contains("topic of 70003 bytes")), "{:?}", run.warnings);
+}
+
+/// A broker that drops the client over one message (here: a packet over its `max_packet_size`)
+/// made the element send that message first after every reconnect, about ten times a second for
+/// good, and nothing after it. After it was in flight at three lost connections it is dropped,
+/// counted and said, and the messages after it are published.
+#[test]
+fn a_message_the_broker_drops_the_client_over_is_dropped_after_three_losses() {
+    init();
+    let broker = Broker::configure("small-packets", Second::SmallPackets);
+    let sub = Subscriber::connect(broker.port, "sub-small", "t10/#");
+    let p = Publisher::new(&format!("address={} topic=t10/{{stream}}", broker.address()));
+    let big = format!(r#"{{"id":"big","stream":"cam","text":"{}"}}"#, "x".repeat(4000));
+    p.push(&format!("{big}\n"));
+    wait_until("the big message dropped", || p.count("messages-dropped") == 1);
+    p.push(&format!("{}\n", answer("after", "cam")));
+    sub.wait("the message after it", |got| got.iter().any(|(_, m)| m.contains("after")));
+    let run = p.finish();
+    assert_eq!((p.count("messages-published"), p.count("messages-dropped")), (1, 1));
+    let dropped: Vec<_> = run.warnings.iter().filter(|w| w.contains("was dropped")).collect();
+    assert_eq!(dropped.len(), 1, "{:?}", run.warnings);
+    assert!(dropped[0].contains("t10/cam") && dropped[0].contains("lost 3 times"), "{dropped:?}");
+}
+
 #[test]
 fn bad_settings_are_refused() {
     init();
@@ -568,6 +611,10 @@ fn bad_settings_are_refused() {
     assert!(w.contains("while the element runs"), "{w}");
     sink.set_property("topic", "cams/{stream}");
     assert_eq!(sink.property::<String>("topic"), "cams/{stream}");
+    // READY too: the connection starts at NULL→READY (a value set there was kept and never used).
+    pipeline.set_state(gst::State::Ready).unwrap();
+    let w = refused("username", "camera", "");
+    assert!(w.contains("while the element runs"), "{w}");
     pipeline.set_state(gst::State::Null).unwrap();
     // TLS with a CA file that is not there: the start fails, naming it.
     sink.set_property("tls", true);

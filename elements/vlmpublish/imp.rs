@@ -120,8 +120,7 @@ impl VlmPublish {
     fn flush_on_eos(&self) {
         let Some(link) = self.link() else { return };
         let timeout = Duration::from_nanos(self.settings.lock().flush_timeout);
-        let left = link.wait_empty(timeout);
-        if left > 0 {
+        if let Some(left) = link.wait_empty(timeout).filter(|left| *left > 0) {
             *self.undelivered_said.lock() = true;
             gst::element_imp_warning!(
                 self,
@@ -278,6 +277,14 @@ impl ObjectImpl for VlmPublish {
         if crate::refused_while_running(self.obj().upcast_ref(), pspec) {
             return;
         }
+        // (The connection starts at NULL→READY, as `filesink` opens its file: from READY on, what
+        // applies at start is refused too.)
+        if pspec.flags().contains(gst::PARAM_FLAG_MUTABLE_READY) && self.running.lock().is_some() {
+            self.refuse(format!(
+                "{name} cannot change while the element runs (from READY on): it applies when it starts"
+            ));
+            return;
+        }
         let string = || value.get::<Option<String>>().unwrap().unwrap_or_default();
         let mut s = self.settings.lock();
         match name {
@@ -432,6 +439,16 @@ impl BaseSinkImpl for VlmPublish {
             }
             let (kind, stream) = route::classify(line);
             let topic = route::topic_for(&template, stream.as_deref().unwrap_or(&meta_stream), kind);
+            if topic.len() > route::MAX_TOPIC {
+                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                self.obj().notify("messages-dropped");
+                gst::element_imp_warning!(
+                    self,
+                    gst::StreamError::Format,
+                    ("A line's topic of {} bytes is over MQTT's {} bytes: dropped", topic.len(), route::MAX_TOPIC)
+                );
+                continue;
+            }
             gst::trace!(CAT, imp = self, "{} bytes to {topic}", line.len());
             link.push(topic, line.to_vec());
         }

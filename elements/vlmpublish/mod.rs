@@ -25,7 +25,9 @@
 //! this holds whether or not the broker keeps sessions across a restart. When the buffer is full,
 //! the oldest message not yet handed to the connection is dropped (the new one when every
 //! buffered message is in flight), counted in `messages-dropped`, with one WARNING per episode
-//! (until the buffer empties again). A line over 1 MiB is dropped with a WARNING.
+//! (until the buffer empties again). A line over 1 MiB, or whose topic is over MQTT's 65535
+//! bytes, is dropped with a WARNING; so is a message that awaited its acknowledgement at three
+//! lost connections (a broker that drops the client over it).
 //!
 //! A broker that is not there never stalls the pipeline: the element starts and reaches PLAYING,
 //! posts one WARNING naming the address and the system's error (e.g. "Connection refused (os error
@@ -35,8 +37,10 @@
 //! unanswered at the next one. A broker that refuses the client (bad user name or password, not
 //! authorized, client id rejected) is an ERROR and is not retried. At EOS the element waits up to
 //! `flush-timeout` for the buffer to empty, then lets EOS go on (a WARNING says how many were not
-//! delivered). Stopping (PAUSED→READY) ends the thread within 2 s whatever the broker does, sending
-//! a DISCONNECT when connected, and counts what is still buffered in `messages-dropped`.
+//! delivered). The element connects at NULL→READY (as `filesink` opens its file): what applies at
+//! start is refused from READY on. Stopping (READY→NULL) ends the thread within 2 s whatever the
+//! broker does, sending a DISCONNECT when connected, and counts what is still buffered in
+//! `messages-dropped`.
 //!
 //! ## Example pipelines
 //!

@@ -427,15 +427,8 @@ impl VlmQuery {
         let threads: Vec<_> =
             std::mem::take(&mut *self.ending_threads.lock()).into_iter().filter(|t| t.thread().id() != me).collect();
         // (Bounded: a thread stuck in an engine that hangs is left to end on its own.)
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while threads.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        for t in threads {
-            match t.is_finished() {
-                true => drop(t.join()),
-                false => gst::warning!(CAT, imp = self, "a cancelled answer's thread is still running"),
-            }
+        if !join_within(threads, ENDING_WAIT) {
+            gst::warning!(CAT, imp = self, "a cancelled answer's thread is still running");
         }
         let stats = {
             let mut shared = self.shared.lock();
@@ -514,6 +507,27 @@ fn text_src_pad(klass: &<VlmQuery as ObjectSubclass>::Class, name: &str, activat
             )
         })
         .build()
+}
+
+/// How long a stop waits for the element's threads (answering, alerts) to end: one may be stuck
+/// in an engine that hangs, or in an application's sync bus handler that waits for the stop.
+const ENDING_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Join `threads` that end within `limit`; false when some still run (they are left to end on
+/// their own: a run number makes them stop at their next turn).
+fn join_within(threads: Vec<std::thread::JoinHandle<()>>, limit: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while threads.iter().any(|t| !t.is_finished()) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let mut all = true;
+    for t in threads {
+        match t.is_finished() {
+            true => drop(t.join()),
+            false => all = false,
+        }
+    }
+    all
 }
 
 #[glib::object_subclass]

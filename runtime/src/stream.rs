@@ -716,6 +716,11 @@ impl Stream {
         self.changed.notify_all();
     }
 
+    /// Whether the stream has closed ([`Stream::close`]): no frame joins it any more.
+    pub fn is_closed(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
     /// Stop accepting frames, wake every waiter, and give the stream's sequence back to its
     /// engine at once: a reader may hold the stream for long (an element downstream, its
     /// alerts), and a camera reconnecting then needs the sequence. After the frames already

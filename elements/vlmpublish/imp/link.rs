@@ -32,12 +32,22 @@ const WINDOW: usize = 100;
 const JOIN_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a stopping thread writes what the client holds and its DISCONNECT.
 const GOODBYE_TIMEOUT: Duration = Duration::from_millis(500);
+/// A connection that delivered a message, or lasted this long, was healthy: the next loss starts
+/// the backoff again and is warned about. (One that the broker drops at once, as over a message
+/// it refuses, is not: it is retried with a growing backoff and said once.)
+const HEALTHY_AFTER: Duration = Duration::from_secs(10);
+/// A message awaiting its acknowledgement when the connection was lost this many times is
+/// dropped (counted, with a WARNING): a broker that drops the client over one message (its size,
+/// its topic, a policy) would otherwise get it first after every reconnect, and nothing after it.
+const MAX_LOSSES: u8 = 3;
 
 /// One line to publish.
 pub(super) struct Message {
     seq: u64,
     topic: String,
     payload: Vec<u8>,
+    /// Lost connections while it awaited its acknowledgement.
+    losses: u8,
 }
 
 /// The statistics (read-only properties): atomics, so reading them takes no lock; they outlive
@@ -89,7 +99,7 @@ struct Changes {
     dropped: bool,
     buffered: bool,
     connected: bool,
-    warning: Option<(String, String)>,
+    warnings: Vec<(String, String)>,
 }
 
 pub(super) struct Link {
@@ -159,7 +169,7 @@ impl Link {
         let mut c = Changes { buffered: true, ..Changes::default() };
         {
             let mut b = self.buffer.lock();
-            let message = Message { seq: b.next_seq, topic, payload };
+            let message = Message { seq: b.next_seq, topic, payload, losses: 0 };
             b.next_seq += 1;
             let mut keep = true;
             if b.len() >= self.max {
@@ -170,7 +180,7 @@ impl Link {
                 c.dropped = true;
                 if !b.overflowing {
                     b.overflowing = true;
-                    c.warning = Some((
+                    c.warnings.push((
                         format!("The MQTT buffer is full ({} messages): dropping the oldest", self.max),
                         format!(
                             "the broker at {} is {}; messages-dropped counts them (raise max-buffered to keep more)",
@@ -242,7 +252,8 @@ impl Link {
         }
     }
 
-    fn on_event(&self, event: Event) {
+    /// Returns whether a message was done (the connection delivers).
+    fn on_event(&self, event: Event) -> bool {
         let mut c = Changes::default();
         {
             let mut b = self.buffer.lock();
@@ -257,7 +268,9 @@ impl Link {
             self.hand_over(&mut b);
             self.stats.buffered.store(b.len() as u64, Ordering::Relaxed);
         }
+        let delivered = c.published;
         self.tell(c);
+        delivered
     }
 
     /// The connection failed or was lost: what was handed and not done goes back, in order, and
@@ -277,7 +290,25 @@ impl Link {
             eventloop.pending.clear();
             eventloop.state.collision = None;
             let b = &mut *b;
-            let mut back: Vec<Message> = b.unwritten.drain(..).chain(b.inflight.drain().map(|(_, m)| m)).collect();
+            let mut back: Vec<Message> = b.unwritten.drain(..).collect();
+            for (_, mut m) in b.inflight.drain() {
+                m.losses += 1;
+                if m.losses < MAX_LOSSES {
+                    back.push(m);
+                    continue;
+                }
+                self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+                c.dropped = true;
+                c.warnings.push((
+                    format!(
+                        "A message to topic {} ({} bytes) was dropped: the connection to the MQTT broker at {} was lost {MAX_LOSSES} times while it awaited its acknowledgement",
+                        m.topic,
+                        m.payload.len(),
+                        self.address
+                    ),
+                    "the broker may refuse it (its size, its topic, an access policy); counted in messages-dropped".into(),
+                ));
+            }
             back.sort_by_key(|m| m.seq);
             for m in back.into_iter().rev() {
                 b.waiting.push_front(m);
@@ -289,12 +320,12 @@ impl Link {
             let buffered = b.len();
             gst::info!(CAT, "MQTT broker at {}: {error} ({buffered} messages buffered)", self.address);
             if fatal {
-                c.warning = Some((
+                c.warnings.push((
                     format!("The MQTT broker at {} refused the connection: {error}", self.address),
                     "check client-id, username and password; not retrying".into(),
                 ));
             } else if first {
-                c.warning = Some(if was_connected {
+                c.warnings.push(if was_connected {
                     (
                         format!("Lost the connection to the MQTT broker at {}: {error}", self.address),
                         format!("reconnecting; {buffered} messages buffered (up to max-buffered)"),
@@ -312,7 +343,7 @@ impl Link {
         }
         if fatal {
             // A broker that refuses the credentials will not take them later: an error.
-            if let (Some(element), Some((message, debug))) = (self.element.upgrade(), c.warning.take()) {
+            if let (Some(element), Some((message, debug))) = (self.element.upgrade(), c.warnings.pop()) {
                 gst::element_error!(element, gst::ResourceError::NotAuthorized, ("{}", message), ["{}", debug]);
             }
         }
@@ -322,7 +353,7 @@ impl Link {
     /// Notify the changed statistics and post the warning, with no lock held.
     fn tell(&self, c: Changes) {
         let Some(element) = self.element.upgrade() else { return };
-        if let Some((message, debug)) = c.warning {
+        for (message, debug) in c.warnings {
             gst::element_warning!(element, gst::ResourceError::Write, ("{}", message), ["{}", debug]);
         }
         for (changed, name) in [
@@ -355,6 +386,8 @@ impl Link {
     async fn drive(&self, eventloop: &mut EventLoop) {
         let mut backoff = RETRY_MIN;
         let mut failing = false;
+        // Since when connected, and whether the connection delivered a message.
+        let (mut connected_at, mut delivered) = (None::<Instant>, false);
         loop {
             let event = tokio::select! {
                 biased;
@@ -363,14 +396,17 @@ impl Link {
             };
             match event {
                 Ok(event) => {
-                    let connack = matches!(event, Event::Incoming(Incoming::ConnAck(_)));
-                    self.on_event(event);
-                    if connack {
+                    if matches!(event, Event::Incoming(Incoming::ConnAck(_))) {
+                        (connected_at, delivered) = (Some(Instant::now()), false);
+                    }
+                    delivered |= self.on_event(event);
+                }
+                Err(e) => {
+                    if delivered || connected_at.is_some_and(|t| t.elapsed() >= HEALTHY_AFTER) {
                         backoff = RETRY_MIN;
                         failing = false;
                     }
-                }
-                Err(e) => {
+                    (connected_at, delivered) = (None, false);
                     let fatal = matches!(&e, ConnectionError::ConnectionRefused(code) if *code != ConnectReturnCode::ServiceUnavailable);
                     self.on_error(eventloop, &e, !failing, fatal);
                     failing = true;
@@ -394,7 +430,7 @@ impl Link {
                 loop {
                     match eventloop.poll().await {
                         Ok(Event::Outgoing(Outgoing::Disconnect)) | Err(_) => break,
-                        Ok(event) => self.on_event(event),
+                        Ok(event) => drop(self.on_event(event)),
                     }
                 }
             };
@@ -402,15 +438,16 @@ impl Link {
         }
     }
 
-    /// Wait until every buffered message is done, or `timeout` passed, or the base class unlocks
-    /// (flush, stop): how many are left.
-    pub(super) fn wait_empty(&self, timeout: Duration) -> usize {
+    /// Wait until every buffered message is done, or `timeout` passed: how many are left; `None`
+    /// when the base class unlocked the wait first (a flush, a pause, a stop: they go on being
+    /// delivered, or the stop counts them).
+    pub(super) fn wait_empty(&self, timeout: Duration) -> Option<usize> {
         let deadline = Instant::now() + timeout;
         let mut b = self.buffer.lock();
         while b.len() > 0 && !b.unlocked && Instant::now() < deadline {
             self.changed.wait_until(&mut b, deadline);
         }
-        b.len()
+        (!b.unlocked || b.len() == 0).then_some(b.len())
     }
 
     pub(super) fn set_unlocked(&self, unlocked: bool) {
@@ -440,10 +477,14 @@ impl Running {
             let _ = link.client.try_disconnect();
         }
         link.stop.notify_one();
-        match self.done.recv_timeout(JOIN_TIMEOUT) {
+        // (Not waited for from the thread itself: an application's sync bus handler on a
+        // message it posted, stopping the pipeline. It ends when the handler returns.)
+        let own = self.thread.thread().id() == std::thread::current().id();
+        match self.done.recv_timeout(if own { Duration::ZERO } else { JOIN_TIMEOUT }) {
             Ok(()) => {
                 let _ = self.thread.join();
             }
+            Err(_) if own => (),
             Err(_) => gst::warning!(CAT, "the MQTT thread did not end within {JOIN_TIMEOUT:?}: left to end on its own"),
         }
         let mut b = link.buffer.lock();

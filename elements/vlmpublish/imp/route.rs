@@ -4,6 +4,9 @@
 /// The placeholders `topic` may hold.
 pub(super) const PLACEHOLDERS: [&str; 2] = ["{stream}", "{type}"];
 
+/// The longest topic MQTT encodes (its length is two bytes).
+pub(super) const MAX_TOPIC: usize = u16::MAX as usize;
+
 /// What `{stream}` becomes for a line that names no stream.
 pub(super) const UNKNOWN_STREAM: &str = "unknown";
 
@@ -88,12 +91,13 @@ pub(super) fn classify(line: &[u8]) -> (Kind, Option<String>) {
 }
 
 /// The topic of a line: `template` with `{stream}` and `{type}` replaced, each value made one
-/// topic level (`/`, `+`, `#` and NUL become `_`; an empty stream name becomes "unknown").
+/// topic level (`/`, `+`, `#` and control characters, NUL among them, become `_`; an empty
+/// stream name becomes "unknown").
 pub(super) fn topic_for(template: &str, stream: &str, kind: Kind) -> String {
     let stream: String = if stream.is_empty() {
         UNKNOWN_STREAM.into()
     } else {
-        stream.chars().map(|c| if matches!(c, '/' | '+' | '#' | '\0') { '_' } else { c }).collect()
+        stream.chars().map(|c| if matches!(c, '/' | '+' | '#') || c.is_control() { '_' } else { c }).collect()
     };
     template.replace("{stream}", &stream).replace("{type}", kind.name())
 }
@@ -127,6 +131,7 @@ mod tests {
         }
         assert_eq!(topic_for("c/{stream}/{type}", "cam/1+#", Kind::Alert), "c/cam_1__/alert");
         assert_eq!(topic_for("c/{stream}/{type}", "", Kind::Text), "c/unknown/text");
+        assert_eq!(topic_for("c/{stream}", "a\u{0}b\nc\u{7f}", Kind::Text), "c/a_b_c_");
     }
 
     #[test]

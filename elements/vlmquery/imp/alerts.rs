@@ -11,7 +11,7 @@
 //! streams' frames taken together are evaluated at once (a thread each), so their evaluations
 //! queue on their engines together.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,6 +62,8 @@ struct StreamAlerts {
     last_overload: Option<Instant>,
     /// A failure has been warned about (once per stream).
     warned: bool,
+    /// Alerts whose own evaluation failed, warned about (once per alert and stream).
+    failing: HashSet<String>,
 }
 
 #[derive(Default)]
@@ -247,6 +249,7 @@ impl VlmQuery {
             thinned: 0,
             last_overload: None,
             warned: false,
+            failing: HashSet::new(),
         });
         s.watch.get_or_insert_with(|| stream.watch());
         s.since += 1;
@@ -309,6 +312,10 @@ impl VlmQuery {
                         return;
                     }
                     let mut taken: Vec<(Arc<Stream>, FrameAt)> = vec![];
+                    // (A closed stream, a camera gone, is let go: its history with it.)
+                    let State { order, streams, .. } = &mut *st;
+                    streams.retain(|_, s| !s.stream.is_closed());
+                    order.retain(|id| streams.contains_key(id));
                     if !st.flushing {
                         let State { order, streams, .. } = &mut *st;
                         for id in order.iter() {
@@ -334,12 +341,19 @@ impl VlmQuery {
                 }
                 taken
             };
+            // (Looked up here, not on the evaluations' threads: a warning that the model has no
+            // yes/no tokens is posted by this thread, which a stop from a sync bus handler on it
+            // does not wait for.)
+            let yes_no: Vec<_> = taken.iter().map(|(stream, _)| self.yes_no(stream)).collect();
             let results: Vec<_> = match &taken[..] {
-                [(stream, frame)] => vec![self.evaluate_frame(stream, *frame, &specs, &cancel)],
+                [(stream, frame)] => vec![self.evaluate_frame(stream, *frame, &specs, yes_no[0].clone(), &cancel)],
                 _ => std::thread::scope(|scope| {
                     let handles: Vec<_> = taken
                         .iter()
-                        .map(|(stream, frame)| scope.spawn(|| self.evaluate_frame(stream, *frame, &specs, &cancel)))
+                        .zip(yes_no)
+                        .map(|((stream, frame), yes_no)| {
+                            scope.spawn(|| self.evaluate_frame(stream, *frame, &specs, yes_no, &cancel))
+                        })
                         .collect();
                     handles
                         .into_iter()
@@ -356,7 +370,9 @@ impl VlmQuery {
             for ((stream, frame), result) in taken.into_iter().zip(results) {
                 match result {
                     _ if cancel.load(Ordering::Acquire) || st.flushing => (),
-                    Ok(evaluations) => posts.extend(self.record(&mut st, &stream, frame, &specs, evaluations)),
+                    Ok(evaluations) => {
+                        posts.extend(self.record(&mut st, &stream, frame, &specs, evaluations, &mut warnings))
+                    }
                     Err(e) => {
                         let first =
                             st.streams.get_mut(&stream.id()).is_some_and(|s| !std::mem::replace(&mut s.warned, true));
@@ -374,7 +390,7 @@ impl VlmQuery {
                 gst::warning!(CAT, imp = self, "{message}");
                 gst::element_imp_warning!(self, gst::StreamError::Failed, ("{}", message));
             }
-            self.post_alerts(posts);
+            self.post_alerts(posts, &cancel);
             // Busy until its lines are queued: the video's EOS waits for them (`alerts_drain`).
             let mut st = self.alerts.state.lock();
             if st.generation != generation {
@@ -385,39 +401,41 @@ impl VlmQuery {
         }
     }
 
+    /// The yes/no tokens of `stream`'s language model, looked up once per model; a model with
+    /// none disables the alerts, said once.
+    fn yes_no(&self, stream: &Stream) -> Result<YesNo, String> {
+        let engine = stream.engine();
+        let model = engine.model().path().to_path_buf();
+        if let Some(cached) = self.alerts.state.lock().yes_no.get(&model).cloned() {
+            return cached;
+        }
+        let found = YesNo::find(engine.model()).map_err(|e| e.to_string());
+        if let Err(e) = &found {
+            gst::element_imp_warning!(self, gst::LibraryError::Settings, ("alerts disabled: {}", e));
+        }
+        self.alerts.state.lock().yes_no.insert(model, found.clone());
+        found
+    }
+
     /// Wait for the version of `frame` and evaluate every alert on it.
     fn evaluate_frame(
         &self,
         stream: &Arc<Stream>,
         frame: FrameAt,
         specs: &[AlertSpec],
+        yes_no: Result<YesNo, String>,
         cancel: &Arc<AtomicBool>,
     ) -> Result<Vec<vlm_runtime::Result<alert::Evaluation>>, vlm_runtime::Error> {
         if specs.is_empty() {
             return Ok(vec![]);
         }
-        let engine = stream.engine();
-        let model = engine.model().path().to_path_buf();
-        let yes_no = {
-            let cached = self.alerts.state.lock().yes_no.get(&model).cloned();
-            match cached {
-                Some(y) => y,
-                None => {
-                    let found = YesNo::find(engine.model()).map_err(|e| e.to_string());
-                    if let Err(e) = &found {
-                        gst::element_imp_warning!(self, gst::LibraryError::Settings, ("alerts disabled: {}", e));
-                    }
-                    self.alerts.state.lock().yes_no.insert(model, found.clone());
-                    found
-                }
-            }
-        };
         let yes_no = yes_no.map_err(vlm_runtime::Error::Config)?;
         let version = stream.wait_version(frame.number, cancel)?;
         alert::evaluate(&version, specs, yes_no, cancel)
     }
 
-    /// Count the evaluations of `frame` and return the `vlm-alert`s they make.
+    /// Count the evaluations of `frame` and return the `vlm-alert`s they make; an alert's own
+    /// failure is added to `warnings` the first time on its stream.
     fn record(
         &self,
         st: &mut State,
@@ -425,15 +443,26 @@ impl VlmQuery {
         frame: FrameAt,
         specs: &[AlertSpec],
         evaluations: Vec<vlm_runtime::Result<alert::Evaluation>>,
+        warnings: &mut Vec<String>,
     ) -> Vec<gst::Structure> {
         let latency_ms = self.latency_ms(frame);
         let hold = st.hold;
+        let current = Arc::clone(&st.specs);
         let mut posts = vec![];
         let mut done = 0;
         let Some(s) = st.streams.get_mut(&stream.id()) else { return posts };
         for (spec, result) in specs.iter().zip(evaluations) {
+            // (An alert changed or removed while it was evaluated: the result is the old
+            // question's, not the new one's first state.)
+            if !current.iter().any(|a| a.id == spec.id && a.question == spec.question) {
+                continue;
+            }
             let e = match result {
                 Ok(e) => e,
+                Err(err) if s.failing.insert(spec.id.clone()) => {
+                    warnings.push(format!("alert {} of stream {} not evaluated: {err}", spec.id, stream.name()));
+                    continue;
+                }
                 Err(err) => {
                     gst::debug!(CAT, imp = self, "alert {} on frame {}: {err}", spec.id, frame.number);
                     continue;
@@ -479,19 +508,24 @@ impl VlmQuery {
         clock.map_or(arrival, |c| c.max(arrival))
     }
 
-    /// Post the `vlm-alert`s, and queue their JSON lines for the text pad (`output-format=json`).
-    fn post_alerts(&self, posts: Vec<gst::Structure>) {
+    /// Post the `vlm-alert`s, and queue their JSON lines for the text pad (`output-format=json`),
+    /// unless a flush or a stop (`cancel`) came meanwhile: from a sync bus handler on one of
+    /// them, the ones after it are of the time before.
+    fn post_alerts(&self, posts: Vec<gst::Structure>, cancel: &AtomicBool) {
         if posts.is_empty() {
             return;
         }
         let json = self.settings.lock().output_format == OutputFormat::Json;
         for s in &posts {
+            if cancel.load(Ordering::Acquire) {
+                return;
+            }
             gst::info!(CAT, imp = self, "{s}");
             let _ = self.obj().post_message(gst::message::Element::builder(s.clone()).src(&*self.obj()).build());
         }
         if json {
             let mut shared = self.shared.lock();
-            if !shared.flushing {
+            if !shared.flushing && !cancel.load(Ordering::Acquire) {
                 for s in &posts {
                     let pts = s.get::<Option<gst::ClockTime>>("pts").ok().flatten();
                     super::push_bounded(&mut shared.alert_lines, (json_line(s), pts));
@@ -521,7 +555,14 @@ impl VlmQuery {
         st.flushing = flushing;
         if flushing {
             st.cancel.store(true, Ordering::Release);
-            st.streams.values_mut().for_each(|s| (s.next, s.last_at) = (None, None));
+            st.overloads.clear();
+            // (The video after a seek is another scene: each alert starts afresh, its first state
+            // posted again.)
+            for s in st.streams.values_mut() {
+                (s.next, s.last_at) = (None, None);
+                s.machines.clear();
+                s.reported.clear();
+            }
             st.waiting_on.iter().for_each(|s| s.wake());
         } else {
             st.cancel = Arc::new(AtomicBool::new(false));
@@ -542,12 +583,17 @@ impl VlmQuery {
             st.worker.take()
         };
         // (Not from the worker itself: a sync bus handler stopping the pipeline on a `vlm-alert`.
-        // It ends when the handler returns, its run over.)
-        if let Some(w) = worker.filter(|w| w.thread().id() != std::thread::current().id()) {
-            let _ = w.join();
+        // It ends when the handler returns, its run over. Nor for longer than a while: the
+        // worker may be in such a handler that waits for this stop's state lock.)
+        if let Some(w) = worker.filter(|w| w.thread().id() != std::thread::current().id())
+            && !super::join_within(vec![w], super::ENDING_WAIT)
+        {
+            gst::warning!(CAT, imp = self, "the alert thread is still running (a bus handler on it?)");
         }
         let mut st = self.alerts.state.lock();
         st.stopping = false;
+        st.busy = false;
+        st.overloads.clear();
         // Until the text pad's next activation (`flush_stop`): a frame still in the video's chain
         // function starts no alert thread now.
         st.flushing = true;
