@@ -6,7 +6,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/setup.sh
-echo "[demo] building the plugin (the first build compiles llama.cpp: about 10 minutes on 2 cores)"
+echo "[demo] building the plugin (the first build compiles llama.cpp: about 7 minutes on 2 cores)"
 cargo build -p gst-plugin-vlm
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 export GST_PLUGIN_PATH="$target_dir/debug${GST_PLUGIN_PATH:+:$GST_PLUGIN_PATH}"

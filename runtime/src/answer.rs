@@ -300,7 +300,9 @@ impl Preparation {
                 let prefill = Prefill::new(branch, version.end, [suffix], true, w.frame_rows());
                 return Ok((PreparePath::Resident, prefill.branched_from(origin)));
             }
-            Preparation::Import(snapshot) => {
+            // (Not while a per-sequence copy waits for the next decode: it would land on the
+            // imported cells. Replayed instead.)
+            Preparation::Import(snapshot) if !w.ctx.copy_pending(branch) => {
                 w.ctx.seq_restore(branch, &snapshot.bytes)?;
                 w.ctx.seq_truncate(branch, version.end);
                 w.record(Stage::Import, version.cells as usize, ms(prep.elapsed()));
@@ -308,7 +310,7 @@ impl Preparation {
             }
             // The baseline, a replay on another engine, or a version of an older epoch:
             // rebuild the history from its frames.
-            Preparation::Branch | Preparation::Replay => {
+            Preparation::Branch | Preparation::Replay | Preparation::Import(_) => {
                 w.ctx.seq_clear(branch);
                 let mut entries = stream.replay_entries(&version.history);
                 entries.push(suffix);

@@ -524,3 +524,16 @@ fn a_non_causal_image_larger_than_the_batch_is_refused() {
     assert!(err.to_string().contains("does not fit in one batch"), "{err}");
     assert_eq!(context(n).decode_image(image, 0, 0).unwrap(), image.n_pos);
 }
+
+/// A token id outside the vocabulary (libmtmd's -1 for a wrapper token the language model
+/// lacks, with a projector made for another model) has no text: llama.cpp threw through C on
+/// it, aborting the process.
+#[test]
+fn a_token_outside_the_vocabulary_has_no_text() {
+    let model = models::model(&common::model_path(), &Device::Cpu).unwrap();
+    let n_vocab = model.n_vocab() as i32;
+    for token in [-1, n_vocab, i32::MAX] {
+        assert!(model.token_piece(token, true).is_empty(), "token {token}");
+    }
+    assert_eq!(model.token_piece(model.tokenize("cat", false, false).unwrap()[0], true), b"cat");
+}

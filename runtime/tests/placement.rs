@@ -264,3 +264,57 @@ fn an_engine_runs_on_the_cores_it_names() {
     let anywhere = engine_named("any", false);
     assert!(anywhere.call(|_| vlm_runtime::llama::current_thread_cores()).unwrap().len() >= 2);
 }
+
+/// With per-sequence KV, llama.cpp copies a branch's stream (`seq_copy_prefix`) at the next
+/// decode, whatever happened to the two sequences meanwhile. A snapshot restored into the
+/// branch before that decode (an import into a branch whose answer was cancelled before its
+/// first decode) would be overwritten by the other stream's history: the restore is refused
+/// until a decode has run (the answer replays instead), and the branch then holds what the
+/// snapshot holds.
+#[test]
+fn a_snapshot_is_not_restored_where_a_kv_copy_waits_for_the_next_decode() {
+    use vlm_runtime::llama::{Batch, Context, ContextParams};
+    let model = vlm_runtime::models::model(&model_path(), &vlm_runtime::Device::Cpu).unwrap();
+    let params = ContextParams {
+        n_ctx_per_seq: 256,
+        n_seq: 3,
+        n_batch: 256,
+        threads: 1,
+        kv_unified: None,
+        kv_type: Default::default(),
+        flash_attention: false,
+    };
+    let mut ctx = Context::new(Arc::clone(&model), &params).unwrap();
+    let prefill = |ctx: &mut Context, seq: i32, text: &str| {
+        let tokens = model.tokenize(text, false, false).unwrap();
+        let mut batch = Batch::tokens(tokens.len());
+        for (i, &t) in tokens.iter().enumerate() {
+            batch.push_token(t, i as i32, seq, i + 1 == tokens.len());
+        }
+        ctx.decode(&batch).unwrap();
+        tokens.len() as i32
+    };
+    // What comes after `seq`'s history: the logits of one more token.
+    let probe = |ctx: &mut Context, seq: i32, pos: i32| {
+        let mut batch = Batch::tokens(1);
+        batch.push_token(model.tokenize(" the", false, false).unwrap()[0], pos, seq, true);
+        ctx.decode(&batch).unwrap();
+        ctx.last_logits().unwrap().to_vec()
+    };
+    prefill(&mut ctx, 0, "The cat sat on the mat and looked at the red ball for a long time.");
+    let end = prefill(&mut ctx, 2, "A train crossed the bridge over the river at night, its lights on.");
+    let snapshot = ctx.seq_snapshot(2).unwrap();
+    // Stream 0 branched into sequence 1, and the branch let go before any decode.
+    ctx.seq_copy_prefix(0, 1, 10);
+    ctx.seq_clear(1);
+    // Refused: the answer replays what the snapshot holds instead.
+    if ctx.seq_restore(1, &snapshot).is_err() {
+        prefill(&mut ctx, 1, "A train crossed the bridge over the river at night, its lights on.");
+    }
+    let branch = probe(&mut ctx, 1, end);
+    let train = probe(&mut ctx, 2, end);
+    assert_eq!(branch, train, "the branch does not hold the restored history");
+    // Once a decode has run, the restore is taken.
+    ctx.seq_clear(1);
+    ctx.seq_restore(1, &snapshot).expect("restored after a decode");
+}

@@ -142,7 +142,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecEnum::builder_with_default(PROP_KV_LAYOUT, KvLayoutKind::Auto)
             .nick("KV layout")
-            .blurb("auto (unified on CPU engines, per-sequence where one is on a GPU or remote), per-sequence (answers bit-identical to a re-prefill) or unified (one shared pool, far less memory); see docs/elements.md")
+            .blurb("auto (unified on CPU engines and for up to 2 streams on a GPU, else per-sequence), per-sequence (answers bit-identical to a re-prefill) or unified (one shared pool, far less memory)")
             .mutable_ready()
             .build(),
         glib::ParamSpecEnum::builder_with_default(PROP_KV_TYPE, KvTypeKind::F16)

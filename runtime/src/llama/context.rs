@@ -79,9 +79,10 @@ pub struct Context {
     /// `kv_pages`). Owned here, also written by llama.cpp's evaluation callback during a decode;
     /// freed after the context.
     host_kv: Option<NonNull<HostKv>>,
-    /// A per-sequence copy (`seq_copy_prefix`) waits for the next decode, which moves the data:
-    /// until then no page is given back (the source's cells may be cleared meanwhile).
-    copy_pending: bool,
+    /// Per-sequence copies (`seq_copy_prefix`: source, destination) waiting for the next decode,
+    /// which moves the data: until then no page is given back (the source's cells may be cleared
+    /// meanwhile), and no snapshot is restored into either sequence.
+    copies: Vec<(i32, i32)>,
     /// No decode since the whole KV's pages were given back.
     pages_released: bool,
     /// In a unified pool, the branches holding a prefix of another sequence's cells (branch,
@@ -157,21 +158,27 @@ impl Context {
             return Err(Error::Engine("llama.cpp could not create a context (out of memory?)".into()));
         };
         // SAFETY: valid context pointer; the size query only counts (no cell is in use yet).
-        let (n_ctx_seq, empty_state_bytes) =
-            unsafe { (sys::llama_n_ctx_seq(ptr.as_ptr()), sys::llama_state_get_size(ptr.as_ptr())) };
+        // (The batch read back: llama.cpp lowers it to the context's cells for causal models.)
+        let (n_ctx_seq, empty_state_bytes, n_batch) = unsafe {
+            (
+                sys::llama_n_ctx_seq(ptr.as_ptr()),
+                sys::llama_state_get_size(ptr.as_ptr()),
+                sys::llama_n_batch(ptr.as_ptr()).min(sys::llama_n_ubatch(ptr.as_ptr())),
+            )
+        };
         // A unified pool holds every sequence's cells: one sequence's limit is the engine's.
         let n_ctx_per_seq = if p.kv_unified.is_some() { p.n_ctx_per_seq.min(n_ctx_seq) } else { n_ctx_seq };
         let plain_rows_refused = model.plain_embeddings_refusal();
         Ok(Context {
             ptr,
             model,
-            n_batch: p.n_batch,
+            n_batch,
             n_ctx_per_seq,
             unified: p.kv_unified.is_some(),
             empty_state_bytes,
             plain_rows_refused,
             host_kv,
-            copy_pending: false,
+            copies: Vec::new(),
             sharing: Vec::new(),
             pages_released: false,
         })
@@ -183,7 +190,7 @@ impl Context {
         // SAFETY: owned by this context; llama.cpp writes it only inside a decode, which needs
         // &mut self.
         let kv = unsafe { self.host_kv?.as_ref() };
-        (kv.found && !self.copy_pending).then_some(kv)
+        (kv.found && self.copies.is_empty()).then_some(kv)
     }
 
     /// Give the pages of the whole KV back to the OS; the caller knows that no cell is in use
@@ -280,7 +287,7 @@ impl Context {
 
     /// After a decode: the callback has seen every KV tensor, and pending copies are done.
     fn decoded(&mut self) {
-        self.copy_pending = false;
+        self.copies.clear();
         self.pages_released = false;
         if let Some(mut kv) = self.host_kv {
             // SAFETY: as in `found_host_kv`; no decode runs now.
@@ -338,6 +345,17 @@ impl Context {
             let chunk = sys::mtmd_input_chunk_load(chunk.as_ptr().cast(), chunk.len());
             if chunk.is_null() {
                 return Err(Error::BadInput("malformed image chunk metadata".into()));
+            }
+            // (The helper reads the chunk's rows of the model's input width from `data`.)
+            let wanted = sys::mtmd_input_chunk_get_n_tokens(chunk) * image.width;
+            if image.data.len() != wanted || image.width != self.model().n_embd() {
+                sys::mtmd_input_chunk_free(chunk);
+                return Err(Error::BadInput(format!(
+                    "{} floats of width {} are not the image's {wanted} of width {}",
+                    image.data.len(),
+                    image.width,
+                    self.model().n_embd()
+                )));
             }
             let rc = sys::mtmd_helper_decode_image_chunk(
                 projector.decode_view.0.as_ptr(),
@@ -426,7 +444,7 @@ impl Context {
                 // drop the tail beyond the version. The data moves at the next decode.
                 sys::llama_memory_seq_cp(self.memory(), src, dst, -1, -1);
                 sys::llama_memory_seq_rm(self.memory(), dst, end, -1);
-                self.copy_pending = true;
+                self.copies.push((src, dst));
             }
         }
     }
@@ -455,9 +473,20 @@ impl Context {
         }
     }
 
+    /// Whether a per-sequence copy ([`Context::seq_copy_prefix`]) from or to `seq` waits for the
+    /// next decode: llama.cpp then copies the source's KV buffer over the destination's, so a
+    /// snapshot restored into either before it would be overwritten, or copied along.
+    pub fn copy_pending(&self, seq: i32) -> bool {
+        self.copies.iter().any(|&(src, dst)| src == seq || dst == seq)
+    }
+
     /// Replace the KV state of `seq` with a snapshot taken by [`Context::seq_snapshot`] from a
-    /// compatible context. llama.cpp validates the layout and refuses a mismatch.
+    /// compatible context. llama.cpp validates the layout and refuses a mismatch. Refused while
+    /// a copy from or to `seq` is pending ([`Context::copy_pending`]: callers prefill instead).
     pub fn seq_restore(&mut self, seq: i32, snapshot: &[u8]) -> Result<()> {
+        if self.copy_pending(seq) {
+            return Err(Error::Engine(format!("sequence {seq} not restored: a KV copy waits for the next decode")));
+        }
         self.forget_sharing(seq);
         // SAFETY: the slice is valid for its length; llama.cpp reads at most that much and
         // returns 0 on malformed or incompatible input.

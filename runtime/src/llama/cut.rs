@@ -77,6 +77,14 @@ impl Layout {
                     let mut n = 0usize;
                     let p = sys::mtmd_input_chunk_get_tokens_text(c.0, &mut n);
                     let tokens = if n == 0 { &[][..] } else { std::slice::from_raw_parts(p, n) };
+                    // (libmtmd puts -1 where the projector's wrapper text names a token the
+                    // language model lacks: a projector made for another model.)
+                    if let Some(t) = tokens.iter().find(|&&t| t < 0 || t as usize >= model.n_vocab()) {
+                        return Err(Error::BadInput(format!(
+                            "the projector wraps its images in text with a token the language model {} does not have (token {t}): give vlmencode the language model the projector was made for",
+                            model.path().display()
+                        )));
+                    }
                     for &t in tokens {
                         text.push_str(&String::from_utf8_lossy(&model.token_piece(t, true)));
                     }

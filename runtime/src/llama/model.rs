@@ -107,6 +107,31 @@ impl Model {
             rows_agree: OnceLock::new(),
             _rpc_lease: rpc_lease,
         };
+        // What llama.cpp loads but cannot answer with, refused here: it would abort the process
+        // at the first tokenization (no vocabulary), or a branch of a history would not hold
+        // (a recurrent state cannot be cut back to a prefix).
+        // SAFETY: valid model and vocabulary pointers.
+        let (vocab_type, decoder, recurrent) = unsafe {
+            (
+                sys::llama_vocab_type(model.vocab()),
+                sys::llama_model_has_decoder(ptr.as_ptr()),
+                sys::llama_model_is_recurrent(ptr.as_ptr()) || sys::llama_model_is_hybrid(ptr.as_ptr()),
+            )
+        };
+        let refused = if vocab_type == sys::LLAMA_VOCAB_TYPE_NONE || model.n_vocab() == 0 {
+            Some("it has no vocabulary (not a language model)")
+        } else if !decoder {
+            Some("it has no decoder (an encoder-only model cannot answer)")
+        } else if recurrent {
+            Some(
+                "recurrent and hybrid models (Mamba, RWKV, LFM2, ...) are not supported: their state cannot be branched at a frame of the history",
+            )
+        } else {
+            None
+        };
+        if let Some(reason) = refused {
+            return Err(Error::File { path: path.to_path_buf(), reason: reason.into() });
+        }
         let opened = file.metadata().map_err(|e| Error::File { path: path.to_path_buf(), reason: e.to_string() })?;
         let same = std::fs::metadata(path).is_ok_and(|now| (now.dev(), now.ino()) == (opened.dev(), opened.ino()));
         if !same {
@@ -209,6 +234,10 @@ impl Model {
 
     /// The bytes of one token, special tokens rendered as their text when `special`.
     pub fn token_piece(&self, token: Token, special: bool) -> Vec<u8> {
+        // (llama.cpp throws, through C and so aborting, on an id outside the vocabulary.)
+        if token < 0 || token as usize >= self.n_vocab() {
+            return vec![];
+        }
         let mut buf = vec![0u8; 64];
         loop {
             // SAFETY: buf/len describe a writable buffer.

@@ -109,7 +109,9 @@ impl Stream {
                 Rebuild::Drop { from, to } => w.ctx.seq_drop(seq, from, to),
                 Rebuild::Append => (),
             }
-            let Some(cache) = lookup.as_ref() else { return Begun::Prefill };
+            // (No restore while a per-sequence copy from this sequence waits for the next
+            // decode: the copy would carry the restored cells along.)
+            let Some(cache) = lookup.as_ref().filter(|_| !w.ctx.copy_pending(seq)) else { return Begun::Prefill };
             let Some(snapshot) = cache.get(&key) else {
                 missed_too.store(true, Ordering::Release);
                 return Begun::Prefill;
