@@ -299,6 +299,10 @@ impl Generation for AlertEvaluation {
         self.send(Err(error));
     }
 
+    fn start_cells(&self) -> usize {
+        self.preparation.start_cells(&self.version)
+    }
+
     fn background(&self) -> bool {
         true
     }

@@ -256,6 +256,14 @@ pub(crate) enum Preparation {
 }
 
 impl Preparation {
+    /// KV cells its start takes at once: an import's history.
+    pub(crate) fn start_cells(&self, version: &Version) -> usize {
+        match self {
+            Preparation::Import(_) => version.cells.max(0) as usize,
+            _ => 0,
+        }
+    }
+
     /// How `engine` gets `version`'s history by `path` (`resident`: it is the stream's engine).
     pub(crate) fn choose(version: &Version, engine: &Engine, path: PreparePath, resident: bool) -> Result<Preparation> {
         Ok(match path {
@@ -480,6 +488,10 @@ impl Generation for Answer {
 
     fn fail(&mut self, error: Error) {
         self.finish(Err(error));
+    }
+
+    fn start_cells(&self) -> usize {
+        self.preparation.start_cells(&self.version)
     }
 
     fn cells_to_end(&self) -> usize {

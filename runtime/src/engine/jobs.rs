@@ -41,6 +41,10 @@ pub(crate) trait Generation: Send {
     fn cells_to_end(&self) -> usize {
         0
     }
+    /// KV cells its start takes at once (a snapshot import), before any prefill.
+    fn start_cells(&self) -> usize {
+        0
+    }
 }
 
 pub(super) type Work = Box<dyn FnOnce(&mut Worker) + Send>;

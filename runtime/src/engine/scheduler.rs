@@ -87,9 +87,15 @@ impl Scheduler {
         }
     }
 
-    /// Start waiting answers while branches are free.
+    /// Start waiting answers while branches are free. (One whose start imports a snapshot waits
+    /// where the unified pool lacks the cells beside the answers decoding and a waiting entry:
+    /// they end and free theirs.)
     fn start_answers(&mut self, w: &mut Worker, shared: &Shared) {
-        while !self.waiting.is_empty() {
+        while let Some((next, _)) = self.waiting.front() {
+            let cells = next.start_cells();
+            if cells > 0 && free_cells(w, &self.active, self.entry_waits).is_some_and(|room| room < cells) {
+                return;
+            }
             let Some(branch) = w.take_branch() else { return };
             let (mut generation, cost) = self.waiting.pop_front().expect("not empty");
             *shared.start_backlog.lock() -= cost;
@@ -167,6 +173,8 @@ impl Scheduler {
             true => w.ctx.n_batch() as usize,
             false => ((self.budget_ms / w.prefill_ms_per_token()) as usize).clamp(MIN_CHUNK, w.ctx.n_batch() as usize),
         };
+        // (As a single prefill chunk: not the cells the answers decoding or a waiting entry need.)
+        let limit = free_cells(w, &self.active, self.entry_waits).map_or(limit, |room| limit.min(room));
         let mut tails = vec![];
         for s in &self.starting {
             let Some(Next::Tokens(tail)) = s.prefill.next() else { break };
@@ -493,20 +501,27 @@ const MIN_CHUNK: usize = 8;
 /// walks the cells in use (measured ~60 ns a cell, `KV_REFRESH_COST_FACTOR`: about 1 ms for 16
 /// CPU streams' histories), only while answers decode in the unified pool.
 fn pool_room(w: &mut Worker, active: &[Active], keep: usize, prefill: &Prefill, want: usize) -> Result<usize, usize> {
-    if !w.ctx.is_unified() || active.is_empty() {
-        return Ok(want);
-    }
-    let kv = w.kv_memory();
-    if kv.cell_bytes == 0 {
-        return Ok(want); // not calibrated: unknown, as before
-    }
-    let kept = keep + active.iter().map(|a| a.generation.cells_to_end()).sum::<usize>();
-    let room = kv.cells.saturating_sub(kv.in_use_bytes.div_ceil(kv.cell_bytes)).saturating_sub(kept);
+    let Some(room) = free_cells(w, active, keep) else { return Ok(want) };
     let fewest = match prefill.next() {
         Some(Next::Whole) => prefill.next_len(),
         _ => MIN_CHUNK.min(prefill.next_len()),
     };
     if room >= fewest { Ok(want.min(room)) } else { Err(fewest) }
+}
+
+/// With the unified pool and answers decoding, the free cells beyond those the answers may still
+/// take and `keep` more ([`pool_room`]); `None` where nothing is counted (per-sequence KV, no
+/// answer decoding, an engine not calibrated yet).
+fn free_cells(w: &mut Worker, active: &[Active], keep: usize) -> Option<usize> {
+    if !w.ctx.is_unified() || active.is_empty() {
+        return None;
+    }
+    let kv = w.kv_memory();
+    if kv.cell_bytes == 0 {
+        return None;
+    }
+    let kept = keep + active.iter().map(|a| a.generation.cells_to_end()).sum::<usize>();
+    Some(kv.cells.saturating_sub(kv.in_use_bytes.div_ceil(kv.cell_bytes)).saturating_sub(kept))
 }
 
 /// Decode the next chunk of `prefill`: about `tokens` inputs (`chunk_len` decides), never more
