@@ -247,6 +247,20 @@ fn a_missing_or_wrong_mmproj_is_an_error_naming_the_file() {
     assert!(e.contains("not a projector"), "{e}");
 }
 
+/// The `vlm-history` messages of `pipeline`, collected as they are posted.
+fn history_messages(pipeline: &gst::Element) -> Arc<Mutex<Vec<gst::Structure>>> {
+    let history = Arc::new(Mutex::new(vec![]));
+    let h = Arc::clone(&history);
+    let bus = pipeline.bus().unwrap();
+    bus.enable_sync_message_emission();
+    bus.connect_sync_message(None, move |_, msg| {
+        if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-history") {
+            h.lock().unwrap().push(s.to_owned());
+        }
+    });
+    history
+}
+
 #[test]
 fn a_full_history_restarts_under_the_policy_and_says_so() {
     let pipeline = launch(
@@ -255,15 +269,7 @@ fn a_full_history_restarts_under_the_policy_and_says_so() {
          ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf context-size=512 history-policy=restart history-keep=2 \
          ! vlmquery name=q max-tokens=4 ! fakesink sync=false filesrc location=pipelines/questions.srt ! subparse ! q.query",
     );
-    let bus = pipeline.bus().unwrap();
-    let history = Arc::new(Mutex::new(vec![]));
-    let h = Arc::clone(&history);
-    bus.enable_sync_message_emission();
-    bus.connect_sync_message(None, move |_, msg| {
-        if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-history") {
-            h.lock().unwrap().push(s.to_owned());
-        }
-    });
+    let history = history_messages(&pipeline);
     // The counters are read before PAUSED→READY, which starts them again at zero.
     let run = run_to_eos(&pipeline, 240);
     let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
@@ -401,15 +407,7 @@ fn a_slide_caused_by_a_committed_answer_is_counted_and_announced() {
          filesrc location={} ! subparse ! q.query",
         srt.display()
     ));
-    let history = Arc::new(Mutex::new(vec![]));
-    let h = Arc::clone(&history);
-    let bus = pipeline.bus().unwrap();
-    bus.enable_sync_message_emission();
-    bus.connect_sync_message(None, move |_, msg| {
-        if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-history") {
-            h.lock().unwrap().push(s.to_owned());
-        }
-    });
+    let history = history_messages(&pipeline);
     let run = run_to_eos(&pipeline, 240);
     let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
     let counted = ctx.property::<u64>("history-slides") + ctx.property::<u64>("history-restarts");

@@ -430,7 +430,9 @@ impl Link {
                 loop {
                     match eventloop.poll().await {
                         Ok(Event::Outgoing(Outgoing::Disconnect)) | Err(_) => break,
-                        Ok(event) => drop(self.on_event(event)),
+                        Ok(event) => {
+                            self.on_event(event);
+                        }
                     }
                 }
             };

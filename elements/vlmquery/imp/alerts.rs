@@ -344,9 +344,14 @@ impl VlmQuery {
             // (Looked up here, not on the evaluations' threads: a warning that the model has no
             // yes/no tokens is posted by this thread, which a stop from a sync bus handler on it
             // does not wait for.)
-            let yes_no: Vec<_> = taken.iter().map(|(stream, _)| self.yes_no(stream)).collect();
+            let mut yes_no: Vec<_> = taken
+                .iter()
+                .map(|(stream, _)| if specs.is_empty() { Err(String::new()) } else { self.yes_no(stream) })
+                .collect();
             let results: Vec<_> = match &taken[..] {
-                [(stream, frame)] => vec![self.evaluate_frame(stream, *frame, &specs, yes_no[0].clone(), &cancel)],
+                [(stream, frame)] => {
+                    vec![self.evaluate_frame(stream, *frame, &specs, yes_no.pop().expect("one"), &cancel)]
+                }
                 _ => std::thread::scope(|scope| {
                     let handles: Vec<_> = taken
                         .iter()
