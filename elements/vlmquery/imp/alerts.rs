@@ -375,6 +375,8 @@ impl VlmQuery {
             for ((stream, frame), result) in taken.into_iter().zip(results) {
                 match result {
                     _ if cancel.load(Ordering::Acquire) || st.flushing => (),
+                    // (The stream closed while its frame was awaited: a camera gone, nothing to say.)
+                    Err(vlm_runtime::Error::Cancelled) => (),
                     Ok(evaluations) => {
                         posts.extend(self.record(&mut st, &stream, frame, &specs, evaluations, &mut warnings))
                     }
