@@ -71,5 +71,6 @@ if [ "${GST:-0}" = 1 ]; then
     cp bench/gpu-machine/gst.sh "$out/"
 fi
 git rev-parse --short HEAD > "$out/BUILT_FROM"
-cp bench/gpu-machine/setup.sh bench/gpu-machine/prepare-ab.sh bench/gpu-machine/save-cuda.sh bench/gpu-machine/w1-memory.sh "$out/"
+cp bench/gpu-machine/setup.sh bench/gpu-machine/prepare-ab.sh bench/gpu-machine/save-cuda.sh bench/gpu-machine/w1-memory.sh \
+    bench/gpu-machine/h200-gate.sh bench/gpu-machine/endurance-32.sh "$out/"
 du -sh "$out"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On the GPU machine (the folder `GST=1 pack.sh` filled), from the repository root, as one
+# call: set-up (`setup.sh`: the CUDA libraries, ~350 s on 16 cores, and the SmolVLM-500M timing
+# pair), GStreamer (`gst.sh`), then
+# issue 29's gate scenes with SmolVLM-500M on the GPU (docs/benchmarks.md, "The change gate and
+# tile reuse": gate off against on in one run). Stops at once on a card other than an H200
+# unless ANY_GPU=1 (the H100 figures exist). JSON and logs under $OUT.
+set -u
+D=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+if [ "${ANY_GPU:-0}" != 1 ] && ! grep -q H200 "$out/gpu.txt"; then
+    echo "not an H200: stopping"
+    exit 3
+fi
+. "$D/setup.sh" || exit 1
+. "$D/gst.sh"
+t=$(date +%s)
+gate_scenes --seconds 60 --model models/timing/smolvlm-500m-lm.gguf --mmproj models/timing/smolvlm-500m-mmproj.gguf \
+    --json "$out/gate-scenes-smolvlm500m.json" > "$out/gate-scenes.log" 2>&1
+echo "[gate scenes] rc $?, $(( $(date +%s) - t )) s"
+grep -E "^\|" "$out/gate-scenes.log"
