@@ -322,8 +322,11 @@ fn null_from_the_application_and_from_an_alert_handler_at_once_both_return() {
     let (go, stop_now) = mpsc::channel::<()>();
     let (pipeline, _q, handler_stopped) = on_first_alert(move |p| {
         let _ = go.send(());
-        // (The application's stop is under way meanwhile, holding the pipeline's state lock.)
-        std::thread::sleep(Duration::from_millis(500));
+        // Once the application's stop is under way (it holds the pipeline's state lock).
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while p.pending_state() != gst::State::Null && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+        }
         p.set_state(gst::State::Null).is_ok()
     });
     pipeline.set_state(gst::State::Playing).unwrap();

@@ -1,6 +1,7 @@
 //! The vision encoder of `vlmencode`: the projector, loaded on a thread of its own (the
-//! encoding task waits for it, a `leaky` element lets frames pass meanwhile), the language model asked of downstream when `model` is unset; each
-//! due frame encoded (or taken from the cache) and its embeddings attached as meta.
+//! encoding task waits for it, a `leaky` element lets frames pass meanwhile), the language model
+//! asked of downstream when `model` is unset; each due frame encoded (or taken from the cache)
+//! and its embeddings attached as meta.
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -173,8 +173,6 @@ impl Scheduler {
             true => w.ctx.n_batch() as usize,
             false => ((self.budget_ms / w.prefill_ms_per_token()) as usize).clamp(MIN_CHUNK, w.ctx.n_batch() as usize),
         };
-        // (As a single prefill chunk: not the cells the answers decoding or a waiting entry need.)
-        let limit = free_cells(w, &self.active, self.entry_waits).map_or(limit, |room| limit.min(room));
         let mut tails = vec![];
         for s in &self.starting {
             let Some(Next::Tokens(tail)) = s.prefill.next() else { break };
@@ -187,6 +185,13 @@ impl Scheduler {
                 break;
             }
             tails.push(tail);
+        }
+        // (As a single prefill chunk: not the cells the answers decoding or a waiting entry need;
+        // counted only where there is a batch to cut.)
+        if tails.len() >= 2
+            && let Some(room) = free_cells(w, &self.active, self.entry_waits)
+        {
+            while tails.iter().sum::<usize>() > room && tails.pop().is_some() {}
         }
         if tails.len() < 2 {
             return false;
