@@ -304,6 +304,33 @@ fn video_leaves_vlmquery_and_textoverlay_draws_answers_with_its_defaults() {
 }
 
 #[test]
+fn video_without_buffer_durations_goes_through_textoverlay() {
+    // A camera whose decoder leaves durations unset (RTSP without timing, appsrc with PTS only):
+    // a frame lasts one frame of the caps' rate, as textoverlay counts it, so the text pad's GAP
+    // reaches past its start and textoverlay (wait-text=true) lets it through. (The text pad
+    // ended at the frame's start before: textoverlay, with no queue before its video pad to
+    // let the next frame come, waited there for good, at the first frame.)
+    let pipeline = launch(&format!(
+        "{SOURCE} ! vlmquery name=q max-tokens=6 \
+         q.video_src ! o.video_sink q.src ! queue ! o.text_sink \
+         textoverlay name=o ! fakesink name=out sync=false"
+    ));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    bin.by_name("q").unwrap().static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, |_, info| {
+        if let Some(gst::PadProbeData::Buffer(b)) = info.data.as_mut() {
+            b.make_mut().set_duration(gst::ClockTime::NONE);
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let frames = count_buffers(bin, "out");
+    let (run, ids) = run_asking(&pipeline, |n| if n == 3 { vec!["What is it?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(ids.lock().unwrap()[0].is_some());
+    assert_eq!(run.answers.len(), 1);
+    assert_eq!(*frames.lock().unwrap(), 60, "every video frame went through textoverlay");
+}
+
+#[test]
 fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
     // A question longer than the 512-cell context fails: nothing is drawn, but the text pad
     // still covers the answer's display time (5 s, past the 2 s of video) with a GAP, so

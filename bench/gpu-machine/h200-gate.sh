@@ -3,7 +3,8 @@
 # call: set-up (`setup.sh`: the CUDA libraries, ~350 s on 16 cores, and the SmolVLM-500M timing
 # pair), GStreamer (`gst.sh`), then
 # issue 29's gate scenes with SmolVLM-500M on the GPU (docs/benchmarks.md, "The change gate and
-# tile reuse": gate off against on in one run). Stops at once on a card other than an H200
+# tile reuse": gate off against on in one run), then the CUDA libraries in 15 MiB parts as
+# save-cuda.sh does (SAVE_CUDA=0: not). Stops at once on a card other than an H200
 # unless ANY_GPU=1 (the H100 figures exist). JSON and logs under $OUT.
 set -u
 D=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -21,3 +22,9 @@ gate_scenes --seconds 60 --model models/timing/smolvlm-500m-lm.gguf --mmproj mod
     --json "$out/gate-scenes-smolvlm500m.json" > "$out/gate-scenes.log" 2>&1
 echo "[gate scenes] rc $?, $(( $(date +%s) - t )) s"
 grep -E "^\|" "$out/gate-scenes.log"
+# The CUDA libraries built above, for the next machine (save-cuda.sh; SAVE_CUDA=0: not).
+if [ "${SAVE_CUDA:-1}" = 1 ]; then
+    t=$(date +%s)
+    tar cf - -C /tmp/cuda/build/bin . | xz -T0 -6 | split -b 15M - "$out/cuda-libs.tar.xz.part-"
+    echo "[cuda libraries saved] $(( $(date +%s) - t )) s, $(cat "$out"/cuda-libs.tar.xz.part-* | wc -c) bytes"
+fi

@@ -174,6 +174,8 @@ struct Video {
     /// Timestamp (in the video segment) of the newest video buffer, and where it ends.
     pts: Option<gst::ClockTime>,
     end: Option<gst::ClockTime>,
+    /// One frame at the caps' frame rate (none for a variable rate).
+    frame_duration: Option<gst::ClockTime>,
     /// A new segment came and no timed frame of it yet: `pts` and `end` are the old segment's
     /// (no GAP is sent from them).
     between_segments: bool,
@@ -396,7 +398,8 @@ impl VlmQuery {
         let old = std::mem::take(&mut *shared);
         *shared = Shared {
             stats: old.stats,
-            video: Video { stream: old.video.stream, ..Video::default() },
+            // (The caps stay: a sticky event is not sent again after a flush.)
+            video: Video { stream: old.video.stream, frame_duration: old.video.frame_duration, ..Video::default() },
             query_segment: old.query_segment,
             query_markup: old.query_markup,
             query_eos: old.query_eos,

@@ -374,7 +374,10 @@ impl VlmQuery {
         shared.video.untimed = rt.is_none();
         if let Some(pts) = buffer.pts() {
             shared.video.pts = Some(pts);
-            shared.video.end = Some(pts.saturating_add(buffer.duration().unwrap_or(gst::ClockTime::ZERO)));
+            // A frame without a duration lasts one frame of the caps' rate, or a nanosecond, as
+            // textoverlay counts it: it waits for text up to there.
+            let duration = buffer.duration().or(shared.video.frame_duration).unwrap_or(gst::ClockTime::NSECOND);
+            shared.video.end = Some(pts.saturating_add(duration));
             shared.video.between_segments = false;
         }
         // The oldest answer not yet on a video buffer rides on this one.
@@ -483,6 +486,13 @@ impl VlmQuery {
             return true;
         }
         match event.view() {
+            EventView::Caps(c) => {
+                let rate = c.caps().structure(0).and_then(|s| s.get::<gst::Fraction>("framerate").ok());
+                self.shared.lock().video.frame_duration = rate
+                    .filter(|r| r.numer() > 0 && r.denom() > 0)
+                    .and_then(|r| gst::ClockTime::SECOND.mul_div_floor(r.denom() as u64, r.numer() as u64));
+                self.video_srcpad.push_event(event)
+            }
             // A new segment without a flush (concat, a non-flushing seek): the text pad follows
             // it, and its position starts again in the new segment's time.
             EventView::Segment(s) => {
