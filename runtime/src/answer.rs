@@ -179,7 +179,8 @@ pub fn snapshot(version: &Version) -> Result<Arc<Snapshot>> {
     let cells = version.cells as usize;
     let (engine, seq) = stream.home();
     engine.call(move |w| {
-        if !stream.retain() || stream.resident_epoch() != epoch {
+        // (A closed stream gave its sequence back: -1 would export every sequence.)
+        if !stream.retain() || stream.resident_epoch() != epoch || seq < 0 {
             return Err(Error::Engine("the version is no longer resident: replay it instead".into()));
         }
         let started = Instant::now();
@@ -300,9 +301,11 @@ impl Preparation {
         let stream = &version.stream;
         let prep = Instant::now();
         let suffix = Entry::Text(suffix.into());
-        let (path, entries) = match self {
-            Preparation::Branch if stream.resident_epoch() == version.epoch => {
-                let seq = stream.home().1;
+        // (None where the stream was closed: its sequence is given back, -1 until the job that
+        // ends its residence runs.)
+        let resident = (stream.resident_epoch() == version.epoch).then(|| stream.home().1).filter(|&seq| seq >= 0);
+        let (path, entries) = match (self, resident) {
+            (Preparation::Branch, Some(seq)) => {
                 w.ctx.seq_copy_prefix(seq, branch, version.end);
                 let origin = Origin { seq, epoch: version.epoch, end: version.end };
                 let prefill = Prefill::new(branch, version.end, [suffix], true, w.frame_rows());
@@ -310,7 +313,7 @@ impl Preparation {
             }
             // (Not while a per-sequence copy waits for the next decode: it would land on the
             // imported cells. Replayed instead.)
-            Preparation::Import(snapshot) if !w.ctx.copy_pending(branch) => {
+            (Preparation::Import(snapshot), _) if !w.ctx.copy_pending(branch) => {
                 w.ctx.seq_restore(branch, &snapshot.bytes)?;
                 w.ctx.seq_truncate(branch, version.end);
                 w.record(Stage::Import, version.cells as usize, ms(prep.elapsed()));
@@ -318,7 +321,7 @@ impl Preparation {
             }
             // The baseline, a replay on another engine, or a version of an older epoch:
             // rebuild the history from its frames.
-            Preparation::Branch | Preparation::Replay | Preparation::Import(_) => {
+            (Preparation::Branch | Preparation::Replay | Preparation::Import(_), _) => {
                 w.ctx.seq_clear(branch);
                 let mut entries = stream.replay_entries(&version.history);
                 entries.push(suffix);

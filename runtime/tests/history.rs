@@ -196,6 +196,32 @@ fn a_closed_stream_gives_its_sequence_back_while_a_reader_holds_it() {
     drop(b);
 }
 
+/// An answer over a closed stream's version that starts before the job ending its residence
+/// (queued behind the engine's work) replays it: the stream's sequence is given back (-1), and
+/// branching from it aborted the process in llama.cpp (`seq_id_src >= 0`).
+#[test]
+fn an_answer_starting_right_after_its_stream_closed_replays() {
+    let engine = engine("cpu");
+    let enc = encoder();
+    let never = Arc::new(AtomicBool::new(false));
+    let a = open(&engine, "a", true);
+    for v in 0..2 {
+        a.register(frame(&enc, v), &never).unwrap();
+    }
+    let version = a.wait_version(2, &never).unwrap();
+    let resident = answer(&version, &question("What changed?", 10), &never, |_| {}).unwrap();
+    assert_eq!(resident.path, PreparePath::Resident);
+    let (release, holder) = hold(&engine);
+    a.close();
+    let asked = std::thread::spawn(move || answer(&version, &question("What changed?", 10), &never, |_| {}));
+    std::thread::sleep(Duration::from_millis(300)); // (queued before the held engine goes on)
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    let after = asked.join().unwrap().unwrap();
+    assert_eq!(after.path, PreparePath::Replay);
+    assert_eq!(after.text, resident.text);
+}
+
 /// A restart asked to keep more frames than the context holds keeps what leaves a quarter of it
 /// free, so the frames after it join the history (it restarted on every frame: each re-prefilled
 /// the whole context).
