@@ -158,6 +158,45 @@ fn a_question_does_not_wait_for_the_previous_answer() {
     );
 }
 
+/// A question cancelled while it waits for a branch (the only one is taken by a long answer)
+/// ends at once with `Cancelled`, not when the long answer ends and frees it.
+#[test]
+fn a_question_cancelled_while_it_waits_for_a_branch_ends_at_once() {
+    let _alone = serial();
+    let config = EngineConfig { name: "cpu".into(), max_branches: 1, ..EngineConfig::default() };
+    let engine = Engine::start(&model_path(), config).unwrap();
+    let enc = encoder();
+    let stream = open(&engine, "s", true);
+    stream.register(frame(&enc, 0), &AtomicBool::new(false)).unwrap();
+    let version = stream.wait_version(1, &AtomicBool::new(false)).unwrap();
+    let long_done = AtomicBool::new(false);
+    let (version, long_done) = (&version, &long_done);
+    std::thread::scope(|scope| {
+        let (first, first_token) = std::sync::mpsc::channel();
+        let long = scope.spawn(move || {
+            let never = Arc::new(AtomicBool::new(false));
+            let report = answer(version, &exact("Describe the picture.", 400), &never, move |_| {
+                let _ = first.send(());
+            });
+            long_done.store(true, std::sync::atomic::Ordering::Release);
+            report
+        });
+        first_token.recv().unwrap();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let asked = Arc::clone(&cancel);
+        let waiting = scope.spawn(move || answer(version, &exact("What is it?", 4), &asked, |_| {}));
+        std::thread::sleep(Duration::from_millis(100));
+        cancel.store(true, std::sync::atomic::Ordering::Release);
+        let cancelled = waiting.join().unwrap();
+        assert!(matches!(cancelled, Err(vlm_runtime::Error::Cancelled)), "{cancelled:?}");
+        assert!(
+            !long_done.load(std::sync::atomic::Ordering::Acquire),
+            "the cancelled question ended only after the answer holding the branch"
+        );
+        assert_eq!(long.join().unwrap().unwrap().tokens, 400);
+    });
+}
+
 /// Chunked, batched ingestion of two streams at once gives each stream exactly the history a
 /// whole-frame replay gives: the retained answers equal the re-prefill baseline's.
 #[test]

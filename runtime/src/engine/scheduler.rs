@@ -91,6 +91,20 @@ impl Scheduler {
     /// where the unified pool lacks the cells beside the answers decoding and a waiting entry:
     /// they end and free theirs.)
     fn start_answers(&mut self, w: &mut Worker, shared: &Shared) {
+        // A question cancelled while it waits ends now, not once a branch or the pool's room
+        // lets it start (a flush or a stop waits for its answer).
+        let mut cancelled = 0.0;
+        self.waiting.retain_mut(|(generation, cost)| {
+            let keep = !generation.cancelled();
+            if !keep {
+                generation.fail(Error::Cancelled);
+                cancelled += *cost;
+            }
+            keep
+        });
+        if cancelled > 0.0 {
+            *shared.start_backlog.lock() -= cancelled;
+        }
         while let Some((next, _)) = self.waiting.front() {
             let cells = next.start_cells();
             if cells > 0 && free_cells(w, &self.active, self.entry_waits).is_some_and(|room| room < cells) {
