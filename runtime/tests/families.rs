@@ -499,6 +499,38 @@ fn the_non_causal_refusal_follows_libmtmds_answer_for_the_projector() {
     }
 }
 
+/// An image (decoded by libmtmd's helper, in batches) that finds no room in the unified pool is
+/// refused as `PoolFull`, which the scheduler waits on, with none of its batches left behind, so
+/// it can be decoded whole again later (it was an engine error: the stream failed for good).
+#[test]
+fn an_image_without_room_in_the_unified_pool_waits_and_leaves_nothing_behind() {
+    let (lm, mmproj) = pair("qwen2vl");
+    let _serial = serial();
+    let (model, enc) = encoder(&lm, &mmproj);
+    let f = frame(&enc, 0);
+    let image = images(&f)[0];
+    let rows = image.rows;
+    let params = ContextParams {
+        n_ctx_per_seq: 512,
+        n_seq: 1,
+        n_batch: (rows as u32).div_ceil(2),
+        threads: 1,
+        kv_unified: Some(512),
+        kv_type: Default::default(),
+        flash_attention: false,
+    };
+    let mut ctx = Context::new(Arc::clone(&model), &params).unwrap();
+    // Room for the image's first batch, not for its second.
+    let fill = ctx.n_ctx() - rows * 3 / 4;
+    let tokens = vec![1; fill];
+    ctx.decode_tokens(&tokens, 0, 0, false).unwrap();
+    let err = ctx.decode_image(image, fill as i32, 0).expect_err("no room");
+    assert!(matches!(err, Error::PoolFull(_)), "{err}");
+    assert_eq!(ctx.seq_pos_max(0), fill as i32 - 1, "the batch that fitted was left in the pool");
+    ctx.seq_truncate(0, fill as i32 - rows as i32);
+    assert!(ctx.decode_image(image, fill as i32 - rows as i32, 0).is_ok(), "fits once cells are free");
+}
+
 /// libmtmd's helper would cut a non-causal image into batches of n_batch silently.
 #[test]
 fn a_non_causal_image_larger_than_the_batch_is_refused() {

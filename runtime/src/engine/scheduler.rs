@@ -372,6 +372,7 @@ impl Scheduler {
     }
 
     fn finish(&mut self, w: &mut Worker, shared: &Shared, index: usize, result: Result<i32>) {
+        self.entry_waits = 0; // (what the front ingestion waited for: it has ended)
         if let Some(Ordered::Ingest(ing)) = self.ordered.remove(index) {
             let mut backlog = shared.ingest_backlog.lock();
             backlog.0 -= 1;

@@ -373,6 +373,17 @@ impl Context {
             sys::llama_synchronize(self.ptr.as_ptr());
             rc
         };
+        // No room in the unified pool, as for a batch of rows ([`Context::decode`]): the image's
+        // batches decoded before the one that found none are taken out, so that it can be
+        // decoded whole again once answers free their cells.
+        if rc == 1 && self.unified {
+            self.seq_truncate(seq, pos);
+            return Err(Error::PoolFull(format!(
+                "the unified KV pool ({} cells) has no room for an image of {} inputs at position {pos} of sequence {seq}",
+                self.n_ctx(),
+                image.rows
+            )));
+        }
         if rc != 0 {
             return Err(Error::Engine(format!(
                 "decoding image embeddings failed ({rc}) at position {pos} of sequence {seq}{}",
