@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use common::*;
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
-use vlm_runtime::{Engine, EngineConfig, Error, PreparePath, Stream, StreamConfig};
+use vlm_runtime::{Engine, EngineConfig, Error, KvLayout, PreparePath, Stream, StreamConfig};
 use vlm_runtime::{answer_frame, answer_on, answer_placed};
 
 /// The placer compares measured rates: tests running side by side would skew each other's
@@ -317,4 +317,49 @@ fn a_snapshot_is_not_restored_where_a_kv_copy_waits_for_the_next_decode() {
     // Once a decode has run, the restore is taken.
     ctx.seq_clear(1);
     ctx.seq_restore(1, &snapshot).expect("restored after a decode");
+}
+
+/// Imports admitted at once into a unified pool with room for one at a time: each waits for the
+/// one before it to end and free its cells (with no answer decoding, nothing was counted: the
+/// third's snapshot found no room and its answer failed).
+#[test]
+fn imports_that_fit_the_unified_pool_one_at_a_time_wait_for_each_other() {
+    let _serial = serial();
+    // (Snapshots move between engines of one layout.)
+    let unified = |name: &str| EngineConfig {
+        name: name.into(),
+        threads: 1,
+        context_per_sequence: 1024,
+        max_streams: 1,
+        max_branches: 3,
+        answer_cells: 64,
+        kv_layout: KvLayout::Unified,
+        flash_attention: true,
+        ..EngineConfig::default()
+    };
+    let a = Engine::start(&model_path(), unified("a")).unwrap();
+    let b = Engine::start(&model_path(), unified("b")).unwrap(); // a pool of (1 + 1) x 1024 + 3 x 64 cells
+    let enc = encoder();
+    let s = stream_on(&a, &[&a, &b], "s", 4, true);
+    for v in 0..22 {
+        s.register(frame(&enc, v), &never()).unwrap();
+    }
+    let version = s.wait_version(22, &never()).unwrap();
+    assert!(version.cells > 700 && 3 * version.cells > 2240, "{} cells", version.cells);
+    let (release, holder) = hold(&b);
+    let asked: Vec<_> = (0..3)
+        .map(|_| {
+            let (version, b) = (version.clone(), Arc::clone(&b));
+            std::thread::spawn(move || {
+                answer_on(&version, &question("Describe it.", 4), &b, PreparePath::Import, &never(), |_| {})
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(300)); // (all three queued on b)
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    for answer in asked {
+        let report = answer.join().unwrap().expect("each import waits for room");
+        assert_eq!(report.path, PreparePath::Import);
+    }
 }

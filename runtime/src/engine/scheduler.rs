@@ -106,8 +106,11 @@ impl Scheduler {
             *shared.start_backlog.lock() -= cancelled;
         }
         while let Some((next, _)) = self.waiting.front() {
+            // (Counted while answers decode or start: an import started before this one holds
+            // its cells from its start on, and they end and free them.)
             let cells = next.start_cells();
-            if cells > 0 && free_cells(w, &self.active, self.entry_waits).is_some_and(|room| room < cells) {
+            let others = !self.active.is_empty() || !self.starting.is_empty();
+            if cells > 0 && others && pool_free(w, &self.active, self.entry_waits).is_some_and(|room| room < cells) {
                 return;
             }
             let Some(branch) = w.take_branch() else { return };
@@ -533,7 +536,15 @@ fn pool_room(w: &mut Worker, active: &[Active], keep: usize, prefill: &Prefill, 
 /// take and `keep` more ([`pool_room`]); `None` where nothing is counted (per-sequence KV, no
 /// answer decoding, an engine not calibrated yet).
 fn free_cells(w: &mut Worker, active: &[Active], keep: usize) -> Option<usize> {
-    if !w.ctx.is_unified() || active.is_empty() {
+    if active.is_empty() {
+        return None;
+    }
+    pool_free(w, active, keep)
+}
+
+/// [`free_cells`], counted with no answer decoding too.
+fn pool_free(w: &mut Worker, active: &[Active], keep: usize) -> Option<usize> {
+    if !w.ctx.is_unified() {
         return None;
     }
     let kv = w.kv_memory();
