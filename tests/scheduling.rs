@@ -331,6 +331,41 @@ fn video_without_buffer_durations_goes_through_textoverlay() {
 }
 
 #[test]
+fn the_text_pads_segment_is_open_ended_after_a_seek_with_a_stop() {
+    // A seek with a stop: an answer completing after the video's last frame starts at the
+    // segment's stop, where a sink drops a buffer of a segment that ends there (vlmpublish and
+    // filesink lose the line). The text pad takes the video's segment without its stop.
+    let pipeline = launch(&format!("{SOURCE} ! vlmquery name=q max-tokens=4 ! fakesink name=text sync=false"));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let stops = Arc::new(Mutex::new(vec![]));
+    let s2 = Arc::clone(&stops);
+    bin.by_name("text").unwrap().static_pad("sink").unwrap().add_probe(
+        gst::PadProbeType::EVENT_DOWNSTREAM,
+        move |_, info| {
+            if let Some(gst::EventView::Segment(s)) = info.event().map(|e| e.view()) {
+                let segment = s.segment().downcast_ref::<gst::ClockTime>().unwrap();
+                s2.lock().unwrap().push(segment.stop());
+            }
+            gst::PadProbeReturn::Ok
+        },
+    );
+    pipeline.set_state(gst::State::Paused).unwrap();
+    let (changed, _, _) = pipeline.state(gst::ClockTime::from_seconds(120));
+    assert!(changed.is_ok(), "prerolled");
+    let flags = gst::SeekFlags::FLUSH | gst::SeekFlags::ACCURATE;
+    let stop = gst::ClockTime::from_mseconds(1500);
+    pipeline.seek(1.0, flags, gst::SeekType::Set, gst::ClockTime::ZERO, gst::SeekType::Set, stop).unwrap();
+    let asked = std::sync::atomic::AtomicBool::new(false);
+    let once = move |n: u64| n >= 2 && !asked.swap(true, std::sync::atomic::Ordering::AcqRel);
+    let (run, _) = run_asking(&pipeline, move |n| if once(n) { vec!["What is it?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert_eq!(run.answers.len(), 1);
+    let stops = stops.lock().unwrap();
+    assert!(stops.len() >= 2, "a segment after the seek: {stops:?}");
+    assert!(stops.iter().all(Option::is_none), "the text pad's segment ends: {stops:?}");
+}
+
+#[test]
 fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
     // A question longer than the 512-cell context fails: nothing is drawn, but the text pad
     // still covers the answer's display time (5 s, past the 2 s of video) with a GAP, so

@@ -406,6 +406,9 @@ impl VlmQuery {
             query_busy: old.query_busy,
             query_flushing: old.query_flushing,
             recent_ids: old.recent_ids,
+            // (Stream start and caps are sticky: not sent again after a flush, the segment is.)
+            text_pad: PadStarted { started: old.text_pad.started, segment_sent: false },
+            cue_pad: PadStarted { started: old.cue_pad.started, segment_sent: false },
             ..Shared::default()
         };
     }
@@ -739,6 +742,9 @@ impl ObjectImpl for VlmQuery {
     }
 
     fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
+        if crate::refused_while_running(self.obj().upcast_ref(), pspec) {
+            return;
+        }
         if self.set_alert_property(pspec.name(), value) {
             return;
         }

@@ -574,7 +574,12 @@ impl VlmQuery {
     fn ensure_started(&self, pad: &gst::Pad, name: &str, state: impl Fn(&mut Shared) -> &mut PadStarted) {
         let (start, segment) = {
             let mut shared = self.shared.lock();
-            let segment = shared.video.segment.clone().unwrap_or_default();
+            let mut segment = shared.video.segment.clone().unwrap_or_default();
+            // Open-ended: an answer completing after the video's last frame starts at the
+            // segment's stop, where a sink would drop it (a seek with a stop, a file's duration).
+            if segment.rate() > 0.0 {
+                segment.set_stop(gst::ClockTime::NONE);
+            }
             let flags = state(&mut shared);
             if flags.started && flags.segment_sent {
                 return;
@@ -584,7 +589,18 @@ impl VlmQuery {
             (start, segment)
         };
         if start {
-            pad.push_event(gst::event::StreamStart::new(&format!("{}/{name}", self.obj().name())));
+            // A sparse stream of the video's group, its id the video's with the pad's name after
+            // it (as `gst_pad_create_stream_id` makes it for an element of one sink pad).
+            let video = self.sinkpad.sticky_event::<gst::event::StreamStart>(0);
+            let id = match &video {
+                Some(v) => format!("{}/{name}", v.stream_id()),
+                None => format!("{}/{name}", self.obj().name()),
+            };
+            let mut event = gst::event::StreamStart::builder(&id).flags(gst::StreamFlags::SPARSE);
+            if let Some(group) = video.and_then(|v| v.group_id()) {
+                event = event.group_id(group);
+            }
+            pad.push_event(event.build());
             pad.push_event(gst::event::Caps::new(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
         }
         pad.push_event(gst::event::Segment::new(&segment));
