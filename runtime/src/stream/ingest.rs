@@ -113,8 +113,8 @@ impl Stream {
             // decode: the copy would carry the restored cells along; nor in a unified pool whose
             // answers still read the cells it replaces: the whole history would take new cells
             // at once, past the room the answers keep, where a prefill waits for it.)
-            let restorable = !w.ctx.copy_pending(seq) && !(w.ctx.is_unified() && w.ctx.shares_cells(seq));
-            let Some(cache) = lookup.as_ref().filter(|_| restorable) else { return Begun::Prefill };
+            let held = w.ctx.copy_pending(seq) || (w.ctx.is_unified() && w.ctx.shares_cells(seq));
+            let Some(cache) = lookup.as_ref().filter(|_| !held) else { return Begun::Prefill };
             let Some(snapshot) = cache.get(&key) else {
                 missed_too.store(true, Ordering::Release);
                 return Begun::Prefill;
