@@ -187,6 +187,8 @@ struct StreamPads {
     stream: Mutex<Option<Arc<Stream>>>,
     /// Set while flushing or stopping: unblocks a chain function waiting for backpressure.
     cancel: AtomicBool,
+    /// Its stream was refused for want of a free sequence, and said so (once until it opens).
+    refused: AtomicBool,
     stats: Mutex<Stats>,
 }
 
@@ -399,6 +401,7 @@ impl ElementImpl for VlmContext {
             src: src.clone(),
             stream: Mutex::new(None),
             cancel: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
             stats: Mutex::default(),
         });
         pads.push(entry);

@@ -82,6 +82,24 @@ impl VlmContext {
             peers: engines,
             slide_wait: vlm_runtime::DEFAULT_SLIDE_WAIT,
         };
+        // Every engine holds its `max-streams`: this camera is refused, not the pipeline ended
+        // (its frames pass without joining a history; a sequence another stream gives back
+        // opens it at a later frame).
+        if config.peers.iter().all(|e| e.stream_slots().1 == 0) {
+            if !pads.refused.swap(true, Ordering::AcqRel) {
+                let (used, free) = engine.stream_slots();
+                gst::element_imp_warning!(
+                    self,
+                    gst::ResourceError::Busy,
+                    (
+                        "{}: no stream sequence is free on the engines (max-streams={} each): its frames pass without joining a history until another stream closes",
+                        pads.sink.name(),
+                        used + free
+                    )
+                );
+            }
+            return Ok(None);
+        }
         let stream = Stream::open(&engine, prompt, config).map_err(|e| {
             gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])
         })?;
@@ -96,6 +114,7 @@ impl VlmContext {
             }
         }));
         *pads.stream.lock() = Some(Arc::clone(&stream));
+        pads.refused.store(false, Ordering::Release);
         Ok(Some(stream))
     }
 
@@ -116,13 +135,16 @@ impl VlmContext {
         }
         let frame = buffer.meta::<VlmFrameMeta>().and_then(|m| m.frame().cloned());
         if let Some(frame) = frame {
-            let stream = self
-                .stream(pads)
-                .map_err(|e| {
-                    self.post_error_message(e);
-                    gst::FlowError::Error
-                })?
-                .ok_or(gst::FlowError::Flushing)?;
+            let opened = self.stream(pads).map_err(|e| {
+                self.post_error_message(e);
+                gst::FlowError::Error
+            })?;
+            let Some(stream) = opened else {
+                if pads.cancel.load(Ordering::Acquire) {
+                    return Err(gst::FlowError::Flushing);
+                }
+                return pads.src.push(buffer); // refused: no sequence is free
+            };
             let lag = stream.lag();
             self.update_stats(pads, |stats| stats.max_lag_ms = stats.max_lag_ms.max(lag.ms));
             match stream.register(frame, &pads.cancel) {
@@ -259,7 +281,8 @@ impl VlmContext {
                     Ok(Some(stream)) => {
                         forwarded && pads.src.push_event(StreamEvent::event(stream.id(), stream.name()))
                     }
-                    Ok(None) => false,
+                    // (Refused for want of a sequence, or flushing.)
+                    Ok(None) => forwarded,
                     Err(e) => {
                         self.post_error_message(e);
                         false
