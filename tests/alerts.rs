@@ -107,6 +107,38 @@ fn check_sequence(alerts: &[gst::Structure]) -> HashMap<(String, String), Vec<bo
 }
 
 #[test]
+fn json_lines_of_answers_and_alerts_are_stamped_in_order_at_their_own_times() {
+    // Captions (answers) and alert changes as JSON lines on one pad: the PTS never go back, and
+    // each line is stamped within the video (a JSON answer moved the pad `answer-duration`, 5 s,
+    // ahead: the next alert line was stamped there, past the video's end, and the answer after
+    // it back at its frame).
+    let pipeline = launch(&format!(
+        "videotestsrc pattern=ball num-buffers={FRAMES} ! video/x-raw,width=96,height=96,framerate=5/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 min-change=0 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q output-format=json max-tokens=4 caption-prompt=\"What is it?\" caption-interval=400000000 \
+           alerts=\"ball:Is there a ball in the picture?;dark:Is the picture dark?\" ! fakesink sync=false"
+    ));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let lines = Arc::new(Mutex::new(vec![]));
+    let l2 = Arc::clone(&lines);
+    bin.by_name("q").unwrap().static_pad("src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        let b = info.buffer().unwrap();
+        let text = String::from_utf8(b.map_readable().unwrap().to_vec()).unwrap();
+        l2.lock().unwrap().push((b.pts().unwrap(), text));
+        gst::PadProbeReturn::Ok
+    });
+    let run = run_for(&pipeline, 300);
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let lines = lines.lock().unwrap();
+    let kinds = |t: &str| lines.iter().filter(|(_, l)| l.contains(&format!("\"type\":\"{t}\""))).count();
+    assert!(kinds("alert") >= 2 && lines.len() > kinds("alert"), "answers and alerts: {lines:?}");
+    assert!(lines.windows(2).all(|w| w[0].0 <= w[1].0), "PTS went back: {lines:?}");
+    let end = gst::ClockTime::from_mseconds(200 * FRAMES);
+    assert!(lines.iter().all(|(pts, _)| *pts <= end), "stamped past the video's end ({end}): {lines:?}");
+}
+
+#[test]
 fn each_streams_first_state_and_every_change_are_posted_once_on_the_bus_and_as_json() {
     let AlertRun { run, lines, frames, evaluations, thinned } =
         alert_run("alerts=\"ball:Is there a ball in the picture?;dark:Is the picture dark?\" output-format=json");

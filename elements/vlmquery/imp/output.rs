@@ -313,8 +313,14 @@ impl VlmQuery {
             let duration = output.duration;
             match format {
                 OutputFormat::Json => {
+                    // A line is an event, not a display: the pad's position stays at its start,
+                    // so that the lines after it (alerts, answers) are stamped at their own
+                    // times, in order, not `answer-duration` ahead.
                     shared.stats.answers += 1;
-                    return Some(Self::text(shared, p, json_line(&message), at, Some(duration), &status));
+                    let at = at.max(shared.text_position);
+                    let next = Self::text(shared, p, json_line(&message), at, Some(duration), &status);
+                    shared.text_position = at;
+                    return Some(next);
                 }
                 OutputFormat::Text if status == "answered" => {
                     shared.stats.answers += 1;
