@@ -120,6 +120,32 @@ fn periodic_captions_over_untimed_video_keep_their_interval() {
     assert_eq!(captions, 1, "{:?}", log.answers);
 }
 
+/// `vlmencode interval` over untimed video keeps its interval on the wall clock: one frame of a
+/// burst is encoded (every one was).
+#[test]
+fn the_encoders_interval_holds_over_untimed_video() {
+    let _s = serial();
+    let f = Fed::new("", "", "");
+    let enc = f.element("enc");
+    enc.set_property("interval", 600_000_000_000u64);
+    let passed = Arc::new(AtomicU64::new(0));
+    let p2 = Arc::clone(&passed);
+    f.q.static_pad("video_src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        p2.fetch_add(1, Ordering::AcqRel);
+        gst::PadProbeReturn::Ok
+    });
+    for i in 0..8 {
+        f.push(VideoFormat::Rgb, 64, 48, i, None);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while passed.load(Ordering::Acquire) < 8 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(passed.load(Ordering::Acquire), 8);
+    assert_eq!(enc.property::<u64>("frames-encoded"), 1);
+    assert_clean(&f.finish());
+}
+
 #[test]
 fn a_gap_event_and_a_discontinuity_leave_the_stream_answering() {
     let _s = serial();

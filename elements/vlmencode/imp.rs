@@ -260,9 +260,12 @@ impl VlmEncode {
             (gst::ClockTime::from_nseconds(s.interval), s.max_rate)
         };
         let state = self.state.lock();
+        // (Untimed frames keep the interval on the wall clock.)
         let due = match (time, state.last_encoded) {
-            (_, None) | (None, _) => true,
-            (Some(t), Some(last)) => interval.is_zero() || t < last || t >= last.saturating_add(interval),
+            _ if interval.is_zero() => true,
+            (None, _) => state.last_encoded_at.is_none_or(|at| at.elapsed() >= std::time::Duration::from(interval)),
+            (Some(_), None) => true,
+            (Some(t), Some(last)) => t < last || t >= last.saturating_add(interval),
         };
         if !due {
             return false;
@@ -608,7 +611,7 @@ impl ObjectImpl for VlmEncode {
                     .build(),
                 glib::ParamSpecUInt64::builder("interval")
                     .nick("Interval")
-                    .blurb("Stream time between encoded frames in ns (0 = every frame); other frames pass without embeddings")
+                    .blurb("Running time between encoded frames in ns (0 = every frame; the wall clock for untimed frames); other frames pass without embeddings")
                     .maximum(gst::ClockTime::MAX.nseconds())
                     .default_value(DEFAULT_INTERVAL)
                     .mutable_playing()
