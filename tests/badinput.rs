@@ -327,7 +327,7 @@ fn ask_before_the_element_starts_is_refused() {
 #[test]
 fn settings_that_apply_at_start_are_refused_while_playing_with_a_warning() {
     let _s = serial();
-    // `context-size`, `mmproj` and `max-questions` apply when the elements start: changed while PLAYING they are
+    // `context-size`, `mmproj` and `commit-answers` apply when the elements start: changed while PLAYING they are
     // refused with a warning naming them (the value kept), not ignored without a word;
     // `interval` applies at once and changes.
     let pipeline = launch(
@@ -344,14 +344,14 @@ fn settings_that_apply_at_start_are_refused_while_playing_with_a_warning() {
     ctx.set_property("context-size", 4096u32);
     enc.set_property("mmproj", "models/test-idefics3-mmproj.gguf");
     enc.set_property("interval", 2_000_000_000u64);
-    q.set_property("max-questions", 3u32);
+    q.set_property_from_str("commit-answers", "ordered");
     assert_eq!(ctx.property::<u32>("context-size"), 2048);
-    assert_eq!(q.property::<u32>("max-questions"), 16);
+    assert_eq!(q.property_value("commit-answers").serialize().unwrap().as_str(), "none");
     assert_eq!(enc.property::<String>("mmproj"), "models/test-mmproj-mlp.gguf");
     assert_eq!(enc.property::<u64>("interval"), 2_000_000_000);
     let mut log = Log::default();
     let both =
-        |l: &Log| ["context-size", "mmproj", "max-questions"].iter().all(|p| l.warnings.iter().any(|w| w.contains(p)));
+        |l: &Log| ["context-size", "mmproj", "commit-answers"].iter().all(|p| l.warnings.iter().any(|w| w.contains(p)));
     log.pump(&pipeline.bus().unwrap(), Duration::from_secs(10), both);
     set_state(&pipeline, gst::State::Null, "stop");
     assert!(both(&log), "{:?}", log.warnings);

@@ -366,6 +366,31 @@ fn the_text_pads_segment_is_open_ended_after_a_seek_with_a_stop() {
 }
 
 #[test]
+fn an_answer_of_no_display_duration_still_reaches_the_text_pad() {
+    // `answer-duration=0` under `display=replace` (following the video): the answer was dropped
+    // unseen (its display ended where it began), though counted in `answers`; now it is on one
+    // frame.
+    let pipeline = launch(&format!(
+        "{SOURCE} ! vlmquery name=q max-tokens=6 answer-duration=0 \
+         q.video_src ! queue ! o.video_sink q.src ! queue ! o.text_sink \
+         textoverlay name=o ! fakesink sync=false"
+    ));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let texts = Arc::new(Mutex::new(0u32));
+    let t2 = Arc::clone(&texts);
+    bin.by_name("o").unwrap().static_pad("text_sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        *t2.lock().unwrap() += 1;
+        gst::PadProbeReturn::Ok
+    });
+    let (run, ids) = run_asking(&pipeline, |n| if n == 3 { vec!["What is it?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(ids.lock().unwrap()[0].is_some());
+    assert_eq!(run.answers.len(), 1);
+    assert_eq!(run.answers[0].get::<String>("status").unwrap(), "answered");
+    assert!(*texts.lock().unwrap() >= 1, "no text buffer for the answer");
+}
+
+#[test]
 fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
     // A question longer than the 512-cell context fails: nothing is drawn, but the text pad
     // still covers the answer's display time (5 s, past the 2 s of video) with a GAP, so

@@ -645,12 +645,12 @@ impl ObjectImpl for VlmQuery {
                     .nick("Stream tokens")
                     .blurb("Push each answer as it is generated (live captions): every buffer holds the answer so far (json: status \"partial\"), the last one the whole answer")
                     .default_value(false)
-                    .mutable_ready()
+                    .mutable_playing()
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("output-format", OutputFormat::Text)
                     .nick("Output format")
                     .blurb("What the src pad carries: text (each answer's text as one line, line breaks folded into spaces) or json (one object a line with the vlm-answer fields, every outcome included)")
-                    .mutable_ready()
+                    .mutable_playing()
                     .build(),
                 glib::ParamSpecUInt64::builder("answer-duration")
                     .nick("Answer duration")
@@ -662,7 +662,7 @@ impl ObjectImpl for VlmQuery {
                 glib::ParamSpecEnum::builder_with_default("display", DEFAULT_DISPLAY)
                     .nick("Display")
                     .blurb("Answers closer than answer-duration on video_src: replace (a newer one replaces the one shown at once; one buffer per frame) or queue (each keeps its answer-duration; one buffer each)")
-                    .mutable_ready()
+                    .mutable_playing()
                     .build(),
                 glib::ParamSpecString::builder("caption-prompt")
                     .nick("Caption prompt")
@@ -682,7 +682,7 @@ impl ObjectImpl for VlmQuery {
                     .minimum(1)
                     .maximum(1024)
                     .default_value(DEFAULT_MAX_QUESTIONS)
-                    .mutable_ready()
+                    .mutable_playing()
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("commit-answers", CommitAnswers::None)
                     .nick("Commit answers")

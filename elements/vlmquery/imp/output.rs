@@ -337,7 +337,8 @@ impl VlmQuery {
                     // where the text pad is (it may be behind the newest frame).
                     let end = shared.video.end.expect("following");
                     let from = shared.text_position.unwrap_or(shared.video.pts.unwrap_or(end));
-                    let until = Some(from.saturating_add(duration));
+                    // (`answer-duration=0`: on one frame, not dropped unseen.)
+                    let until = Some(from.saturating_add(duration.max(gst::ClockTime::NSECOND)));
                     shared.shown = Some(Shown { pending: p, text, status: "answered", until, pushed: false });
                 }
                 // Nothing to show (failed, cancelled): drawn under `replace`, what is shown stays.
