@@ -752,6 +752,24 @@ fn a_stream_beyond_max_streams_is_refused_with_a_warning_and_the_other_answers()
     assert_clean(&log);
 }
 
+/// Video reaching vlmquery without a vlmcontext before it: one WARNING says so (questions
+/// waited for a frame that never came, and nothing said why); video through vlmcontext has none.
+#[test]
+fn video_without_a_vlmcontext_is_warned_about() {
+    let _s = serial();
+    let plain = run(&launch("videotestsrc num-buffers=5 ! vlmquery ! fakesink sync=false"));
+    assert!(plain.errors.is_empty(), "{:?}", plain.errors);
+    let said: Vec<_> = plain.warnings.iter().filter(|w| w.contains("no vlmcontext stream")).collect();
+    assert_eq!(said.len(), 1, "{:?}", plain.warnings);
+    let through = run(&launch(
+        "videotestsrc num-buffers=5 ! video/x-raw,width=64,height=48 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery ! fakesink sync=false",
+    ));
+    assert!(through.errors.is_empty(), "{:?}", through.errors);
+    assert!(!through.warnings.iter().any(|w| w.contains("vlmcontext")), "{:?}", through.warnings);
+}
+
 /// An engine fault cannot be provoked through the elements' inputs (a bad file is refused before
 /// an engine starts, bad questions and frames fail only their own work), so the test injects
 /// one through the runtime's API: a panic on the engine thread of stream 0. Its questions and

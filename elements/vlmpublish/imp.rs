@@ -90,11 +90,8 @@ impl VlmPublish {
     fn options(&self, s: &Settings) -> Result<rumqttc::MqttOptions, gst::ErrorMessage> {
         let (host, port) = route::parse_address(&s.address)
             .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ("address: {}", e)))?;
-        let client_id = if s.client_id.is_empty() {
-            format!("gst-vlm-{}-{}", std::process::id(), self.obj().name())
-        } else {
-            s.client_id.clone()
-        };
+        let client_id =
+            if s.client_id.is_empty() { default_client_id(&self.obj().name()) } else { s.client_id.clone() };
         let mut options = rumqttc::MqttOptions::new(client_id, host, port);
         options
             .set_clean_session(true)
@@ -213,7 +210,7 @@ impl ObjectImpl for VlmPublish {
                     .build(),
                 glib::ParamSpecString::builder("client-id")
                     .nick("Client id")
-                    .blurb("MQTT client identifier; empty: gst-vlm-<pid>-<element name>")
+                    .blurb("MQTT client identifier; empty: gst-vlm-<host>-<pid>-<element name>-<8 random hex digits>")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecString::builder("username")
@@ -474,5 +471,23 @@ impl BaseSinkImpl for VlmPublish {
             link.set_unlocked(false);
         }
         Ok(())
+    }
+}
+
+/// The client id when none is set: unique per connection, so that two clients never take each
+/// other's session (a broker drops the older connection of an id): camera boxes whose pipelines
+/// run as their containers' first process (pid 1), two pipelines of one process with a
+/// `vlmpublish` of the same name.
+fn default_client_id(element: &str) -> String {
+    format!("gst-vlm-{}-{}-{element}-{:08x}", glib::host_name(), std::process::id(), glib::random_int())
+}
+
+#[cfg(test)]
+mod client_id_tests {
+    #[test]
+    fn default_client_ids_differ_between_elements_of_one_name() {
+        let (a, b) = (super::default_client_id("pub"), super::default_client_id("pub"));
+        assert!(a.starts_with("gst-vlm-") && a.contains("-pub-"), "{a}");
+        assert_ne!(a, b);
     }
 }

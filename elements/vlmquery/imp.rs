@@ -161,11 +161,15 @@ struct Pending {
 #[derive(Default)]
 struct Video {
     stream: Option<Arc<Stream>>,
-    /// (running time, pts, frame number) of recent registered frames.
-    frames: VecDeque<(Option<gst::ClockTime>, Option<gst::ClockTime>, u64)>,
-    /// Running times of recent sampled frames, those `vlmencode min-change` held included: the
-    /// frame a question is about may be one the gate held.
-    captures: VecDeque<gst::ClockTime>,
+    /// The id of the stream the newest frame or `vlm-stream` event named (`stream`, while it
+    /// is open).
+    stream_id: Option<u64>,
+    /// Recent registered frames, of every stream that came (several reach one vlmquery through
+    /// a funnel, or another after vlmcontext restarted): a question binds to those of `stream`.
+    frames: VecDeque<SeenFrame>,
+    /// (stream, running time) of recent sampled frames, those `vlmencode min-change` held
+    /// included: the frame a question is about may be one the gate held.
+    captures: VecDeque<(u64, gst::ClockTime)>,
     /// Running time of the newest video buffer, registered or not.
     running_time: Option<gst::ClockTime>,
     /// The newest video buffer had no timestamp: a timed question cannot be matched to the
@@ -176,6 +180,8 @@ struct Video {
     end: Option<gst::ClockTime>,
     /// One frame at the caps' frame rate (none for a variable rate).
     frame_duration: Option<gst::ClockTime>,
+    /// A buffer came with no `vlmcontext` stream announced before it, and that was said.
+    no_context_said: bool,
     /// A new segment came and no timed frame of it yet: `pts` and `end` are the old segment's
     /// (no GAP is sent from them).
     between_segments: bool,
@@ -186,19 +192,51 @@ struct Video {
     last_caption: Option<(Option<gst::ClockTime>, std::time::Instant)>,
 }
 
+/// A registered frame that passed: its stream, running time, pts and number.
+#[derive(Clone, Copy)]
+struct SeenFrame {
+    stream: u64,
+    rt: Option<gst::ClockTime>,
+    pts: Option<gst::ClockTime>,
+    number: u64,
+}
+
 impl Video {
     /// Where a GAP up to the newest frame ends: its end, once a frame of the current segment came.
     fn gap_end(&self) -> Option<gst::ClockTime> {
         self.end.filter(|_| !self.between_segments)
     }
 
+    /// From now on questions bind to stream `id` (a frame of it came, or its `vlm-stream`).
+    fn switch_to(&mut self, id: u64) {
+        if self.stream_id != Some(id) || self.stream.is_none() {
+            self.stream_id = Some(id);
+            self.stream = vlm_runtime::stream::lookup(id);
+        }
+    }
+
+    /// Whether something seen was of the stream questions bind to now (any, before one).
+    fn of_current(&self, stream: u64) -> bool {
+        self.stream_id.is_none_or(|id| id == stream)
+    }
+
+    /// The recent frames of the stream questions bind to, oldest first.
+    fn current_frames(&self) -> impl DoubleEndedIterator<Item = &SeenFrame> {
+        self.frames.iter().filter(|f| self.of_current(f.stream))
+    }
+
     fn newest(&self) -> (u64, Option<gst::ClockTime>) {
-        self.frames.back().map_or((0, None), |&(_, pts, n)| (n, pts))
+        self.current_frames().next_back().map_or((0, None), |f| (f.number, f.pts))
+    }
+
+    /// The pts of the newest frame numbered at most `number`.
+    fn pts_up_to(&self, number: u64) -> Option<gst::ClockTime> {
+        self.current_frames().rev().find(|f| f.number <= number).and_then(|f| f.pts)
     }
 
     /// The running time of registered frame `number`, while it is among the recent ones.
     fn time_of(&self, number: u64) -> Option<gst::ClockTime> {
-        self.frames.iter().rev().find(|f| f.2 == number).and_then(|f| f.0)
+        self.current_frames().rev().find(|f| f.number == number).and_then(|f| f.rt)
     }
 
     /// The capture (running time) of the frame a question is about: the newest sampled frame at
@@ -206,18 +244,14 @@ impl Video {
     /// bound to standing for it); an untimed question's is the capture of its bound frame.
     fn question_capture(&self, at: Option<gst::ClockTime>, bound: u64) -> Option<gst::ClockTime> {
         match at {
-            Some(at) => self.captures.iter().rev().find(|&&rt| rt <= at).copied(),
+            Some(at) => self.captures.iter().rev().find(|&&(s, rt)| self.of_current(s) && rt <= at).map(|c| c.1),
             None => self.time_of(bound),
         }
     }
 
     /// The newest frame at or before running time `t`.
     fn at(&self, t: gst::ClockTime) -> (u64, Option<gst::ClockTime>) {
-        self.frames
-            .iter()
-            .rev()
-            .find(|(rt, _, _)| rt.is_some_and(|rt| rt <= t))
-            .map_or((0, None), |&(_, pts, n)| (n, pts))
+        self.current_frames().rev().find(|f| f.rt.is_some_and(|rt| rt <= t)).map_or((0, None), |f| (f.number, f.pts))
     }
 }
 
@@ -399,7 +433,12 @@ impl VlmQuery {
         *shared = Shared {
             stats: old.stats,
             // (The caps stay: a sticky event is not sent again after a flush.)
-            video: Video { stream: old.video.stream, frame_duration: old.video.frame_duration, ..Video::default() },
+            video: Video {
+                stream: old.video.stream,
+                stream_id: old.video.stream_id,
+                frame_duration: old.video.frame_duration,
+                ..Video::default()
+            },
             query_segment: old.query_segment,
             query_markup: old.query_markup,
             query_eos: old.query_eos,
@@ -890,8 +929,8 @@ mod tests {
         let (s, ms) = (gst::ClockTime::from_seconds, gst::ClockTime::from_mseconds);
         // Frame 1 captured at 0 s; the frames at 1 s and 2 s held (standing for it).
         let video = Video {
-            frames: [(Some(s(0)), Some(s(0)), 1)].into(),
-            captures: [s(0), s(1), s(2)].into(),
+            frames: [SeenFrame { stream: 1, rt: Some(s(0)), pts: Some(s(0)), number: 1 }].into(),
+            captures: [(1, s(0)), (1, s(1)), (1, s(2))].into(),
             ..Video::default()
         };
         assert_eq!(video.question_capture(Some(ms(2500)), 1), Some(s(2)));
@@ -901,5 +940,25 @@ mod tests {
         assert_eq!(video.question_capture(None, 1), Some(s(0)));
         // Before any frame: none.
         assert_eq!(Video::default().question_capture(Some(s(1)), 1), None);
+    }
+
+    /// Two streams reach one vlmquery (a funnel): a question binds to a frame of the stream it
+    /// is asked about, numbered in that stream (frame 25 of a busy stream was bound to a stream
+    /// of 3 frames, and its answer waited for that stream's 25th frame for good).
+    #[test]
+    fn a_question_binds_to_the_frames_of_its_own_stream() {
+        let s = gst::ClockTime::from_seconds;
+        let seen = |stream, t, number| SeenFrame { stream, rt: Some(s(t)), pts: Some(s(t)), number };
+        let video = Video {
+            stream_id: Some(2),
+            frames: [seen(2, 2, 3), seen(1, 2, 24), seen(1, 3, 25)].into(),
+            captures: [(2, s(2)), (1, s(2)), (1, s(3))].into(),
+            ..Video::default()
+        };
+        assert_eq!(video.at(s(3)), (3, Some(s(2))));
+        assert_eq!(video.newest(), (3, Some(s(2))));
+        assert_eq!(video.time_of(25), None);
+        assert_eq!(video.pts_up_to(30), Some(s(2)));
+        assert_eq!(video.question_capture(Some(s(3)), 3), Some(s(2)));
     }
 }

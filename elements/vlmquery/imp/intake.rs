@@ -11,7 +11,7 @@ use gst::subclass::prelude::*;
 use parking_lot::Mutex;
 use vlm_runtime::{CommitTurn, Question, Stream};
 
-use super::{CAT, CommitAnswers, FRAME_HISTORY, Job, Outcome, Pending, Shared, VlmQuery};
+use super::{CAT, CommitAnswers, FRAME_HISTORY, Job, Outcome, Pending, SeenFrame, Shared, VlmQuery};
 use crate::events::{QuestionEvent, StreamEvent};
 use crate::meta::VlmFrameMeta;
 use crate::text::question_text;
@@ -348,23 +348,33 @@ impl VlmQuery {
 
     pub(super) fn sink_chain(&self, buffer: gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
         let mut shared = self.shared.lock();
+        // `vlmcontext` announces its stream (`vlm-stream`) before its first buffer: video without
+        // one never brings a frame a question can bind to.
+        if shared.video.stream_id.is_none() && !shared.video.no_context_said {
+            shared.video.no_context_said = true;
+            drop(shared);
+            gst::element_imp_warning!(
+                self,
+                gst::CoreError::Negotiation,
+                ("the video carries no vlmcontext stream: questions wait for a frame that never comes (put vlmencode ! vlmcontext before vlmquery)")
+            );
+            shared = self.shared.lock();
+        }
         let rt = buffer.pts().and_then(|pts| shared.video.segment.as_ref().and_then(|s| s.to_running_time(pts)));
         let meta = buffer.meta::<VlmFrameMeta>();
-        if let Some(rt) = rt.filter(|_| meta.as_ref().is_some_and(|m| m.position().is_some())) {
+        if let (Some(rt), Some((stream, _))) = (rt, meta.as_ref().and_then(|m| m.position())) {
             if shared.video.captures.len() == FRAME_HISTORY {
                 shared.video.captures.pop_front();
             }
-            shared.video.captures.push_back(rt);
+            shared.video.captures.push_back((stream, rt));
         }
         // (A held frame carries the position of the frame that stands for it: not a new frame.)
         if let Some((stream, number)) = meta.filter(|m| !m.held()).and_then(|m| m.position()) {
-            if shared.video.stream.as_ref().is_none_or(|s| s.id() != stream) {
-                shared.video.stream = vlm_runtime::stream::lookup(stream);
-            }
+            shared.video.switch_to(stream);
             if shared.video.frames.len() == FRAME_HISTORY {
                 shared.video.frames.pop_front();
             }
-            shared.video.frames.push_back((rt, buffer.pts(), number));
+            shared.video.frames.push_back(SeenFrame { stream, rt, pts: buffer.pts(), number });
             self.maybe_caption(&mut shared, rt, buffer.pts(), number);
             self.alert_frame(shared.video.stream.as_ref(), number, buffer.pts(), rt);
         }
@@ -482,7 +492,7 @@ impl VlmQuery {
             }
         }
         if let Some(id) = StreamEvent::parse(&event) {
-            self.shared.lock().video.stream = vlm_runtime::stream::lookup(id);
+            self.shared.lock().video.switch_to(id);
             return true;
         }
         match event.view() {
@@ -704,7 +714,7 @@ impl VlmQuery {
         let question = self.question(&shared, text, None, None);
         let stream = shared.video.stream.clone();
         let frames = stream.as_ref().map_or(0, |s| s.registered());
-        let pts = shared.video.frames.iter().rev().find(|f| f.2 <= frames).and_then(|f| f.1);
+        let pts = shared.video.pts_up_to(frames);
         let refusal = question.clone();
         let at = shared.video.running_time;
         let accepted = self.accept(&mut shared, Job { question, stream, frames, pts, at }, false);
