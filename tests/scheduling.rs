@@ -391,6 +391,33 @@ fn an_answer_of_no_display_duration_still_reaches_the_text_pad() {
 }
 
 #[test]
+fn an_answer_on_screen_ends_with_its_segment() {
+    // Two clips one after the other (`concat`: a new segment without a flush, its times from 0
+    // again), in real time, an answer shown for 2 s asked some 1.6 s before the first clip's
+    // end: its display ends at most 2 s after it began. (It kept its end in the first clip's time
+    // and stayed on every frame of the second, whose times are all before it: 5.2 s.)
+    let clip = |pattern: &str| {
+        format!("videotestsrc pattern={pattern} num-buffers=40 ! video/x-raw,width=160,height=120,framerate=10/1 ! c. ")
+    };
+    let pipeline = launch(&format!(
+        "concat name=c ! videoconvert ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
+         ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q max-tokens=6 answer-duration=2000000000 q.video_src ! fakesink sync=true \
+         q.src ! fakesink sync=false {} {}",
+        clip("ball"),
+        clip("smpte")
+    ));
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    let items = record_text(&bin.by_name("q").unwrap().static_pad("src").unwrap());
+    let (run, ids) = run_asking(&pipeline, |n| if n == 9 { vec!["What is it?"] } else { vec![] });
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    let id = ids.lock().unwrap()[0].clone().expect("accepted");
+    let items = items.lock().unwrap();
+    let shown: gst::ClockTime = text_buffers(&items).iter().filter(|b| b.0 == id).map(|b| b.4.unwrap()).sum();
+    assert!(shown > gst::ClockTime::ZERO && shown <= gst::ClockTime::from_seconds(2), "shown for {shown}");
+}
+
+#[test]
 fn a_failed_answer_still_covers_its_time_so_textoverlay_goes_on() {
     // A question longer than the 512-cell context fails: nothing is drawn, but the text pad
     // still covers the answer's display time (5 s, past the 2 s of video) with a GAP, so

@@ -511,6 +511,11 @@ impl VlmQuery {
                 (shared.text_pad.segment_sent, shared.cue_pad.segment_sent) = (false, false);
                 (shared.text_position, shared.cue_position, shared.gap_ahead) = (None, None, None);
                 shared.video.between_segments = true;
+                // An answer on screen has its display's end in the old segment's time: it ends
+                // with it (it stayed on the new one's frames up to that time).
+                if shared.shown.as_ref().is_some_and(|s| s.drawn()) {
+                    shared.shown = None;
+                }
                 drop(shared);
                 self.video_srcpad.push_event(event);
                 true

@@ -63,6 +63,13 @@ pub(in crate::vlmquery) struct Shown {
     pushed: bool,
 }
 
+impl Shown {
+    /// A buffer of it went out (it has been drawn on a frame).
+    pub(in crate::vlmquery) fn drawn(&self) -> bool {
+        self.pushed
+    }
+}
+
 /// A buffer's text: the answer (so far) as one line (line breaks inside it folded into spaces,
 /// `one_line`) and a newline, or in JSON its question's `id`, `stream`,
 /// `status` and the text (the whole answer's buffer is its `vlm-answer` instead).
