@@ -3,6 +3,7 @@
 //! weights are freed when their last owner drops them.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Weak};
 
@@ -11,7 +12,15 @@ use parking_lot::Mutex;
 use crate::error::Result;
 use crate::llama::{Device, Model, Projector, ProjectorKey};
 
-type Registry<K, V> = LazyLock<Mutex<HashMap<K, Weak<V>>>>;
+/// A key's copy, and a lock held while it loads, so that two callers never load the same
+/// weights twice while the registry's lock is held only to find the slot (a load of seconds
+/// holds up neither other keys' loads nor `model_owners`).
+struct Slot<V> {
+    loading: Mutex<()>,
+    copy: Mutex<Weak<V>>,
+}
+
+type Registry<K, V> = LazyLock<Mutex<HashMap<K, Arc<Slot<V>>>>>;
 
 static MODELS: Registry<(PathBuf, Device), Model> = LazyLock::new(Default::default);
 static PROJECTORS: Registry<ProjectorKey, Projector> = LazyLock::new(Default::default);
@@ -20,18 +29,28 @@ fn canonical(path: &Path) -> PathBuf {
     std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
+/// The copy of `key` in `registry`, loaded by `load` on first use.
+fn shared<K: Eq + Hash, V>(registry: &Registry<K, V>, key: K, load: impl FnOnce() -> Result<V>) -> Result<Arc<V>> {
+    let slot = {
+        let mut slots = registry.lock();
+        // (Kept: a slot someone holds, loading or about to, and one whose copy lives.)
+        slots.retain(|_, s| Arc::strong_count(s) > 1 || s.copy.lock().strong_count() > 0);
+        Arc::clone(
+            slots.entry(key).or_insert_with(|| Arc::new(Slot { loading: Mutex::new(()), copy: Mutex::default() })),
+        )
+    };
+    let _loading = slot.loading.lock();
+    if let Some(v) = slot.copy.lock().upgrade() {
+        return Ok(v);
+    }
+    let v = Arc::new(load()?);
+    *slot.copy.lock() = Arc::downgrade(&v);
+    Ok(v)
+}
+
 /// The shared model for `path` on `device`, loading it on first use.
 pub fn model(path: &Path, device: &Device) -> Result<Arc<Model>> {
-    let key = (canonical(path), device.clone());
-    // The lock is held while loading so two callers never load the same weights twice.
-    let mut models = MODELS.lock();
-    if let Some(model) = models.get(&key).and_then(Weak::upgrade) {
-        return Ok(model);
-    }
-    let model = Arc::new(Model::load(path, device)?);
-    models.retain(|_, w| w.strong_count() > 0);
-    models.insert(key, Arc::downgrade(&model));
-    Ok(model)
+    shared(&MODELS, (canonical(path), device.clone()), || Model::load(path, device))
 }
 
 /// A copy of the weights of `path` already loaded on any device (the CPU's first), if any: what
@@ -39,10 +58,14 @@ pub fn model(path: &Path, device: &Device) -> Result<Arc<Model>> {
 /// copy of the weights when every engine has its copy on the GPU.
 pub fn any_loaded(path: &Path) -> Option<Arc<Model>> {
     let path = canonical(path);
-    let models = MODELS.lock();
-    let copies = || models.iter().filter(|((p, _), _)| *p == path);
-    let cpu = copies().find(|((_, d), _)| *d == Device::Cpu).and_then(|(_, w)| w.upgrade());
-    cpu.or_else(|| copies().find_map(|(_, w)| w.upgrade()))
+    let copies: Vec<(Device, Arc<Model>)> = MODELS
+        .lock()
+        .iter()
+        .filter(|((p, _), _)| *p == path)
+        .filter_map(|((_, d), s)| s.copy.lock().upgrade().map(|m| (d.clone(), m)))
+        .collect();
+    let cpu = copies.iter().position(|(d, _)| *d == Device::Cpu).unwrap_or(0);
+    copies.into_iter().nth(cpu).map(|(_, m)| m)
 }
 
 /// The shared projector for `mmproj` bound to `model`, loading it on first use with `contexts`
@@ -55,14 +78,8 @@ pub fn projector(
     contexts: usize,
 ) -> Result<Arc<Projector>> {
     let key = ProjectorKey { mmproj: canonical(mmproj), model: canonical(model.path()), use_gpu };
-    let mut projectors = PROJECTORS.lock();
-    if let Some(p) = projectors.get(&key).and_then(Weak::upgrade) {
-        p.ensure_contexts(contexts, threads)?;
-        return Ok(p);
-    }
-    let p = Arc::new(Projector::load(mmproj, Arc::clone(model), use_gpu, threads, contexts)?);
-    projectors.retain(|_, w| w.strong_count() > 0);
-    projectors.insert(key, Arc::downgrade(&p));
+    let p = shared(&PROJECTORS, key, || Projector::load(mmproj, Arc::clone(model), use_gpu, threads, contexts))?;
+    p.ensure_contexts(contexts, threads)?;
     Ok(p)
 }
 
@@ -70,5 +87,33 @@ pub fn projector(
 /// loaded): a statistic that shows weights are shared rather than copied.
 pub fn model_owners(path: &Path) -> usize {
     let path = canonical(path);
-    MODELS.lock().iter().filter(|((p, _), _)| *p == path).map(|(_, w)| w.strong_count()).sum()
+    MODELS.lock().iter().filter(|((p, _), _)| *p == path).map(|(_, s)| s.copy.lock().strong_count()).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A load in progress holds up neither another key's load nor a reader of the registry,
+    /// and a second caller of the same key waits for it and gets its copy (no second load).
+    #[test]
+    fn a_load_holds_up_only_callers_of_its_own_key() {
+        static TEST: Registry<u32, u32> = LazyLock::new(Default::default);
+        let (entered, loading) = std::sync::mpsc::channel();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let first = std::thread::spawn(move || {
+            shared(&TEST, 1, || {
+                entered.send(()).unwrap();
+                held.recv().unwrap();
+                Ok(10)
+            })
+        });
+        loading.recv().unwrap();
+        assert_eq!(*shared(&TEST, 2, || Ok(20)).unwrap(), 20, "another key loads meanwhile");
+        assert_eq!(TEST.lock().len(), 2, "the registry is readable meanwhile");
+        let again = std::thread::spawn(|| shared(&TEST, 1, || panic!("loaded twice")));
+        release.send(()).unwrap();
+        let (a, b) = (first.join().unwrap().unwrap(), again.join().unwrap().unwrap());
+        assert!(Arc::ptr_eq(&a, &b));
+    }
 }
