@@ -18,8 +18,7 @@ mod common;
 #[path = "badinput/harness.rs"]
 mod harness;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -128,12 +127,7 @@ fn the_encoders_interval_holds_over_untimed_video() {
     let f = Fed::new("", "", "");
     let enc = f.element("enc");
     enc.set_property("interval", 600_000_000_000u64);
-    let passed = Arc::new(AtomicU64::new(0));
-    let p2 = Arc::clone(&passed);
-    f.q.static_pad("video_src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
-        p2.fetch_add(1, Ordering::AcqRel);
-        gst::PadProbeReturn::Ok
-    });
+    let passed = count_buffers(&f.q.static_pad("video_src").unwrap());
     for i in 0..8 {
         f.push(VideoFormat::Rgb, 64, 48, i, None);
     }
@@ -728,15 +722,7 @@ fn a_stream_beyond_max_streams_is_refused_with_a_warning_and_the_other_answers()
     let (pipeline, bin, src, q, frames) = two_streams("max-streams=1");
     let bus = pipeline.bus().unwrap();
     let mut log = Log::default();
-    let passed = [0, 1].map(|i| {
-        let count = Arc::new(AtomicU64::new(0));
-        let c2 = Arc::clone(&count);
-        q[i].static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
-            c2.fetch_add(1, Ordering::AcqRel);
-            gst::PadProbeReturn::Ok
-        });
-        count
-    });
+    let passed = [0, 1].map(|i| count_buffers(&q[i].static_pad("sink").unwrap()));
     push_rgb(&src[0], 0, 3);
     push_rgb(&src[1], 0, 3);
     let refused_pad = |l: &Log| {

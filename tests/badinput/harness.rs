@@ -2,6 +2,7 @@
 //! log each case asserts on, pictures and caps, a probe counting registered frames, and an
 //! appsrc-fed pipeline through the three elements.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -112,6 +113,17 @@ pub fn video_caps(format: VideoFormat, width: u32, height: u32) -> gst::Caps {
         .unwrap()
         .to_caps()
         .unwrap()
+}
+
+/// The buffers that pass `pad`, counted as they come.
+pub fn count_buffers(pad: &gst::Pad) -> Arc<AtomicU64> {
+    let count = Arc::new(AtomicU64::new(0));
+    let c2 = Arc::clone(&count);
+    pad.add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        c2.fetch_add(1, Ordering::AcqRel);
+        gst::PadProbeReturn::Ok
+    });
+    count
 }
 
 /// The newest frame number seen registered on a pad (by a probe), and a way to wait for one.
