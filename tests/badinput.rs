@@ -748,6 +748,32 @@ fn a_stream_beyond_max_streams_is_refused_with_a_warning_and_the_other_answers()
     assert_clean(&log);
 }
 
+/// The part upstream of a `vlmquery` that plays on is stopped (to be rebuilt with another
+/// model, say): `vlmcontext`'s engines and weights are freed, not kept by `vlmquery`'s reference
+/// to the stream it saw last.
+#[test]
+fn a_stopped_vlmcontext_frees_its_engines_while_vlmquery_plays_on() {
+    let _s = serial();
+    let f = Fed::new("", "", "");
+    f.push_frames(2);
+    let ctx = f.element("ctx");
+    assert!(ctx.property::<u32>("model-owners") > 0);
+    f.q.set_locked_state(true);
+    for name in ["src", "enc", "ctx"] {
+        f.element(name).set_state(gst::State::Null).unwrap();
+    }
+    // (The sinks' last buffers carry the frames' embeddings, which hold the projector.)
+    for sink in f.bin.iterate_sinks().into_iter().flatten() {
+        sink.set_property("enable-last-sample", false);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ctx.property::<u32>("model-owners") > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(ctx.property::<u32>("model-owners"), 0, "the weights are still loaded");
+    f.q.set_locked_state(false);
+}
+
 /// Video reaching vlmquery without a vlmcontext before it: one WARNING says so (questions
 /// waited for a frame that never came, and nothing said why); video through vlmcontext has none.
 #[test]

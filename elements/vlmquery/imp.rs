@@ -1,6 +1,6 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::Instant;
 
 use gst::glib;
@@ -160,9 +160,11 @@ struct Pending {
 /// What the video sink pad has seen.
 #[derive(Default)]
 struct Video {
-    stream: Option<Arc<Stream>>,
-    /// The id of the stream the newest frame or `vlm-stream` event named (`stream`, while it
-    /// is open).
+    /// The stream the newest frame or `vlm-stream` event named, while `vlmcontext` (or a
+    /// question, an alert) holds it: not kept here, so that a `vlmcontext` stopped or rebuilt
+    /// upstream frees its engines while this element plays on.
+    stream: Option<Weak<Stream>>,
+    /// Its id.
     stream_id: Option<u64>,
     /// Recent registered frames, of every stream that came (several reach one vlmquery through
     /// a funnel, or another after vlmcontext restarted): a question binds to those of `stream`.
@@ -209,10 +211,15 @@ impl Video {
 
     /// From now on questions bind to stream `id` (a frame of it came, or its `vlm-stream`).
     fn switch_to(&mut self, id: u64) {
-        if self.stream_id != Some(id) || self.stream.is_none() {
+        if self.stream_id != Some(id) || self.stream().is_none() {
             self.stream_id = Some(id);
-            self.stream = vlm_runtime::stream::lookup(id);
+            self.stream = vlm_runtime::stream::lookup(id).map(|s| Arc::downgrade(&s));
         }
+    }
+
+    /// The stream questions bind to now, while it is held.
+    fn stream(&self) -> Option<Arc<Stream>> {
+        self.stream.as_ref().and_then(Weak::upgrade)
     }
 
     /// Whether something seen was of the stream questions bind to now (any, before one).

@@ -121,7 +121,7 @@ impl VlmQuery {
             shared.recent_ids.pop_front();
         }
         shared.recent_ids.push_back(job.question.id.clone());
-        let stream = job.stream.clone().or_else(|| shared.video.stream.clone());
+        let stream = job.stream.clone().or_else(|| shared.video.stream());
         gst::debug!(
             CAT,
             imp = self,
@@ -267,7 +267,7 @@ impl VlmQuery {
             if p.cancel.load(Ordering::Acquire) || shared.flushing {
                 return Err(true);
             }
-            if let Some(stream) = p.job.stream.clone().or_else(|| shared.video.stream.clone()) {
+            if let Some(stream) = p.job.stream.clone().or_else(|| shared.video.stream()) {
                 let registered = stream.registered();
                 if registered > 0 {
                     gst::debug!(CAT, imp = self, "question {} bound to {registered} frames", p.job.question.id);
@@ -376,7 +376,7 @@ impl VlmQuery {
             }
             shared.video.frames.push_back(SeenFrame { stream, rt, pts: buffer.pts(), number });
             self.maybe_caption(&mut shared, rt, buffer.pts(), number);
-            self.alert_frame(shared.video.stream.as_ref(), number, buffer.pts(), rt);
+            self.alert_frame(shared.video.stream().as_ref(), number, buffer.pts(), rt);
         }
         if rt.is_some() {
             shared.video.running_time = rt;
@@ -392,7 +392,7 @@ impl VlmQuery {
         }
         // The oldest answer not yet on a video buffer rides on this one.
         let answer = shared.video_answers.pop_front();
-        let alert_stream = shared.video.stream.as_ref().map(|s| s.id());
+        let alert_stream = shared.video.stream_id;
         // The text pad's task sends a GAP up to this frame before it goes on, so an overlay
         // that waits for text at this frame's time is never stuck.
         self.changed.notify_all();
@@ -435,7 +435,7 @@ impl VlmQuery {
         }
         shared.video.last_caption = Some((rt, Instant::now()));
         let question = self.question(shared, &prompt, None, None);
-        let stream = shared.video.stream.clone();
+        let stream = shared.video.stream();
         if self.accept(shared, Job { question, stream, frames: number, pts, at: rt }, false).is_err() {
             gst::debug!(CAT, imp = self, "caption at frame {number} skipped: the question queue is full");
         }
@@ -463,7 +463,7 @@ impl VlmQuery {
                     let mut shared = self.shared.lock();
                     let question = self.question(&shared, &q.text, q.id, q.max_tokens);
                     let (frames, pts) = shared.video.newest();
-                    let stream = shared.video.stream.clone();
+                    let stream = shared.video.stream();
                     let refusal = question.clone();
                     // Refused, not waited for, when the queue is full: the video's thread must not
                     // wait for answers that may wait for the video (an overlay holds them until
@@ -629,7 +629,7 @@ impl VlmQuery {
                 // Wait for the video to pass the question's time, so every frame up to it is known;
                 // meanwhile its stream's frames go first (encoded and ingested before other
                 // streams' where the process shares an encoder or an engine).
-                let _waiting = shared.video.stream.as_ref().map(|s| s.watch());
+                let _waiting = shared.video.stream().map(|s| s.watch());
                 while !shared.flushing
                     && !shared.query_flushing
                     && !shared.video.eos
@@ -650,7 +650,7 @@ impl VlmQuery {
             }
             None => shared.video.newest(),
         };
-        let stream = shared.video.stream.clone();
+        let stream = shared.video.stream();
         let refusal = question.clone();
         let at = t.or(shared.video.running_time);
         let accepted = self.accept(&mut shared, Job { question, stream, frames, pts, at }, true);
@@ -717,7 +717,7 @@ impl VlmQuery {
         }
         let mut shared = self.shared.lock();
         let question = self.question(&shared, text, None, None);
-        let stream = shared.video.stream.clone();
+        let stream = shared.video.stream();
         let frames = stream.as_ref().map_or(0, |s| s.registered());
         let pts = shared.video.pts_up_to(frames);
         let refusal = question.clone();
