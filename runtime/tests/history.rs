@@ -213,8 +213,9 @@ fn an_answer_starting_right_after_its_stream_closed_replays() {
     assert_eq!(resident.path, PreparePath::Resident);
     let (release, holder) = hold(&engine);
     a.close();
+    let before = engine.start_backlog_ms();
     let asked = std::thread::spawn(move || answer(&version, &question("What changed?", 10), &never, |_| {}));
-    std::thread::sleep(Duration::from_millis(300)); // (queued before the held engine goes on)
+    wait_queued(&engine, before); // (queued before the held engine goes on)
     release.send(()).unwrap();
     holder.join().unwrap();
     let after = asked.join().unwrap().unwrap();

@@ -347,15 +347,18 @@ fn imports_that_fit_the_unified_pool_one_at_a_time_wait_for_each_other() {
     let version = s.wait_version(22, &never()).unwrap();
     assert!(version.cells > 700 && 3 * version.cells > 2240, "{} cells", version.cells);
     let (release, holder) = hold(&b);
+    // (Each queued on b before the next is asked, all three before b goes on.)
     let asked: Vec<_> = (0..3)
         .map(|_| {
-            let (version, b) = (version.clone(), Arc::clone(&b));
-            std::thread::spawn(move || {
-                answer_on(&version, &question("Describe it.", 4), &b, PreparePath::Import, &never(), |_| {})
-            })
+            let (version, on) = (version.clone(), Arc::clone(&b));
+            let before = b.start_backlog_ms();
+            let asked = std::thread::spawn(move || {
+                answer_on(&version, &question("Describe it.", 4), &on, PreparePath::Import, &never(), |_| {})
+            });
+            wait_queued(&b, before);
+            asked
         })
         .collect();
-    std::thread::sleep(std::time::Duration::from_millis(300)); // (all three queued on b)
     release.send(()).unwrap();
     holder.join().unwrap();
     for answer in asked {

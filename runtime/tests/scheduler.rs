@@ -184,8 +184,9 @@ fn a_question_cancelled_while_it_waits_for_a_branch_ends_at_once() {
         first_token.recv().unwrap();
         let cancel = Arc::new(AtomicBool::new(false));
         let asked = Arc::clone(&cancel);
+        let before = engine.start_backlog_ms();
         let waiting = scope.spawn(move || answer(version, &exact("What is it?", 4), &asked, |_| {}));
-        std::thread::sleep(Duration::from_millis(100));
+        wait_queued(&engine, before);
         cancel.store(true, std::sync::atomic::Ordering::Release);
         let cancelled = waiting.join().unwrap();
         assert!(matches!(cancelled, Err(vlm_runtime::Error::Cancelled)), "{cancelled:?}");

@@ -118,6 +118,17 @@ pub fn question(text: &str, max_tokens: u32) -> Question {
     }
 }
 
+/// Wait (at most 60 s) until `engine` has more answers waiting to start than `before`
+/// (`Engine::start_backlog_ms`): a question asked from another thread is queued there.
+#[allow(dead_code)] // (not every test binary queues answers behind a held engine)
+pub fn wait_queued(engine: &vlm_runtime::Engine, before: f64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while engine.start_backlog_ms() <= before {
+        assert!(std::time::Instant::now() < deadline, "no answer was queued on engine {}", engine.name());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 /// Hold `engine`'s thread in a call (it is inside when this returns) until the sender is used
 /// or dropped, or 60 s pass (a test that needs the engine meanwhile is slow, never stuck).
 pub fn hold(engine: &Arc<vlm_runtime::Engine>) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<Option<()>>) {
