@@ -64,8 +64,7 @@ pub fn any_loaded(path: &Path) -> Option<Arc<Model>> {
         .filter(|((p, _), _)| *p == path)
         .filter_map(|((_, d), s)| s.copy.lock().upgrade().map(|m| (d.clone(), m)))
         .collect();
-    let cpu = copies.iter().position(|(d, _)| *d == Device::Cpu).unwrap_or(0);
-    copies.into_iter().nth(cpu).map(|(_, m)| m)
+    copies.iter().find(|(d, _)| *d == Device::Cpu).or(copies.first()).map(|(_, m)| Arc::clone(m))
 }
 
 /// The shared projector for `mmproj` bound to `model`, loading it on first use with `contexts`

@@ -67,6 +67,24 @@ impl VlmContext {
                 .ok_or_else(|| gst::error_msg!(gst::CoreError::StateChange, ["no engine"]))?;
             (Arc::clone(resident), st.engines.clone(), Arc::clone(p))
         };
+        // Every engine holds its `max-streams`: this camera is refused, not the pipeline ended
+        // (its frames pass without joining a history; a sequence another stream gives back
+        // opens it at a later frame).
+        if engines.iter().all(|e| e.stream_slots().1 == 0) {
+            if !pads.refused.swap(true, Ordering::AcqRel) {
+                let (used, free) = engine.stream_slots();
+                gst::element_imp_warning!(
+                    self,
+                    gst::ResourceError::Busy,
+                    (
+                        "{}: no stream sequence is free on the engines (max-streams={} each): its frames pass without joining a history until another stream closes",
+                        pads.sink.name(),
+                        used + free
+                    )
+                );
+            }
+            return Ok(None);
+        }
         let config = StreamConfig {
             name: name.unwrap_or_else(|| pads.sink.name().to_string()),
             retain: settings.retain,
@@ -82,24 +100,6 @@ impl VlmContext {
             peers: engines,
             slide_wait: vlm_runtime::DEFAULT_SLIDE_WAIT,
         };
-        // Every engine holds its `max-streams`: this camera is refused, not the pipeline ended
-        // (its frames pass without joining a history; a sequence another stream gives back
-        // opens it at a later frame).
-        if config.peers.iter().all(|e| e.stream_slots().1 == 0) {
-            if !pads.refused.swap(true, Ordering::AcqRel) {
-                let (used, free) = engine.stream_slots();
-                gst::element_imp_warning!(
-                    self,
-                    gst::ResourceError::Busy,
-                    (
-                        "{}: no stream sequence is free on the engines (max-streams={} each): its frames pass without joining a history until another stream closes",
-                        pads.sink.name(),
-                        used + free
-                    )
-                );
-            }
-            return Ok(None);
-        }
         let stream = Stream::open(&engine, prompt, config).map_err(|e| {
             gst::error_msg!(gst::ResourceError::Failed, ("{}: {}", pads.sink.name(), e), ["vlmcontext"])
         })?;

@@ -325,9 +325,9 @@ impl VlmQuery {
                     // times, in order, not `answer-duration` ahead.
                     shared.stats.answers += 1;
                     let at = at.max(shared.text_position);
-                    let next = Self::text(shared, p, json_line(&message), at, Some(duration), &status);
                     shared.text_position = at;
-                    return Some(next);
+                    let text = json_line(&message);
+                    return Some(Next::Text { p, text, pts: at, duration: Some(duration), status });
                 }
                 OutputFormat::Text if status == "answered" => {
                     shared.stats.answers += 1;
