@@ -140,6 +140,31 @@ fn the_encoders_interval_holds_over_untimed_video() {
     assert_clean(&f.finish());
 }
 
+/// `max-unchanged` holds over untimed video too (on the wall clock): a still picture is
+/// encoded again once that long has passed since the gate last let one through.
+#[test]
+fn max_unchanged_holds_over_untimed_video() {
+    let _s = serial();
+    let f = Fed::new("", "", "");
+    let enc = f.element("enc");
+    enc.set_property("interval", 0u64);
+    enc.set_property("min-change", 0.01f64);
+    enc.set_property("max-unchanged", 200_000_000u64);
+    let passed = count_buffers(&f.q.static_pad("video_src").unwrap());
+    for n in 1..=3 {
+        f.push(VideoFormat::Rgb, 64, 48, 0, None);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while passed.load(Ordering::Acquire) < n && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert_eq!(passed.load(Ordering::Acquire), 3);
+    assert_eq!(enc.property::<u64>("frames-unchanged"), 0);
+    assert_eq!(enc.property::<u64>("frames-encoded"), 3, "a still picture is encoded again after max-unchanged");
+    assert_clean(&f.finish());
+}
+
 #[test]
 fn a_gap_event_and_a_discontinuity_leave_the_stream_answering() {
     let _s = serial();
@@ -643,9 +668,9 @@ fn two_pipelines_in_one_process_share_one_model_and_both_answer() {
 fn two_streams(extra: &str) -> (gst::Element, gst::Bin, [gst_app::AppSrc; 2], [gst::Element; 2], [Frames; 2]) {
     let pipeline = launch(&format!(
         "vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf max-streams=2 {extra} \
-         appsrc name=src0 format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 min-change=0 \
+         appsrc name=src0 format=time ! vlmencode name=enc0 mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 min-change=0 \
            ! ctx.sink_0 ctx.src_0 ! vlmquery name=q0 max-tokens=4 ! fakesink sync=false async=false \
-         appsrc name=src1 format=time ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 min-change=0 \
+         appsrc name=src1 format=time ! vlmencode name=enc1 mmproj=models/test-mmproj-mlp.gguf interval=0 cache-entries=0 min-change=0 \
            ! ctx.sink_1 ctx.src_1 ! vlmquery name=q1 max-tokens=4 ! fakesink sync=false async=false"
     ));
     let bin = pipeline.clone().downcast::<gst::Bin>().unwrap();
@@ -743,6 +768,27 @@ fn a_stream_beyond_max_streams_is_refused_with_a_warning_and_the_other_answers()
     assert_eq!(log.warnings.iter().filter(|w| w.contains("max-streams")).count(), 1, "said once: {:?}", log.warnings);
     let a = ask_and_wait(&q[open], &bus, &mut log, "Still there?");
     assert_eq!((status(&a), field::<u64>(&a, "frames")), ("answered".into(), 3), "{a}");
+    // The open stream's camera goes away (its branch stopped, its pad released): the refused
+    // stream opens at its next frame, announces itself downstream, and answers.
+    let enc = bin.by_name(&format!("enc{open}")).unwrap();
+    for e in [src[open].upcast_ref::<gst::Element>(), &enc] {
+        e.set_locked_state(true);
+        e.set_state(gst::State::Null).unwrap();
+    }
+    let ctx = bin.by_name("ctx").unwrap();
+    let sink = enc.static_pad("src").unwrap().peer().unwrap();
+    enc.static_pad("src").unwrap().unlink(&sink).unwrap();
+    ctx.release_request_pad(&sink);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut next = 3;
+    while frames[refused].newest() == 0 && Instant::now() < deadline {
+        push_rgb(&src[refused], next, 1);
+        next += 1;
+        log.pump(&bus, Duration::from_millis(200), |_| false);
+    }
+    assert!(frames[refused].newest() > 0, "the refused stream never opened");
+    let a = ask_and_wait(&q[refused], &bus, &mut log, "And you?");
+    assert_eq!(status(&a), "answered", "{a}");
     drop(bin);
     set_state(&pipeline, gst::State::Null, "stop");
     assert_clean(&log);

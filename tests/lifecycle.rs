@@ -89,6 +89,28 @@ fn the_model_loads_in_the_background_from_ready_and_is_not_loaded_again() {
     assert!(run.errors.is_empty(), "{:?}", run.errors);
 }
 
+/// Cameras added while the engines load (READY→PAUSED completing asynchronously) find the
+/// streams that load sized: it is neither started again for them nor left running beside a
+/// second load.
+#[test]
+fn pads_requested_while_the_model_loads_do_not_load_it_again() {
+    let pipeline = launch("vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf fakesrc num-buffers=0 ! fakesink");
+    let bus = pipeline.bus().unwrap();
+    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    assert_eq!(pipeline.set_state(gst::State::Playing), Ok(gst::StateChangeSuccess::Async));
+    // Three cameras: more than the two streams the load sized.
+    let pads: Vec<gst::Pad> = (0..3).map(|_| ctx.request_pad_simple("sink_%u").unwrap()).collect();
+    let (_, state, _) = pipeline.state(gst::ClockTime::from_seconds(60));
+    assert_eq!(state, gst::State::Playing);
+    let loads = progress_until(&bus, gst::ClockTime::from_seconds(2), gst::ProgressType::Error);
+    let started = loads.iter().filter(|p| p.0 == gst::ProgressType::Start).count();
+    assert_eq!(started, 1, "{loads:?}");
+    for pad in pads {
+        ctx.release_request_pad(&pad);
+    }
+    set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), "PLAYING->NULL");
+}
+
 /// An application's NULL→PLAYING from its main loop does not wait for the model: the state
 /// change returns ASYNC at once (the load goes on off the application's thread), the main loop
 /// keeps running, the load's Progress messages and then the pipeline's ASYNC_DONE reach its bus

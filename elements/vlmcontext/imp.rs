@@ -187,8 +187,16 @@ struct StreamPads {
     stream: Mutex<Option<Arc<Stream>>>,
     /// Set while flushing or stopping: unblocks a chain function waiting for backpressure.
     cancel: AtomicBool,
+    /// Set from a stop (or the pad's release) until the next start: a flush-stop meanwhile
+    /// leaves `cancel` set.
+    stopped: AtomicBool,
     /// Its stream was refused for want of a free sequence, and said so (once until it opens).
     refused: AtomicBool,
+    /// Its stream's `vlm-stream` event has gone downstream.
+    announced: AtomicBool,
+    /// The overload policy of its stream is settled (`overload=auto` asks whether the source
+    /// is live again at the first frame where it could not answer before its caps).
+    overload_settled: AtomicBool,
     stats: Mutex<Stats>,
 }
 
@@ -401,7 +409,10 @@ impl ElementImpl for VlmContext {
             src: src.clone(),
             stream: Mutex::new(None),
             cancel: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
             refused: AtomicBool::new(false),
+            announced: AtomicBool::new(false),
+            overload_settled: AtomicBool::new(false),
             stats: Mutex::default(),
         });
         pads.push(entry);
@@ -432,7 +443,8 @@ impl ElementImpl for VlmContext {
         let Some(entry) = self.pads_of(pad) else {
             return;
         };
-        entry.cancel.store(true, Ordering::Release);
+        entry.stopped.store(true, Ordering::SeqCst);
+        entry.cancel.store(true, Ordering::SeqCst);
         let stream = {
             // (A stream opening now is opened and taken here, or sees `cancel` and does not open.)
             let _opening = self.opening.lock();
@@ -457,7 +469,8 @@ impl ElementImpl for VlmContext {
             gst::StateChange::NullToReady => self.preload(),
             gst::StateChange::ReadyToPaused => {
                 for p in self.pads.lock().iter() {
-                    p.cancel.store(false, Ordering::Release);
+                    p.stopped.store(false, Ordering::SeqCst);
+                    p.cancel.store(false, Ordering::SeqCst);
                 }
                 let parent = self.parent_change_state(transition)?;
                 return match self.start() {

@@ -42,7 +42,7 @@ mod imp {
                 vec![
                     glib::ParamSpecString::builder("stream-name")
                         .nick("Stream name")
-                        .blurb("The stream's name in vlm-answer messages, JSON and logs (empty: the pad's name); read when the stream's first frame arrives")
+                        .blurb("The stream's name in vlm-answer messages, JSON and logs (empty: the pad's name); read when its stream opens, at its stream-start or first frame)")
                         .mutable_ready()
                         .build(),
                 ]

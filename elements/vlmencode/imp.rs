@@ -30,7 +30,7 @@ const DEFAULT_CACHE_BYTES: u64 = 64 << 20;
 /// The change gate's default: a due frame is encoded when at least 0.1% of its blocks (and
 /// at least one) changed beyond the noise since the last encoded frame.
 const DEFAULT_MIN_CHANGE: f64 = 0.001;
-/// At most this much stream time (ns) between encodes of an unchanged picture.
+/// At most this much running time (ns) between encodes of an unchanged picture.
 const DEFAULT_MAX_UNCHANGED: u64 = 30_000_000_000;
 
 /// The raw formats vlmencode reads, and how.
@@ -184,9 +184,10 @@ struct State {
     backend: &'static str,
     last_encoded: Option<gst::ClockTime>,
     last_encoded_at: Option<Instant>,
-    /// The change gate (`min-change`), and the running time of the frame it last let through.
+    /// The change gate (`min-change`), and when it last let a frame through: its running time
+    /// (untimed: none) and the wall clock's.
     gate: ChangeGate,
-    gate_passed: Option<gst::ClockTime>,
+    gate_passed: Option<(Option<gst::ClockTime>, Instant)>,
     /// `tile-reuse` met a projector that encodes a frame as one image (said once).
     untiled_said: bool,
     /// The demand of the stream downstream (the `vlm-demand` query), once a vlmcontext answered.
@@ -364,12 +365,14 @@ impl VlmEncode {
             return Gate::Encode(None, false);
         };
         let state = self.state.lock();
-        let stale = match (time, state.gate_passed) {
-            (Some(t), Some(passed)) => {
-                !max_unchanged.is_zero() && (t < passed || t >= passed.saturating_add(max_unchanged))
-            }
-            _ => false,
-        };
+        // (Untimed frames, or a timed one after an untimed, count `max-unchanged` on the wall
+        // clock.)
+        let stale = !max_unchanged.is_zero()
+            && match (time, state.gate_passed) {
+                (_, None) => false,
+                (Some(t), Some((Some(passed), _))) => t < passed || t >= passed.saturating_add(max_unchanged),
+                (_, Some((_, at))) => at.elapsed() >= std::time::Duration::from(max_unchanged),
+            };
         match state.gate.decide(&picture(&vframe, info, format), min_change) {
             Some(Decision::Unchanged(change, _)) if !stale && min_change > 0.0 => Gate::Hold(change.share()),
             Some(Decision::Unchanged(_, luma)) => Gate::Encode(Some(Arc::new(luma)), stale),
@@ -432,7 +435,7 @@ impl VlmEncode {
         if let Some(luma) = &luma {
             let mut state = self.state.lock();
             state.gate.encoded(Arc::clone(luma));
-            state.gate_passed = running_time;
+            state.gate_passed = Some((running_time, Instant::now()));
         }
         self.enqueue(Item::Frame(buffer, Some(Due { info, luma, refresh })), true)
     }
@@ -447,6 +450,9 @@ impl VlmEncode {
                 let _ = self.srcpad.pause_task();
                 return forwarded;
             }
+            // (Not on a source pad a stop has deactivated, whose sink pad is still active:
+            // the element stays flushing and its task starts with the next activation.)
+            EventView::FlushStop(_) if !self.srcpad.is_active() => return self.srcpad.push_event(event),
             EventView::FlushStop(_) => {
                 self.set_flushing(false);
                 self.state.lock().last_encoded = None;

@@ -18,7 +18,7 @@
 //! samples both ways; an object that moves, appears or leaves moves them one way). An object
 //! smaller than about 10 × 10 px, a change under 24 levels (of 255) of brightness, or a change of
 //! colour alone is not seen; `max-unchanged` re-encodes an unchanged picture every so often
-//! (30 s of stream time by default) so that slow drifts are caught. A caps change, a flush or a
+//! (30 s of running time by default) so that slow drifts are caught. A caps change, a flush or a
 //! new segment starts the gate afresh.
 //!
 //! A frame that did change is encoded tile by tile where the projector cuts it into tiles
@@ -82,7 +82,7 @@
 //! - `mmproj` (string): libmtmd projector GGUF (vision tower + projector).
 //! - `model` (string, empty): language-model GGUF the embeddings feed; empty = ask `vlmcontext`.
 //! - `backend` (`auto`/`cpu`/`gpu`/`rknn`, `auto`); `rknn-model` (string): the `.rknn` encoder.
-//! - `interval` (ns, 1000000000): stream time between encoded frames; 0 = every frame.
+//! - `interval` (ns, 1000000000): running time between encoded frames (untimed frames: the wall clock); 0 = every frame.
 //! - `max-rate` (encodes per second of wall-clock time, 0 = no limit).
 //! - `max-pending` (1-64, 2): frames waiting for or in the encoder before upstream blocks.
 //! - `leaky` (false): when the encoder is full, due frames pass without embeddings instead.
@@ -90,7 +90,7 @@
 //! - `threads` (1-256; the machine's cores, at most 256): CPU threads of the encoder.
 //! - `min-change` (0-1, 0.001; 0 = off): the share of the picture's blocks (and at least one)
 //!   that must have changed since the last encoded frame for a due frame to be encoded.
-//! - `max-unchanged` (ns, 30000000000; 0 = never): stream time after which an unchanged
+//! - `max-unchanged` (ns, 30000000000; 0 = never): running time (untimed frames: the wall clock) after which an unchanged
 //!   picture is encoded again.
 //! - `tile-reuse` (`off`/`exact`/`threshold`, `threshold`): see above.
 //! - Read-only: `active-backend`, `frames-seen`, `frames-encoded`, `frames-skipped`,

@@ -164,7 +164,8 @@ pub fn answer_frame(
 /// A stored snapshot of exactly `version`, if the prefix cache has one.
 fn cached_snapshot(version: &Version) -> Option<Arc<Snapshot>> {
     let stream = &version.stream;
-    stream.prefix_cache()?.get(&(version.key, stream.engine().compat_tag()))
+    // (Not counted: the cache's hits and misses are its frames'.)
+    stream.prefix_cache()?.peek(&(version.key, stream.engine().compat_tag()))
 }
 
 /// A snapshot holding `version`: from the prefix cache, or exported from the resident engine

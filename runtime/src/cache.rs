@@ -65,22 +65,26 @@ impl<K: Eq + Hash + Clone, V: Weighted> BoundedCache<K, V> {
         self.max_entries > 0 && self.max_bytes > 0
     }
 
+    /// The entry of `key` (now the most recently used), counted as a hit or a miss.
     pub fn get(&self, key: &K) -> Option<Arc<V>> {
+        let found = self.peek(key);
+        let mut inner = self.inner.lock();
+        match found {
+            Some(_) => inner.stats.hits += 1,
+            None => inner.stats.misses += 1,
+        }
+        found
+    }
+
+    /// [`BoundedCache::get`] without counting it: a lookup that is not what the statistics
+    /// count (a question's, where they count frames).
+    pub fn peek(&self, key: &K) -> Option<Arc<V>> {
         let mut inner = self.inner.lock();
         inner.clock += 1;
         let clock = inner.clock;
-        match inner.map.get_mut(key) {
-            Some((v, used)) => {
-                *used = clock;
-                let v = Arc::clone(v);
-                inner.stats.hits += 1;
-                Some(v)
-            }
-            None => {
-                inner.stats.misses += 1;
-                None
-            }
-        }
+        let (v, used) = inner.map.get_mut(key)?;
+        *used = clock;
+        Some(Arc::clone(v))
     }
 
     /// Insert `value` (replacing an entry of the same key), evicting unheld entries, least

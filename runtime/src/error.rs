@@ -23,6 +23,12 @@ pub enum Error {
         "history full: {frames} frames fill {used} of the {cells} KV cells of the stream's sequence (the rest is kept for answers)"
     )]
     HistoryFull { frames: u64, used: u32, cells: u32 },
+    /// One entry (a frame, a committed answer) is larger than a history may be: `cells` KV cells
+    /// where the stream's sequence leaves `room` after its prompt and the answers' reserve.
+    #[error(
+        "an entry of {cells} KV cells does not fit the {room} cells a history of the stream's sequence may take after its prompt"
+    )]
+    EntryTooLarge { cells: u32, room: u32 },
     /// The unified KV pool has no free cells for a decode now (answers holding cells free them
     /// as they end).
     #[error("{0}")]

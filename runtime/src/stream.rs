@@ -184,6 +184,8 @@ struct Timeline {
     slides: u64,
     failed: Option<Error>,
     closed: bool,
+    /// `StreamConfig::overload`, until [`Stream::set_overload`] changes it.
+    overload: Overload,
 }
 
 /// A pinned, immutable view of a stream's history.
@@ -301,6 +303,7 @@ impl Stream {
             history: Arc::from(Vec::new()),
             shifted: false,
         };
+        let overload = config.overload;
         let stream = Arc::new(Stream {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             config,
@@ -324,6 +327,7 @@ impl Stream {
                 slides: 0,
                 failed: None,
                 closed: false,
+                overload,
             }),
             changed: Condvar::new(),
             on_rebuild: OnceLock::new(),
@@ -401,6 +405,12 @@ impl Stream {
         self.timeline.lock().published
     }
 
+    /// What later frames get when `max_pending` frames already wait (a caller that learns
+    /// only after the stream opened whether its source is live).
+    pub fn set_overload(&self, overload: Overload) {
+        self.timeline.lock().overload = overload;
+    }
+
     /// How far ingestion is behind registration now.
     pub fn lag(&self) -> Lag {
         let t = self.timeline.lock();
@@ -447,6 +457,12 @@ impl Stream {
             let record = Record { number, serial, epoch: tail.epoch, end, cells, key, history, shifted: tail.shifted };
             return Ok(Plan { record, rebuild: Rebuild::Append, restart: None });
         }
+        let prefix_len = self.prompt.prefix.len() as i32;
+        if prefix_len + n_cells > capacity {
+            // (No policy makes room for it; the next entry may fit.)
+            let room = (capacity - prefix_len).max(0) as u32;
+            return Err(Error::EntryTooLarge { cells: n_cells as u32, room });
+        }
         let frames = |h: &[Entry]| frames_in(h) as usize;
         let full = || Error::HistoryFull {
             frames: frames_in(&tail.history),
@@ -462,7 +478,6 @@ impl Stream {
             HistoryPolicy::Slide => usize::MAX,
         };
         let room = capacity - capacity / 4;
-        let prefix_len = self.prompt.prefix.len() as i32;
         let mut from = tail.history.len();
         let mut seen = 0;
         while from > 0 && seen < keep {
@@ -472,9 +487,6 @@ impl Stream {
         let mut kept: &[Entry] = &tail.history[from..];
         while !kept.is_empty() && prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells > room {
             kept = &kept[1..];
-        }
-        if prefix_len + n_cells > capacity {
-            return Err(full());
         }
         let root = PrefixKey::root(self.engine().model().identity(), &self.prompt.prefix);
         let key = kept.iter().chain([&entry]).fold(root, |key, e| e.extend(key));
@@ -551,7 +563,7 @@ impl Stream {
         }
         // Entries registered but not yet published (the prompt's own prefill not counted).
         let full = |t: &Timeline| (t.tail.serial - t.published_serial.max(1)) as usize >= self.config.max_pending;
-        if new_frame && self.config.overload == Overload::Skip && full(&t) && t.failed.is_none() && !t.closed {
+        if new_frame && t.overload == Overload::Skip && full(&t) && t.failed.is_none() && !t.closed {
             t.skipped += 1;
             return Ok(Registration { number: t.registered, restart: None, slid: false, skipped: true });
         }
@@ -613,6 +625,8 @@ impl Stream {
 
     fn record_publication(t: &mut Timeline, record: Result<Record>) {
         match record {
+            // (Published already: a newer version of the stream is.)
+            Ok(r) if r.serial <= t.published_serial && t.published_serial > 0 => {}
             Ok(r) => {
                 while t.planned.front().is_some_and(|p| p.serial <= r.serial) {
                     t.planned.pop_front();
@@ -668,9 +682,9 @@ impl Stream {
                 return Err(Error::BadInput(format!("stream {} has no frame {number}", self.name())));
             }
             // The newest record of that frame: with its committed answers, once every one
-            // registered so far is published.
-            let last_serial =
-                t.frame_serials.iter().find(|(n, _)| *n == number + 1).map_or(t.tail.serial, |(_, s)| s - 1);
+            // registered before the next frame is published (before the oldest frame still
+            // counted, for a frame older than all of them; every one so far for the newest).
+            let last_serial = t.frame_serials.iter().find(|(n, _)| *n > number).map_or(t.tail.serial, |(_, s)| s - 1);
             if number <= t.published && t.published_serial >= last_serial {
                 let r = t.versions.iter().rev().find(|r| r.number == number).ok_or_else(|| {
                     Error::BadInput(format!("version {number} of stream {} is no longer retained", self.name()))

@@ -737,3 +737,56 @@ fn an_entry_the_unified_pool_has_no_room_for_waits_for_the_answers_holding_it() 
     assert!(published.is_ok(), "the entry failed its stream: {:?}", published.err());
     engine.stop();
 }
+
+/// A question about a frame older than the frames whose order the stream still counts (64)
+/// binds once that frame's records are published, not once every registered frame is (with a
+/// source that keeps ingestion busy, that was never, or at its end).
+#[test]
+fn a_question_about_an_old_frame_does_not_wait_for_ingestion_to_catch_up() {
+    const FRAMES: u64 = 70;
+    let engine = engine_with("cpu", 4096);
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let config = StreamConfig { retain: true, max_pending: FRAMES as usize, ..StreamConfig::new("old") };
+    let stream = Stream::open(&engine, prompt, config).unwrap();
+    let never = AtomicBool::new(false);
+    let f = frame(&encoder(), 0);
+    let (release, holder) = hold(&engine);
+    for _ in 0..FRAMES {
+        stream.register(Arc::clone(&f), &never).unwrap();
+    }
+    let _ = release.send(());
+    holder.join().unwrap();
+    // Frames 1 and 2 published, 68 still to come.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while stream.lag().frames > FRAMES - 2 {
+        assert!(std::time::Instant::now() < deadline, "nothing was published");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let version = stream.wait_version(1, &never).expect("version 1");
+    let pending = stream.lag().frames;
+    assert_eq!(version.number, 1);
+    assert!(pending > 0, "bound only once all {FRAMES} frames were published");
+    stream.wait_version(FRAMES, &never).expect("the newest");
+}
+
+/// A frame larger than a whole history may be is refused as such, not as a full history, and
+/// under a policy that makes room (slide) nothing is dropped for it: the stream goes on.
+#[test]
+fn a_frame_larger_than_the_context_is_refused_as_such() {
+    let engine = engine_with("cpu", 256);
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    let f = frame(&encoder(), 0);
+    let cells = Entry::Frame(Arc::clone(&f)).cells();
+    let prefix = prompt.prefix.len() as i32;
+    // Room after the prompt for a little less than one frame.
+    let answer_reserve = 256 - prefix - (cells - 4);
+    let config = StreamConfig { answer_reserve, history_policy: HistoryPolicy::Slide, ..StreamConfig::new("small") };
+    let stream = Stream::open(&engine, prompt, config).unwrap();
+    let never = AtomicBool::new(false);
+    let err = stream.register(Arc::clone(&f), &never).expect_err("a frame that cannot fit");
+    assert!(
+        matches!(err, Error::EntryTooLarge { cells: c, room } if c == cells as u32 && room == (cells - 4) as u32),
+        "{err}"
+    );
+    assert_eq!(stream.wait_version(0, &never).unwrap().number, 0, "the stream goes on");
+}

@@ -141,6 +141,47 @@ fn a_frame_with_reused_tiles_is_not_cached_as_its_own_encode() {
     assert!(enc.encode_reusing(&picture(&nearly), TileReuse::Off, Turn::default()).unwrap().hit);
 }
 
+/// Exact reuse hands on only rows encoded from a frame's own pixels: a tile whose rows were
+/// taken on the threshold from an older frame is encoded again when an exact pass (a refresh
+/// after `max-unchanged`, or `tile-reuse=exact`) sees its pixels unchanged since.
+#[test]
+fn exact_reuse_never_passes_on_rows_taken_on_the_threshold() {
+    let enc = encoder("idefics3");
+    let mut gate = ChangeGate::default();
+    let a = common::picture(0);
+    let mut nearly = a.clone();
+    for y in 0..20 {
+        for x in 0..20 {
+            let at = ((y * W + x) * 3) as usize;
+            nearly[at..at + 3].iter_mut().for_each(|v| *v = v.saturating_add(10));
+        }
+    }
+    for rgb in [&a, &nearly] {
+        let luma = match gate.decide(&picture(rgb), 0.0001).unwrap() {
+            Decision::Changed(_, l) | Decision::Unchanged(_, l) => Arc::new(l),
+        };
+        gate.encoded(Arc::clone(&luma));
+        enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma), Turn::default()).unwrap();
+    }
+    let exact = enc.encode_reusing(&picture(&nearly), TileReuse::Exact, Turn::default()).unwrap();
+    let fresh = encoder("idefics3").encode_reusing(&picture(&nearly), TileReuse::Off, Turn::default()).unwrap();
+    assert_eq!(images(&exact.frame), images(&fresh.frame), "rows of other pixels passed on as exact");
+    assert!(exact.tiles.reused > 0, "the tiles encoded from these pixels are still reused: {:?}", exact.tiles);
+}
+
+/// A change just beyond a tile's edge reaches into it through the resize (Lanczos-3, enlarged
+/// 2x here): exact reuse sees it and encodes the tile again.
+#[test]
+fn exact_reuse_sees_a_change_the_resize_blends_in_from_beside_the_tile() {
+    let enc = encoder("idefics3");
+    enc.encode_reusing(&picture(&common::picture(0)), TileReuse::Exact, Turn::default()).unwrap();
+    // The top-left tile is 0..32 x 0..24: a square from x = 34.
+    let b = with_square(34, 4, 12);
+    let exact = enc.encode_reusing(&picture(&b), TileReuse::Exact, Turn::default()).unwrap();
+    let fresh = encoder("idefics3").encode_reusing(&picture(&b), TileReuse::Off, Turn::default()).unwrap();
+    assert_eq!(images(&exact.frame), images(&fresh.frame));
+}
+
 #[test]
 fn a_projector_without_tiles_encodes_the_picture_whole() {
     let enc = encoder("qwen2vl");

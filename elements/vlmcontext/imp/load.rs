@@ -155,16 +155,15 @@ impl VlmContext {
         Ok(gst::StateChangeSuccess::Async)
     }
 
-    /// The engines of `loading` if it loaded them with the current settings (waiting for it to
-    /// end), else loaded now.
+    /// The engines of `loading` (waiting for it to end: `start` chose it with the settings of
+    /// READY→PAUSED, and pads requested since find the streams it sized), else loaded now.
     fn take_loaded(&self, loading: Option<Loading>) -> Loaded {
-        let s = self.load_settings();
         match loading {
-            Some(l) if l.settings == s => l
+            Some(l) => l
                 .handle
                 .join()
                 .unwrap_or_else(|_| Err(gst::error_msg!(gst::CoreError::StateChange, ["the loading thread panicked"]))),
-            _ => self.load(&s, &Arc::new(AtomicBool::new(false))),
+            None => self.load(&self.load_settings(), &Arc::new(AtomicBool::new(false))),
         }
     }
 
@@ -280,7 +279,9 @@ impl VlmContext {
         // (Streams opening now are opened and closed here, or see `cancel` and do not open.)
         let _opening = self.opening.lock();
         for pads in self.pads.lock().iter() {
-            pads.cancel.store(true, Ordering::Release);
+            pads.stopped.store(true, Ordering::SeqCst);
+            pads.cancel.store(true, Ordering::SeqCst);
+            pads.refused.store(false, Ordering::Release);
             if let Some(s) = pads.stream.lock().take() {
                 s.close();
             }

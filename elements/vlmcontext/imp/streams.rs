@@ -36,11 +36,15 @@ impl VlmContext {
         }
         let settings = self.settings.lock().clone();
         let name = pads.sink.downcast_ref::<crate::vlmcontext::VlmContextSinkPad>().map(|p| p.stream_name());
-        let overload = match settings.overload {
-            OverloadKind::Block => Overload::Block,
-            OverloadKind::Skip => Overload::Skip,
-            OverloadKind::Auto if self.upstream_is_live(&pads.sink) => Overload::Skip,
-            OverloadKind::Auto => Overload::Block,
+        // A source asked before its caps may not know yet whether it is live (videotestsrc
+        // answers no latency query then): asked again at the first frame (`settle_overload`).
+        let (overload, settled) = match settings.overload {
+            OverloadKind::Block => (Overload::Block, true),
+            OverloadKind::Skip => (Overload::Skip, true),
+            OverloadKind::Auto => match self.upstream_is_live(&pads.sink) {
+                Some(live) => (if live { Overload::Skip } else { Overload::Block }, true),
+                None => (Overload::Block, false),
+            },
         };
         // One stream opens at a time: choosing its engine and taking a stream sequence there are
         // one step (two streams whose first frames came together, as when the engines finish
@@ -57,6 +61,9 @@ impl VlmContext {
         let (engine, engines, prompt) = {
             let st = self.state.lock();
             let Some(p) = &st.prompt else {
+                if pads.stopped.load(Ordering::SeqCst) {
+                    return Ok(None); // stopped (a flush-stop meanwhile cleared `cancel`)
+                }
                 return Err(gst::error_msg!(
                     gst::CoreError::StateChange,
                     ("vlmcontext has no engines: it is not started, or its model did not load (see the error before)")
@@ -70,7 +77,10 @@ impl VlmContext {
         // Every engine holds its `max-streams`: this camera is refused, not the pipeline ended
         // (its frames pass without joining a history; a sequence another stream gives back
         // opens it at a later frame).
-        if engines.iter().all(|e| e.stream_slots().1 == 0) {
+        // (A failed engine keeps its free sequences but takes no stream: only when every engine
+        // has failed does the open below fail.)
+        let healthy = engines.iter().filter(|e| e.failure().is_none());
+        if healthy.clone().count() > 0 && healthy.clone().all(|e| e.stream_slots().1 == 0) {
             if !pads.refused.swap(true, Ordering::AcqRel) {
                 let (used, free) = engine.stream_slots();
                 gst::element_imp_warning!(
@@ -113,15 +123,33 @@ impl VlmContext {
                 element.imp().history_restarted(&pads, stream, registration, by_frame);
             }
         }));
+        pads.overload_settled.store(settled, Ordering::Release);
+        pads.announced.store(false, Ordering::Release);
         *pads.stream.lock() = Some(Arc::clone(&stream));
         pads.refused.store(false, Ordering::Release);
         Ok(Some(stream))
     }
 
-    /// Whether the stream comes from a live source (its frames cannot wait).
-    fn upstream_is_live(&self, sink: &gst::Pad) -> bool {
+    /// Whether the stream comes from a live source (its frames cannot wait); `None` where
+    /// upstream does not answer.
+    fn upstream_is_live(&self, sink: &gst::Pad) -> Option<bool> {
         let mut q = gst::query::Latency::new();
-        sink.peer_query(&mut q) && q.result().0
+        sink.peer_query(&mut q).then(|| q.result().0)
+    }
+
+    /// At a frame, before it registers: `overload=auto` that could not tell at the stream's
+    /// opening whether its source is live asks again (a source that still does not answer is
+    /// taken as not live), and the stream's `vlm-stream` event goes downstream where its
+    /// opening did not send it (a stream opened at a frame: refused at its start, or after a
+    /// flush).
+    fn settle_stream(&self, pads: &StreamPads, stream: &Stream) {
+        if !pads.overload_settled.swap(true, Ordering::AcqRel) && self.upstream_is_live(&pads.sink) == Some(true) {
+            gst::debug!(CAT, obj = pads.sink, "overload=auto: the source is live, frames are skipped past max-pending");
+            stream.set_overload(Overload::Skip);
+        }
+        if !pads.announced.swap(true, Ordering::AcqRel) {
+            pads.src.push_event(StreamEvent::event(stream.id(), stream.name()));
+        }
     }
 
     pub(super) fn sink_chain(
@@ -140,11 +168,12 @@ impl VlmContext {
                 gst::FlowError::Error
             })?;
             let Some(stream) = opened else {
-                if pads.cancel.load(Ordering::Acquire) {
+                if pads.cancel.load(Ordering::Acquire) || pads.stopped.load(Ordering::SeqCst) {
                     return Err(gst::FlowError::Flushing);
                 }
                 return pads.src.push(buffer); // refused: no sequence is free
             };
+            self.settle_stream(pads, &stream);
             let lag = stream.lag();
             self.update_stats(pads, |stats| stats.max_lag_ms = stats.max_lag_ms.max(lag.ms));
             match stream.register(frame, &pads.cancel) {
@@ -158,17 +187,19 @@ impl VlmContext {
                     }
                 }
                 Err(Error::Cancelled) => return Err(gst::FlowError::Flushing),
-                Err(e @ Error::HistoryFull { .. }) => {
+                Err(e @ (Error::HistoryFull { .. } | Error::EntryTooLarge { .. })) => {
                     let first = self.update_stats(pads, |stats| {
                         stats.dropped += 1;
                         stats.dropped == 1
                     });
                     if first {
+                        let which =
+                            if matches!(e, Error::HistoryFull { .. }) { "later frames" } else { "frames this large" };
                         gst::element_imp_warning!(
                             self,
                             gst::ResourceError::NoSpaceLeft,
                             (
-                                "{}: {}; later frames pass without joining the history (raise context-size)",
+                                "{}: {}; {which} pass without joining the history (raise context-size)",
                                 pads.sink.name(),
                                 e
                             )
@@ -274,12 +305,20 @@ impl VlmContext {
                     stream.wake();
                 }
             }
-            gst::EventView::FlushStop(_) => pads.cancel.store(false, Ordering::Release),
+            gst::EventView::FlushStop(_) => {
+                // (A stop or release that set `stopped` before or meanwhile keeps `cancel` set.)
+                pads.cancel.store(false, Ordering::SeqCst);
+                if pads.stopped.load(Ordering::SeqCst) {
+                    pads.cancel.store(true, Ordering::SeqCst);
+                }
+            }
             gst::EventView::StreamStart(_) => {
                 let forwarded = pads.src.push_event(event);
                 return match self.stream(pads) {
                     Ok(Some(stream)) => {
-                        forwarded && pads.src.push_event(StreamEvent::event(stream.id(), stream.name()))
+                        let announced = pads.src.push_event(StreamEvent::event(stream.id(), stream.name()));
+                        pads.announced.store(true, Ordering::Release);
+                        forwarded && announced
                     }
                     // (Refused for want of a sequence, or flushing.)
                     Ok(None) => forwarded,

@@ -356,7 +356,7 @@ impl VlmQuery {
             gst::element_imp_warning!(
                 self,
                 gst::CoreError::Negotiation,
-                ("the video carries no vlmcontext stream: questions wait for a frame that never comes (put vlmencode ! vlmcontext before vlmquery)")
+                ("the video carries no vlmcontext stream: questions wait for a frame of one (put vlmencode ! vlmcontext before vlmquery; a vlmcontext at its max-streams passes a camera's frames without one until a stream closes)")
             );
             shared = self.shared.lock();
         }

@@ -484,9 +484,12 @@ pub enum TileReuse<'a> {
     Unchanged(&'a Arc<gate::Luma>),
 }
 
-/// Pixels around a tile that libmtmd's resize may blend into it.
-fn tile_margin(width: u32) -> u32 {
-    (width / 128).max(2)
+/// Pixels around a tile that the resize to the projector's grid may blend into it (each axis):
+/// Lanczos-3 reaches 3 source pixels when it enlarges and 3 x the reduction when it reduces, in
+/// up to two steps (to the longest edge, then to whole tiles). For longest edges of 384 px and
+/// more, 1/64 of the picture's longer side covers a reduction, and 6 pixels an enlargement.
+fn tile_margin(width: u32, height: u32) -> u32 {
+    (width.max(height) / 64).max(6)
 }
 
 /// A sampling of the pixels a tile's rows were encoded from (`TileReuse::Unchanged`).
@@ -496,22 +499,25 @@ type Origin = Option<Arc<gate::Luma>>;
 struct LastFrame {
     rgb: Rgb,
     frame: Arc<Frame>,
-    /// Per image segment: its tile, and (`TileReuse::Unchanged`) the sampling of the pixels its
-    /// rows were encoded from (an earlier frame's, where they were reused).
-    tiles: Vec<(Option<Tile>, Origin)>,
+    /// Per image segment: its tile, (`TileReuse::Unchanged`) the sampling of the pixels its
+    /// rows were encoded from (an earlier frame's, where they were reused), and whether they are
+    /// what an encode of this frame's own pixels gives (encoded now, or taken exactly from such
+    /// rows): only those are taken again as exact.
+    tiles: Vec<(Option<Tile>, Origin, bool)>,
 }
 
 impl LastFrame {
-    /// The rows of `tile` in this frame, if it has them, and where they were encoded from.
-    fn rows_of(&self, tile: Tile, rows: usize) -> Option<(Box<[f32]>, &Origin)> {
+    /// The rows of `tile` in this frame, if it has them, where they were encoded from, and
+    /// whether from this frame's own pixels.
+    fn rows_of(&self, tile: Tile, rows: usize) -> Option<(Box<[f32]>, &Origin, bool)> {
         let images = self.frame.segments.iter().filter_map(|s| match s {
             Segment::Image(i) => Some(i),
             Segment::Text(_) => None,
         });
         images
             .zip(&self.tiles)
-            .find(|(i, (t, _))| *t == Some(tile) && i.rows == rows)
-            .map(|(i, (_, origin))| (i.data.clone(), origin))
+            .find(|(i, (t, ..))| *t == Some(tile) && i.rows == rows)
+            .map(|(i, (_, origin, own))| (i.data.clone(), origin, *own))
     }
 }
 
@@ -574,18 +580,18 @@ impl FrameEncoder {
         }
         let rgb = picture.to_rgb()?;
         let previous = last.take().filter(|l| (l.rgb.width, l.rgb.height) == (rgb.width, rgb.height));
-        let margin = tile_margin(rgb.width);
+        let margin = tile_margin(rgb.width, rgb.height);
         // The change since each earlier sampling a tile's rows came from (few: computed once).
         let mut changes: Vec<(Arc<gate::Luma>, Option<gate::Change>)> = vec![];
-        // Where the reused tiles' rows were encoded from.
-        let mut reused_from: Vec<(Tile, Origin)> = vec![];
+        // Where the reused tiles' rows were encoded from, and whether they are exact.
+        let mut reused_from: Vec<(Tile, Origin, bool)> = vec![];
         let mut lookup = |tile: Tile, rows: usize| -> Option<Box<[f32]>> {
             let previous = previous.as_ref()?;
-            let (data, origin) = previous.rows_of(tile, rows)?;
+            let (data, origin, own) = previous.rows_of(tile, rows)?;
             let region = tile.region(rgb.width, rgb.height);
             let unchanged = match reuse {
                 TileReuse::Off => false,
-                TileReuse::Exact => previous.rgb.same_region(&rgb, region, margin),
+                TileReuse::Exact => own && previous.rgb.same_region(&rgb, region, margin),
                 // (A whole picture is the change gate's to hold, not reused on a threshold.)
                 TileReuse::Unchanged(_) if tile == Tile::Whole => false,
                 TileReuse::Unchanged(now) => {
@@ -601,7 +607,7 @@ impl FrameEncoder {
                 }
             };
             unchanged.then(|| {
-                reused_from.push((tile, origin.clone()));
+                reused_from.push((tile, origin.clone(), matches!(reuse, TileReuse::Exact)));
                 data
             })
         };
@@ -613,9 +619,9 @@ impl FrameEncoder {
         let origins = tiles
             .tiles
             .iter()
-            .map(|t| {
-                let reused = t.and_then(|t| reused_from.iter().find(|(r, _)| *r == t));
-                (*t, reused.map_or_else(|| now.cloned(), |(_, origin)| origin.clone()))
+            .map(|t| match t.and_then(|t| reused_from.iter().find(|(r, ..)| *r == t)) {
+                Some((_, origin, exact)) => (*t, origin.clone(), *exact),
+                None => (*t, now.cloned(), true),
             })
             .collect();
         let frame = Arc::new(Frame { content_hash, segments });

@@ -259,6 +259,7 @@ impl Engine {
             cell_bytes: 0,
             merge_frames: false,
             rows_batch: None,
+            entry_room: None,
         };
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared {

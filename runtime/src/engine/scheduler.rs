@@ -325,7 +325,10 @@ impl Scheduler {
                 let cancelled = ing.cancel.load(Ordering::Acquire);
                 let begun = match ing.begin.as_mut() {
                     Some(_) if cancelled => Begun::Ended(Err(Error::Cancelled)),
-                    Some(begin) => begin(w, &mut ing.prefill),
+                    Some(begin) => {
+                        w.entry_room = free_cells(w, &self.active, 0);
+                        begin(w, &mut ing.prefill)
+                    }
                     None => Begun::Prefill,
                 };
                 ing.waiting = matches!(begun, Begun::NotYet);

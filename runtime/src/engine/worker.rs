@@ -72,6 +72,11 @@ pub struct Worker {
     pub(super) merge_frames: bool,
     /// The batch of embedding rows chunks of prefill are decoded from, kept between them.
     pub(super) rows_batch: Option<Batch>,
+    /// Unified-pool cells an ingestion beginning now may take beside those the answers
+    /// decoding may still take (`None`: not counted, as with per-sequence KV or no answer
+    /// decoding): a prefix-cache restore, which takes a whole history's cells at once, goes
+    /// only where it fits.
+    pub entry_room: Option<usize>,
 }
 
 /// An engine's KV memory: what its context allocated and what is in use.

@@ -99,7 +99,14 @@ struct Waiter {
     ticket: u64,
     demand: Option<Demand>,
     granted: Option<MtmdPtr>,
+    /// Times a waited-on stream's encode was granted a context before it, the longest-waiting.
+    passed: u32,
 }
+
+/// Most times the longest-waiting encode is passed by waited-on streams' encodes: a stream
+/// nobody waits on is never held back for good by streams that always have readers (standing
+/// alerts count as readers for as long as they stand).
+const MAX_PASSED: u32 = 2;
 
 /// The contexts free now and the encodes waiting for one, in their order of arrival.
 #[derive(Default)]
@@ -111,7 +118,8 @@ struct Pool {
 
 impl Pool {
     /// Hand the free contexts to the waiting encodes whose turn it is: a waited-on stream's
-    /// longest-waiting encode first, then the longest-waiting. Whether anything was granted.
+    /// longest-waiting encode first, then the longest-waiting, which is passed at most
+    /// [`MAX_PASSED`] times. Whether anything was granted.
     fn grant(&mut self) -> bool {
         let mut granted = false;
         while !self.free.is_empty() {
@@ -119,9 +127,13 @@ impl Pool {
             let waited = |w: &&mut Waiter| w.demand.as_ref().is_some_and(|d| d.load(Ordering::Acquire) > 0);
             let mut open = self.waiting.iter_mut().filter(ungranted);
             let Some(first) = open.next() else { break };
-            let next = match waited(&first) {
-                true => first,
-                false => open.find(waited).unwrap_or(first),
+            let next = if waited(&first) || first.passed >= MAX_PASSED {
+                first
+            } else if let Some(demanded) = open.find(waited) {
+                first.passed += 1;
+                demanded
+            } else {
+                first
             };
             next.granted = self.free.pop();
             granted = true;
@@ -157,7 +169,7 @@ impl Contexts {
         }
         let ticket = pool.next_ticket;
         pool.next_ticket += 1;
-        pool.waiting.push_back(Waiter { ticket, demand: turn.demand.cloned(), granted: None });
+        pool.waiting.push_back(Waiter { ticket, demand: turn.demand.cloned(), granted: None, passed: 0 });
         if pool.grant() {
             self.returned.notify_all();
         }
@@ -953,6 +965,28 @@ mod tests {
         assert_eq!(*order.lock().unwrap(), ["b", "c", "a"]);
     }
 
+    /// Streams with readers at every turn (standing alerts) pass the encode of a stream without
+    /// any at most `MAX_PASSED` times: then it has the context.
+    #[test]
+    fn an_encode_nobody_waits_on_is_passed_only_so_often() {
+        let mut pool = Pool::default();
+        let demand = Demand::new(1.into());
+        let waiter =
+            |ticket, demand: Option<&Demand>| Waiter { ticket, demand: demand.cloned(), granted: None, passed: 0 };
+        pool.waiting.push_back(waiter(0, None));
+        let mut granted = vec![];
+        for ticket in 1..=MAX_PASSED as u64 + 1 {
+            pool.waiting.push_back(waiter(ticket, Some(&demand)));
+            pool.free.push(MtmdPtr(NonNull::dangling()));
+            assert!(pool.grant());
+            let at = pool.waiting.iter().position(|w| w.granted.is_some()).unwrap();
+            let ticket = pool.waiting[at].ticket;
+            granted.push(ticket);
+            pool.leave(ticket);
+        }
+        assert_eq!(granted, [1, 2, 0], "the encode nobody waits on waited for good");
+    }
+
     /// An encode whose turn is cancelled (its element flushing) stops waiting while the context
     /// is still held, and leaves its place to the encode behind it.
     #[test]
@@ -986,7 +1020,7 @@ mod tests {
         let pool = pool(3);
         let first = pool.lease(Turn::default()).unwrap();
         // An encode waiting for a context.
-        pool.pool.lock().waiting.push_back(Waiter { ticket: 7, demand: None, granted: None });
+        pool.pool.lock().waiting.push_back(Waiter { ticket: 7, demand: None, granted: None, passed: 0 });
         assert!(pool.lease_free(2).is_empty(), "an extra context taken from a waiting encode");
         pool.pool.lock().waiting.clear();
         assert_eq!(pool.lease_free(5).len(), 2, "the free contexts once nobody waits");

@@ -87,7 +87,16 @@ impl Stream {
         // the kept history is prefilled instead.
         let slide_wait = self.config.slide_wait;
         let mut waiting_since: Option<Instant> = None;
+        // An engine declared failed (stalled) may still run its queue: what it ingests for a
+        // stream that has moved since touches neither the stream's epoch nor its versions.
+        let at_home = {
+            let engine = Arc::as_ptr(&engine) as usize;
+            move |s: &Stream| Arc::as_ptr(&s.home.lock().engine) as usize == engine
+        };
         let begin = move |w: &mut Worker, prefill: &mut Prefill| -> Begun {
+            if !at_home(&s) {
+                return Begun::Ended(Err(Error::Cancelled));
+            }
             let shared = matches!(rebuild, Rebuild::Shift { .. }) && w.ctx.shares_cells(seq);
             if shared && waiting_since.get_or_insert_with(Instant::now).elapsed() < slide_wait {
                 return Begun::NotYet;
@@ -119,10 +128,18 @@ impl Stream {
                 missed_too.store(true, Ordering::Release);
                 return Begun::Prefill;
             };
+            // (A restore takes the whole history's cells at once: in a unified pool whose answers
+            // may still take cells, only where it fits beside them; a prefill waits for room.)
+            if w.entry_room.is_some_and(|room| room < snapshot.end.max(0) as usize) {
+                return Begun::Prefill;
+            }
             Begun::Ended(w.ctx.seq_restore(seq, &snapshot.bytes).map(|()| snapshot.end))
         };
         let s = Arc::clone(self);
         let done = move |w: Option<&mut Worker>, end: Result<i32>| {
+            if !at_home(&s) {
+                return;
+            }
             if let (Ok(end), Some(cache), Some(w)) = (&end, &cache, w)
                 && missed.load(Ordering::Acquire)
                 && let Ok(bytes) = w.ctx.seq_snapshot(seq)
