@@ -18,7 +18,8 @@ mod common;
 #[path = "badinput/harness.rs"]
 mod harness;
 
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -242,6 +243,59 @@ fn invalid_utf8_on_the_query_pad_is_refused_with_a_warning_and_the_next_question
     assert_eq!(field::<String>(&log.answers[0], "question"), "What is it?");
     assert_eq!(field::<String>(&log.answers[1], "question"), "And now?");
     assert_clean(&log);
+}
+
+/// A question source that keeps asking after the video's end (every 0.3 s, never its EOS)
+/// holds the pipeline's EOS for at most 10 s, not for good.
+#[test]
+fn a_question_source_that_keeps_asking_does_not_hold_eos() {
+    let _s = serial();
+    let mut f = Fed::new("", "", "appsrc name=questions format=time ! q.query");
+    let questions = f.element("questions").downcast::<gst_app::AppSrc>().unwrap();
+    questions.set_caps(Some(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+    f.push_frames(1);
+    let asking = Arc::new(AtomicBool::new(true));
+    let asker = {
+        let asking = Arc::clone(&asking);
+        std::thread::spawn(move || {
+            while asking.load(Ordering::Acquire) {
+                if questions.push_buffer(gst::Buffer::from_slice(b"Still?")).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        })
+    };
+    assert_eq!(f.src.end_of_stream(), Ok(gst::FlowSuccess::Ok));
+    let bus = f.bus.clone();
+    let eos = f.log.pump(&bus, Duration::from_secs(60), |l| l.eos || !l.errors.is_empty());
+    asking.store(false, Ordering::Release);
+    asker.join().unwrap();
+    assert!(eos, "no EOS while questions kept coming: {:?}", f.log.errors);
+    assert!(!f.log.answers.is_empty());
+    set_state(&f.pipeline, gst::State::Null, "stop");
+    assert_clean(&f.log);
+}
+
+/// With `output-format=json` a failed question's line is counted in `answers-failed`, not in
+/// `answers` too.
+#[test]
+fn json_lines_of_failed_questions_are_not_counted_as_answers() {
+    let _s = serial();
+    let mut f = Fed::new("context-size=512 kv-layout=per-sequence", "output-format=json", "");
+    f.push_frames(1);
+    let sink = f.q.static_pad("sink").unwrap();
+    assert!(sink.send_event(QuestionEvent::event(&words(600), Some("long"), None)));
+    assert_eq!(status(&f.answer("long", Duration::from_secs(60))), "failed");
+    let id = f.ask("What is it?").unwrap();
+    assert_eq!(status(&f.answer(&id, Duration::from_secs(60))), "answered");
+    // (Counted as the text pad takes the lines, after their messages.)
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while f.q.property::<u64>("answers") < 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!((f.q.property::<u64>("answers"), f.q.property::<u64>("answers-failed")), (1, 1));
+    assert_clean(&f.finish());
 }
 
 /// A question of `n` words (about one token each).

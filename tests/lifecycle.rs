@@ -94,7 +94,8 @@ fn the_model_loads_in_the_background_from_ready_and_is_not_loaded_again() {
 /// second load.
 #[test]
 fn pads_requested_while_the_model_loads_do_not_load_it_again() {
-    let pipeline = launch("vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf fakesrc num-buffers=0 ! fakesink");
+    let pipeline =
+        launch("vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf fakesrc num-buffers=0 ! fakesink");
     let bus = pipeline.bus().unwrap();
     let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
     assert_eq!(pipeline.set_state(gst::State::Playing), Ok(gst::StateChangeSuccess::Async));

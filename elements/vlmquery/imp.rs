@@ -184,11 +184,12 @@ struct Video {
     frame_duration: Option<gst::ClockTime>,
     /// A buffer came with no `vlmcontext` stream announced before it, and that was said.
     no_context_said: bool,
-    /// A new segment came and no timed frame of it yet: `pts` and `end` are the old segment's
-    /// (no GAP is sent from them).
+    /// A new segment came and no timed frame of it yet: `pts` and `end` are its start (no GAP
+    /// is sent from them).
     between_segments: bool,
     segment: Option<gst::FormattedSegment<gst::ClockTime>>,
-    eos: bool,
+    /// When the video's EOS came.
+    eos: Option<std::time::Instant>,
     /// Running time of the frame the last periodic caption was asked at (none for untimed
     /// video), and when.
     last_caption: Option<(Option<gst::ClockTime>, std::time::Instant)>,
@@ -471,9 +472,11 @@ impl VlmQuery {
     /// PAUSED→READY, once the pads are inactive (the text pad's task stopped): a fresh state
     /// with zero statistics, still flushing until the text pad is activated again.
     fn reset(&self) {
-        // (A question accepted after `stop`, as a flush-stop raced it, still gets its answer.)
+        // (A question accepted after `stop`, as a flush-stop raced it, still gets its answer;
+        // an alert thread a frame started then ends, and the stream it held is let go.)
         self.flush_start("the element stopped");
         self.post_outbox_before_stop();
+        self.alerts_stop();
         // (Not this one: a sync bus handler stopping the element from an answering thread.)
         let me = std::thread::current().id();
         let threads: Vec<_> =
@@ -775,7 +778,7 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecUInt64::builder("answers")
                     .nick("Answers")
-                    .blurb("Answers pushed so far")
+                    .blurb("Questions answered and handed to the text pad so far (pushed, unless downstream has ended)")
                     .read_only()
                     .build(),
             ]

@@ -159,7 +159,17 @@ pub fn choose(
         (Some(best), Some(resident)) if best.total_ms() > resident.total_ms() * MOVE_FACTOR => Ok(resident.clone()),
         (Some(best), _) => Ok(best.clone()),
         (None, _) => {
-            if let Some(why) = version.stream.peers().iter().find(|e| e.name() == placement).and_then(|e| e.failure()) {
+            // The engine named, or with `auto` every engine, failed: that is the cause.
+            let peers = version.stream.peers();
+            let named = peers.iter().find(|e| e.name() == placement);
+            let failed = match named {
+                Some(e) => e.failure(),
+                None if placement == "auto" => {
+                    peers.iter().map(|e| e.failure()).collect::<Option<Vec<_>>>().map(|f| f.join("; "))
+                }
+                None => None,
+            };
+            if let Some(why) = failed {
                 return Err(Error::Engine(why));
             }
             let names: Vec<String> = version.stream.peers().iter().map(|e| e.name().to_owned()).collect();

@@ -24,7 +24,11 @@
 //! of wall time the engine's computing thread was on a core during its computations, and the
 //! machine's idle cores (`/proc/stat`). Threads that get only part of a core, with no core idle, are
 //! contended: the count is capped to the cores they get (`threads x share + idle cores`), and the
-//! tuner neither uses nor probes a wider count until the cores come back.
+//! wider candidate means at most that many threads (it is neither used nor probed while the cap
+//! leaves it one thread, like the other). A cap taken on one thread (1 + the idle cores) is under
+//! the configured count wherever anything else runs: the wider candidate then runs as many
+//! threads as the cap allows, so an engine that went to one thread under a burst of contention
+//! comes back to the cores left to it (an 8-core box whose camera takes two).
 
 use std::time::{Duration, Instant};
 
@@ -98,7 +102,17 @@ impl ThreadTuner {
     }
 
     pub(crate) fn threads(&self) -> i32 {
-        self.candidates[self.current].min(self.cap)
+        self.count(self.current)
+    }
+
+    /// The threads candidate `index` runs now: its count, at most the cap.
+    fn count(&self, index: usize) -> i32 {
+        self.candidates[index].min(self.cap)
+    }
+
+    /// Whether the candidates are the same count under the cap now: nothing to compare.
+    fn alike(&self) -> bool {
+        self.candidates.iter().all(|&c| c.min(self.cap) == self.count(self.current))
     }
 
     /// The count for a computation someone waits on (a question's or an alert's prefill, a frame
@@ -129,10 +143,13 @@ impl ThreadTuner {
         }
     }
 
-    /// At most `cap` threads from now on (a probe of a wider count ends, lost).
+    /// At most `cap` threads from now on (a probe that the cap leaves the count it is compared
+    /// with ends, lost).
     pub(crate) fn set_cap(&mut self, cap: i32) {
         self.cap = cap;
-        if let Some(p) = self.probe.take_if(|p| self.candidates[p.index] > cap) {
+        if let Some(p) = self.probe.take_if(|p| {
+            p.index != p.back_to && self.candidates[p.index].min(cap) == self.candidates[p.back_to].min(cap)
+        }) {
             self.current = p.back_to;
         }
     }
@@ -160,8 +177,8 @@ impl ThreadTuner {
     /// A computation of `tokens` took `ms` with the current thread count. Returns the count to
     /// use from the next one on when it changes (a probe starts or ends).
     pub(crate) fn observe(&mut self, ms: f64, tokens: usize) -> Option<i32> {
-        // Capped below the current candidate: what ran says nothing about it.
-        if self.candidates.len() < 2 || tokens == 0 || self.candidates[self.current] > self.cap {
+        // Capped to one count for every candidate: nothing to tell apart.
+        if self.candidates.len() < 2 || tokens == 0 || self.alike() {
             return None;
         }
         if let Some(p) = &mut self.probe {
@@ -189,8 +206,8 @@ impl ThreadTuner {
         }
         self.since_probe = 0;
         let other = (self.current + 1) % self.candidates.len();
-        if self.candidates[other] > self.cap {
-            return None; // the cores do not deliver that many now
+        if self.count(other) == self.threads() {
+            return None; // the cores do not deliver more now
         }
         self.probe = Some(Probe { index: other, back_to: self.current, steps: 0, ms: 0.0, tokens: 0 });
         self.current = other;
@@ -432,6 +449,25 @@ mod tests {
         t.set_cap(1);
         assert_eq!(t.threads(), 1);
         assert!(run(&mut t, period(), |_| 13.0).is_empty());
+    }
+
+    /// An 8-core box whose camera takes some cores: the tuner that went to one thread under a
+    /// burst of contention probes, and then uses, as many threads as the cap (under 8) allows.
+    #[test]
+    fn a_cap_under_the_configured_count_still_lets_the_wider_candidate_run_that_many() {
+        let mut t = ThreadTuner::new(Kind::Decode, 8, true);
+        t.seed(0, 30.0);
+        t.seed(1, 13.0);
+        assert_eq!(t.choose_best(), 1);
+        t.set_cap(6);
+        assert_eq!(run(&mut t, Kind::Decode.probing().0, |_| 13.0), [6], "the wider candidate probed at the cap");
+        // It wins: kept (the next probe, of one thread, goes back to six).
+        assert_eq!(run(&mut t, period() + 6, |n| if n == 6 { 4.0 } else { 13.0 }), [1, 6]);
+        assert_eq!(t.threads(), 6);
+        // The cap drops to one thread: the wider candidate runs one, and nothing is probed.
+        t.set_cap(1);
+        assert_eq!(t.threads(), 1);
+        assert!(run(&mut t, 10 * period(), |_| 13.0).is_empty());
     }
 
     #[test]

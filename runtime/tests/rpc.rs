@@ -262,3 +262,37 @@ fn a_stopped_rpc_server_fails_the_answer_naming_it_within_the_stall_limit() {
     stopped_rx.recv_timeout(Duration::from_secs(30)).expect("stopping an engine whose server stopped hung");
     server.signal("CONT");
 }
+
+/// Stopping an RPC engine whose server has just stopped answering (before the watchdog has
+/// declared it failed: the natural reaction when answers stop coming) returns once the stall
+/// is declared, instead of waiting for the server for good.
+#[test]
+fn stopping_an_engine_whose_server_stalls_returns_once_the_stall_is_declared() {
+    const LIMIT: Duration = Duration::from_secs(5);
+    vlm_runtime::engine::set_rpc_stall_limit(LIMIT);
+    let server = RpcServer::start();
+    let local = Engine::start(&model_path(), config("local", Device::Cpu)).unwrap();
+    let far = Engine::start(&model_path(), config("far", Device::Rpc(vec![server.endpoint.clone()]))).unwrap();
+    let s = stream_on(&local, &[&local, &far], "s", 1);
+    let version = s.wait_version(1, &never()).unwrap();
+    let (text_tx, text_rx) = mpsc::channel();
+    {
+        let (version, far) = (version.clone(), Arc::clone(&far));
+        std::thread::spawn(move || {
+            let long = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture at length.", 2000) };
+            let _ = answer_on(&version, &long, &far, PreparePath::Replay, &never(), |_| {
+                let _ = text_tx.send(());
+            });
+        });
+    }
+    text_rx.recv_timeout(Duration::from_secs(120)).expect("the RPC engine produced no text");
+    server.signal("STOP");
+    let (stopped_tx, stopped_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        far.stop();
+        let _ = stopped_tx.send(());
+    });
+    let stopped = stopped_rx.recv_timeout(LIMIT * 4);
+    server.signal("CONT");
+    stopped.expect("stopping the engine waited for its stalled server");
+}

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gst::prelude::*;
 use gst::subclass::prelude::*;
@@ -29,7 +29,9 @@ enum Refusal {
 
 /// How long the question pad may stay quiet after the video's EOS before the answers end
 /// without its EOS (see `VlmQuery::maybe_finish`).
-const QUERY_EOS_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+const QUERY_EOS_GRACE: Duration = Duration::from_secs(1);
+/// Longest a question pad that keeps sending holds the answers' end after the video's EOS.
+const QUERY_EOS_LIMIT: Duration = Duration::from_secs(10);
 
 /// Generated question ids (`q1`, `q2`, ...) count across every `vlmquery` of the process: unique
 /// in a pipeline of several cameras and over the element's whole life.
@@ -274,7 +276,7 @@ impl VlmQuery {
                     return Ok((stream, registered));
                 }
             }
-            if shared.video.eos {
+            if shared.video.eos.is_some() {
                 return Err(false);
             }
             self.changed.wait_for(&mut shared, FIRST_FRAME_POLL);
@@ -307,22 +309,27 @@ impl VlmQuery {
 
     /// After the video's EOS, the answers end (what is pending is answered, then the text pad
     /// gets its EOS) once the question pad has sent EOS too, is unlinked, or has been quiet for
-    /// `QUERY_EOS_GRACE`: a question file read by `subparse` delivers its remaining questions
-    /// back to back and then its EOS, while a question source that stays open (an appsrc, a
-    /// live feed) never holds the pipeline's EOS (the question pad is sparse, as textoverlay's
+    /// `QUERY_EOS_GRACE`, and at most `QUERY_EOS_LIMIT` after the video's EOS: a question file
+    /// read by `subparse` delivers its remaining questions back to back and then its EOS, while
+    /// a question source that stays open (an appsrc, a live feed) never holds the pipeline's EOS (the question pad is sparse, as textoverlay's
     /// text pad is). A question arriving after that is refused with a warning. Returns how long
     /// to wait before asking again, if the answer is not yet.
     pub(super) fn maybe_finish(&self, shared: &mut Shared) -> Option<std::time::Duration> {
-        if !shared.video.eos || shared.eos {
+        if shared.video.eos.is_none() || shared.eos {
             return None;
         }
         let quiet = shared.query_quiet_since.map_or(QUERY_EOS_GRACE, |t| t.elapsed());
-        if shared.query_eos || !self.querypad.is_linked() || (shared.query_busy == 0 && quiet >= QUERY_EOS_GRACE) {
+        // (A source that keeps asking, a question every half second, holds it no longer.)
+        let left = QUERY_EOS_LIMIT.saturating_sub(shared.video.eos.map_or(Duration::ZERO, |t| t.elapsed()));
+        if shared.query_eos
+            || !self.querypad.is_linked()
+            || (shared.query_busy == 0 && (quiet >= QUERY_EOS_GRACE || left.is_zero()))
+        {
             shared.eos = true;
             self.changed.notify_all();
             return None;
         }
-        Some(QUERY_EOS_GRACE.saturating_sub(quiet).max(std::time::Duration::from_millis(10)))
+        Some(QUERY_EOS_GRACE.saturating_sub(quiet).min(left).max(Duration::from_millis(10)))
     }
 
     /// Every output has ended: one whose downstream returned EOS, the others EOS too or not
@@ -508,6 +515,10 @@ impl VlmQuery {
             EventView::Segment(s) => {
                 let mut shared = self.shared.lock();
                 shared.video.segment = s.segment().downcast_ref::<gst::ClockTime>().cloned();
+                // What comes out before its first frame (an answer, a cue) is stamped where it
+                // starts, not at the old segment's last frame.
+                let start = shared.video.segment.as_ref().and_then(|s| s.start());
+                (shared.video.pts, shared.video.end) = (start, start);
                 (shared.text_pad.segment_sent, shared.cue_pad.segment_sent) = (false, false);
                 (shared.text_position, shared.cue_position, shared.gap_ahead) = (None, None, None);
                 shared.video.between_segments = true;
@@ -524,7 +535,7 @@ impl VlmQuery {
                 // The alerts of the last frames are evaluated (and their lines queued) first.
                 self.alerts_drain();
                 let mut shared = self.shared.lock();
-                shared.video.eos = true;
+                shared.video.eos = Some(Instant::now());
                 shared.query_quiet_since = Some(Instant::now());
                 self.maybe_finish(&mut shared);
                 self.changed.notify_all();
@@ -632,7 +643,7 @@ impl VlmQuery {
                 let _waiting = shared.video.stream().map(|s| s.watch());
                 while !shared.flushing
                     && !shared.query_flushing
-                    && !shared.video.eos
+                    && shared.video.eos.is_none()
                     && !shared.video.untimed
                     && shared.video.running_time.is_none_or(|rt| rt <= t)
                 {

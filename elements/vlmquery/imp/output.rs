@@ -280,7 +280,7 @@ impl VlmQuery {
         let following = format == OutputFormat::Text
             && self.video_srcpad.is_linked()
             && shared.video.end.is_some()
-            && !shared.video.eos;
+            && shared.video.eos.is_none();
         let replace = following && output.display == Display::Replace;
         if !following && let Some(shown) = shared.shown.take() {
             // The video has ended: a whole answer that was never drawn still goes out, once.
@@ -322,8 +322,9 @@ impl VlmQuery {
                 OutputFormat::Json => {
                     // A line is an event, not a display: the pad's position stays at its start,
                     // so that the lines after it (alerts, answers) are stamped at their own
-                    // times, in order, not `answer-duration` ahead.
-                    shared.stats.answers += 1;
+                    // times, in order, not `answer-duration` ahead. (A failed or cancelled
+                    // question's line is counted as such, not in `answers`.)
+                    shared.stats.answers += u64::from(status == "answered");
                     let at = at.max(shared.text_position);
                     shared.text_position = at;
                     let text = json_line(&message);
@@ -402,6 +403,11 @@ impl VlmQuery {
             }
         }
         if let Some((text, pts)) = shared.alert_lines.pop_front() {
+            // (A frame's pts is never ahead of the video, but one of a segment before it is.)
+            let pts = match (pts, shared.video.end) {
+                (Some(pts), Some(end)) => Some(pts.min(end)),
+                (pts, _) => pts,
+            };
             let at = shared.text_position.max(pts);
             shared.text_position = at;
             return Some(Next::Alert(text, at));

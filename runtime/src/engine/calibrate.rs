@@ -22,7 +22,10 @@ pub(super) fn calibrate(w: &mut Worker, merge_frames: bool, cancelled: &dyn Fn()
     if candidates.len() > 1 {
         let mut best = f64::INFINITY;
         for (i, &threads) in candidates.iter().enumerate().rev() {
-            if threads > w.meter.cap() {
+            // (A wider count runs as many threads as the cores deliver: not timed where that
+            // is the one thread already timed.)
+            let threads = threads.min(w.meter.cap());
+            if threads == 1 && candidates[i] > 1 {
                 continue;
             }
             w.ctx.seq_clear(seq);
@@ -48,7 +51,8 @@ pub(super) fn calibrate(w: &mut Worker, merge_frames: bool, cancelled: &dyn Fn()
     let tokens: Vec<Token> = (0..32).map(|i| 100 + i).collect();
     let mut by_candidate = vec![f64::INFINITY; candidates.len()];
     for (i, &threads) in candidates.iter().enumerate().rev() {
-        if threads > w.meter.cap() {
+        let threads = threads.min(w.meter.cap());
+        if threads == 1 && candidates[i] > 1 {
             continue;
         }
         w.use_threads(threads);

@@ -79,6 +79,8 @@ struct Shared {
     cancel: Arc<AtomicBool>,
     /// Set by `Engine::stop`, with the same effect.
     stopping: AtomicBool,
+    /// Set when the engine thread's loop has returned.
+    exited: AtomicBool,
     /// The thread count computations use now.
     threads: std::sync::atomic::AtomicI32,
     widest: AtomicUsize,
@@ -265,6 +267,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             cancel: Arc::clone(cancel),
             stopping: AtomicBool::new(false),
+            exited: AtomicBool::new(false),
             threads: std::sync::atomic::AtomicI32::new(config.threads),
             widest: AtomicUsize::new(0),
             widest_start: AtomicUsize::new(0),
@@ -295,7 +298,8 @@ impl Engine {
                 {
                     crate::llama::log(crate::llama::LogLevel::Warn, &format!("engine: {e}"));
                 }
-                run(worker, rx, thread_shared, &thread_config);
+                run(worker, rx, Arc::clone(&thread_shared), &thread_config);
+                thread_shared.exited.store(true, Ordering::Release);
                 drop(registration);
             })
             .map_err(|e| Error::Engine(format!("cannot start engine thread: {e}")))?;

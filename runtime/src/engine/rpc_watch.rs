@@ -83,11 +83,11 @@ fn fail_sharing(engine: &Arc<Engine>, reason: String) {
     }
 }
 
-/// Whether `engine`'s thread is running its loop (not stopping, not ended, not failed).
+/// Whether `engine`'s thread is running its loop, or its stop (draining its queue, freeing its
+/// context on the server): not ended, not failed. (A stop waits for a thread stuck on a stalled
+/// server until the stall is declared.)
 fn running(engine: &Engine) -> bool {
-    engine.failure().is_none()
-        && !engine.shared.stopping.load(Ordering::Acquire)
-        && engine.thread.lock().as_ref().is_some_and(|t| !t.is_finished())
+    engine.failure().is_none() && !engine.shared.exited.load(Ordering::Acquire)
 }
 
 /// Declare failed the RPC engines whose loops have stood still for the stall limit; `last` keeps

@@ -105,12 +105,28 @@ impl Scheduler {
         if cancelled > 0.0 {
             *shared.start_backlog.lock() -= cancelled;
         }
+        // So does one cancelled while it starts behind another's start (a long replay, one
+        // waiting for the pool's room).
+        self.starting.retain_mut(|s| {
+            let keep = !s.generation.cancelled();
+            if !keep {
+                s.generation.fail(Error::Cancelled);
+                w.release(s.branch);
+            }
+            keep
+        });
         while let Some((next, _)) = self.waiting.front() {
             // (Counted while answers decode or start: an import started before this one holds
-            // its cells from its start on, and they end and free them.)
+            // its cells from its start on, and they end and free them; the answers starting
+            // will still take the rest of their prefill and their decoding's.)
             let cells = next.start_cells();
             let others = !self.active.is_empty() || !self.starting.is_empty();
-            if cells > 0 && others && pool_free(w, &self.active, self.entry_waits).is_some_and(|room| room < cells) {
+            let starting: usize =
+                self.starting.iter().map(|s| s.prefill.remaining() + s.generation.cells_to_end()).sum();
+            if cells > 0
+                && others
+                && pool_free(w, &self.active, self.entry_waits + starting).is_some_and(|room| room < cells)
+            {
                 return;
             }
             let Some(branch) = w.take_branch() else { return };
@@ -619,7 +635,7 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
     shared.threads.store(w.tuner.threads(), Ordering::Relaxed);
     *shared.kv.lock() = w.kv_memory();
     let (mut kv_refreshed, mut kv_cost) = (Instant::now(), std::time::Duration::ZERO);
-    crate::llama::stop_workers_before_exit();
+    crate::llama::stop_workers_before_exit(config.device.name());
     let mut s = Scheduler {
         budget_ms: config.step_budget_ms,
         share: config.ingest_share,

@@ -159,7 +159,9 @@ pub(crate) fn exiting() -> bool {
 /// races those destructors. (Engines kept alive by queued work may outlive their users.)
 extern "C" fn stop_workers_at_exit() {
     EXITING.store(true, std::sync::atomic::Ordering::Release);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    // (One bound for every registration of this handler.)
+    static DEADLINE: OnceLock<std::time::Instant> = OnceLock::new();
+    let deadline = *DEADLINE.get_or_init(|| std::time::Instant::now() + std::time::Duration::from_secs(30));
     let mut live = WORKERS.0.lock();
     while *live > 0 && !WORKERS.1.wait_until(&mut live, deadline).timed_out() {}
 }
@@ -192,9 +194,17 @@ pub fn init_backend() {
 
 /// Make sure worker threads are stopped before llama.cpp's static objects are destroyed at
 /// exit. Called by each engine thread after its first computation, when the lazily built
-/// statics of the backends it uses exist: exit handlers run in reverse order of registration,
-/// so this one runs before their destructors. (Registering twice is harmless.)
-pub(crate) fn stop_workers_before_exit() {
+/// statics of the backends it uses (`device`: its kind) exist: exit handlers run in reverse
+/// order of registration, so this one runs before their destructors. Registered once a device
+/// kind (later engines on it build no new statics; an application that starts engines again
+/// and again does not grow the process's exit handlers).
+pub(crate) fn stop_workers_before_exit(device: &str) {
+    static REGISTERED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut registered = REGISTERED.lock();
+    if registered.iter().any(|d| d == device) {
+        return;
+    }
+    registered.push(device.to_string());
     // SAFETY: registering a plain `extern "C"` function that lives as long as the process.
     unsafe {
         libc::atexit(stop_workers_at_exit);
