@@ -75,6 +75,11 @@ struct Args {
     /// encoded as the runtime level does) unless given.
     #[arg(long)]
     gate: bool,
+    /// Flash attention on both levels and the peers, the engines' and the vision encoder's
+    /// alike (vlmcontext's `flash-attention`, vlm-bench's `--flash-attention`, the server's
+    /// `-fa`); off unless given, as vlm-bench's.
+    #[arg(long)]
+    flash_attention: bool,
     /// The runtime benchmark's binary (default: `vlm-bench` beside this example's folder).
     #[arg(long)]
     vlm_bench: Option<PathBuf>,
@@ -162,7 +167,7 @@ fn running_ms(t: gst::ClockTime) -> f64 {
 
 fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
     let (width, height) = frame_size(a)?;
-    let mut description = format!("vlmcontext name=ctx model={} ", a.model);
+    let mut description = format!("vlmcontext name=ctx model={} flash-attention={} ", a.model, a.flash_attention);
     if let Some(engine) = &a.engine {
         description += &format!("engines={engine} ");
     }
@@ -304,6 +309,7 @@ fn runtime_round(a: &Args, bench: &PathBuf) -> Result<Vec<Round>, BoxError> {
         .args(["--ask-after", &asked.join(","), "--model", &a.model, "--mmproj", &a.mmproj])
         .args(a.engine.iter().flat_map(|e| ["--engine", e.as_str()]))
         .args(["--encoder", &format!("cpu:{}", a.encoder_threads)])
+        .args(a.flash_attention.then_some("--flash-attention"))
         .arg("--json")
         .arg(&json)
         .stdout(std::process::Stdio::null())
@@ -353,6 +359,8 @@ fn main() -> Result<(), BoxError> {
     let a = Args::parse();
     gst::init()?;
     gstvlm::plugin_register_static()?;
+    // (vlmencode's vision encoder as the engines: vlm-bench and the server do the same.)
+    vlm_runtime::llama::set_projector_flash_attention(Some(a.flash_attention));
     let bench = match &a.vlm_bench {
         Some(b) => b.clone(),
         None => std::env::current_exe()?.parent().and_then(|p| p.parent()).ok_or("no target folder")?.join("vlm-bench"),

@@ -14,4 +14,5 @@ pipeline=$(scripts/pipeline.sh "${1:-pipelines/demo.pipeline}")
 echo "[demo] gst-launch-1.0 $pipeline"
 # -m prints bus messages; each vlm-answer carries the answer and its timings.
 # shellcheck disable=SC2086
-gst-launch-1.0 -m $pipeline 2>&1 | python3 scripts/print_answers.py
+# (Bounded: a pipeline that never ends fails the demo instead of hanging it.)
+timeout 600 gst-launch-1.0 -m $pipeline 2>&1 | python3 scripts/print_answers.py

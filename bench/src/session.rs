@@ -272,6 +272,9 @@ impl Session {
         self.peer.as_ref().map_or(serde_json::Value::Null, |p| {
             serde_json::json!({
                 "server": p.server, "threads": p.threads, "args": p.args, "media_marker": peer::MEDIA_MARKER,
+                // (Set by the benchmark besides `args`: `-fa` from the engines' flash attention,
+                // which the runtime's vision encoder also follows, and no host prompt cache.)
+                "fixed_args": ["-fa (as --flash-attention)", "--cache-ram 0"],
                 "modes": {
                     "PEER": "naive: each question, sent at its frame's due time, carries every frame of its stream \
                         so far (the server encodes the frames it has not seen at question time)",

@@ -51,6 +51,7 @@ pub use gguf::{projector_type, projector_type_non_causal};
 pub use model::{Model, check_readable};
 pub use mtmd::{
     Demand, ImageEmbeddings, MAX_ENCODER_CONTEXTS, Projector, ProjectorKey, Segment, Tile, TileCount, Turn,
+    set_projector_flash_attention,
 };
 
 /// A token id of the language model's vocabulary.

@@ -466,6 +466,17 @@ pub struct ProjectorKey {
     pub use_gpu: bool,
 }
 
+/// Flash attention in the projectors loaded from now on: libmtmd's own choice (on where the
+/// backend has it) unless set (0 unset, 1 off, 2 on).
+static PROJECTOR_FLASH_ATTENTION: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Set flash attention in the vision encoders of the projectors loaded from now on (`None`:
+/// libmtmd's automatic choice, the default): for a comparison with llama-server, whose `-fa`
+/// sets its projector's too.
+pub fn set_projector_flash_attention(on: Option<bool>) {
+    PROJECTOR_FLASH_ATTENTION.store(on.map_or(0, |on| 1 + on as u8), Ordering::Relaxed);
+}
+
 /// Each of `contexts` contexts' share of `threads` CPU threads.
 fn threads_each(threads: i32, contexts: usize) -> i32 {
     (threads / contexts.max(1) as i32).max(1)
@@ -488,6 +499,11 @@ fn load_context(
         p.n_threads = threads;
         p.print_timings = false;
         p.warmup = true;
+        match PROJECTOR_FLASH_ATTENTION.load(Ordering::Relaxed) {
+            1 => p.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+            2 => p.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            _ => (),
+        }
         if let Some(n) = max_tokens {
             p.image_max_tokens = n as i32;
         }
