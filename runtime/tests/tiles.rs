@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use vlm_runtime::encoder::gate::{ChangeGate, Decision};
-use vlm_runtime::encoder::{FrameEncoder, MtmdEncoder, Picture, PixelLayout, TileReuse};
+use vlm_runtime::encoder::{Encoded, FrameEncoder, MtmdEncoder, Picture, PixelLayout, TileReuse};
 use vlm_runtime::llama::{Segment, Tile, Turn};
 use vlm_runtime::{Device, Frame, models};
 
@@ -43,6 +43,29 @@ fn with_square(x: u32, y: u32, side: u32) -> Vec<u8> {
         }
     }
     rgb
+}
+
+/// common::picture(0) with its top-left 20x20 pixels a little brighter: under the gate's noise
+/// floor.
+fn nearly() -> Vec<u8> {
+    let mut rgb = common::picture(0);
+    for y in 0..20 {
+        for x in 0..20 {
+            let at = ((y * W + x) * 3) as usize;
+            rgb[at..at + 3].iter_mut().for_each(|v| *v = v.saturating_add(10));
+        }
+    }
+    rgb
+}
+
+/// Encode `rgb` as vlmencode does with tile-reuse=threshold: sampled by `gate`, then reusing
+/// what the gate saw unchanged.
+fn encode_on_threshold(enc: &FrameEncoder, gate: &mut ChangeGate, rgb: &[u8]) -> Encoded {
+    let luma = match gate.decide(&picture(rgb), 0.0001).unwrap() {
+        Decision::Changed(_, l) | Decision::Unchanged(_, l) => Arc::new(l),
+    };
+    gate.encoded(Arc::clone(&luma));
+    enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma), Turn::default()).unwrap()
 }
 
 fn image_rows(segments: &[Segment]) -> Vec<&[f32]> {
@@ -86,14 +109,9 @@ fn a_changed_corner_encodes_its_tile_and_the_overview_and_reuses_the_rest_exactl
 fn threshold_reuse_follows_the_gate_from_the_pixels_a_tile_was_encoded_from() {
     let enc = encoder("idefics3");
     let mut gate = ChangeGate::default();
-    // Encode `rgb` as vlmencode does with tile-reuse=threshold: sampled, then reusing what the
-    // gate saw unchanged. Returns (encoded, reused).
+    // (encoded, reused)
     let mut encode = |rgb: &[u8]| {
-        let luma = match gate.decide(&picture(rgb), 0.0001).unwrap() {
-            Decision::Changed(_, l) | Decision::Unchanged(_, l) => Arc::new(l),
-        };
-        gate.encoded(Arc::clone(&luma));
-        let e = enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma), Turn::default()).unwrap();
+        let e = encode_on_threshold(&enc, &mut gate, rgb);
         (e.tiles.encoded, e.tiles.reused)
     };
     assert_eq!(encode(&common::picture(0)), (5, 0));
@@ -112,26 +130,11 @@ fn threshold_reuse_follows_the_gate_from_the_pixels_a_tile_was_encoded_from() {
 fn a_frame_with_reused_tiles_is_not_cached_as_its_own_encode() {
     let enc = encoder_cached("idefics3", 16);
     let mut gate = ChangeGate::default();
-    let a = common::picture(0);
-    // The top-left tile a little brighter: under the gate's noise floor.
-    let mut nearly = a.clone();
-    for y in 0..20 {
-        for x in 0..20 {
-            let at = ((y * W + x) * 3) as usize;
-            nearly[at..at + 3].iter_mut().for_each(|v| *v = v.saturating_add(10));
-        }
-    }
-    for rgb in [&a, &nearly] {
-        let luma = match gate.decide(&picture(rgb), 0.0001).unwrap() {
-            Decision::Changed(_, l) | Decision::Unchanged(_, l) => Arc::new(l),
-        };
-        gate.encoded(Arc::clone(&luma));
-        let e = enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma), Turn::default()).unwrap();
-        assert!(!e.hit);
-        if std::ptr::eq(rgb, &nearly) {
-            assert!(e.tiles.reused > 0, "the brighter tile is taken from the frame before: {:?}", e.tiles);
-        }
-    }
+    let nearly = nearly();
+    assert!(!encode_on_threshold(&enc, &mut gate, &common::picture(0)).hit);
+    let e = encode_on_threshold(&enc, &mut gate, &nearly);
+    assert!(!e.hit);
+    assert!(e.tiles.reused > 0, "the brighter tile is taken from the frame before: {:?}", e.tiles);
     enc.forget_last();
     let again = enc.encode_reusing(&picture(&nearly), TileReuse::Off, Turn::default()).unwrap();
     assert!(!again.hit, "a frame with reused tiles came back from the cache");
@@ -148,21 +151,9 @@ fn a_frame_with_reused_tiles_is_not_cached_as_its_own_encode() {
 fn exact_reuse_never_passes_on_rows_taken_on_the_threshold() {
     let enc = encoder("idefics3");
     let mut gate = ChangeGate::default();
-    let a = common::picture(0);
-    let mut nearly = a.clone();
-    for y in 0..20 {
-        for x in 0..20 {
-            let at = ((y * W + x) * 3) as usize;
-            nearly[at..at + 3].iter_mut().for_each(|v| *v = v.saturating_add(10));
-        }
-    }
-    for rgb in [&a, &nearly] {
-        let luma = match gate.decide(&picture(rgb), 0.0001).unwrap() {
-            Decision::Changed(_, l) | Decision::Unchanged(_, l) => Arc::new(l),
-        };
-        gate.encoded(Arc::clone(&luma));
-        enc.encode_reusing(&picture(rgb), TileReuse::Unchanged(&luma), Turn::default()).unwrap();
-    }
+    let nearly = nearly();
+    encode_on_threshold(&enc, &mut gate, &common::picture(0));
+    encode_on_threshold(&enc, &mut gate, &nearly);
     let exact = enc.encode_reusing(&picture(&nearly), TileReuse::Exact, Turn::default()).unwrap();
     let fresh = encoder("idefics3").encode_reusing(&picture(&nearly), TileReuse::Off, Turn::default()).unwrap();
     assert_eq!(images(&exact.frame), images(&fresh.frame), "rows of other pixels passed on as exact");

@@ -37,7 +37,7 @@ impl VlmContext {
         let settings = self.settings.lock().clone();
         let name = pads.sink.downcast_ref::<crate::vlmcontext::VlmContextSinkPad>().map(|p| p.stream_name());
         // A source asked before its caps may not know yet whether it is live (videotestsrc
-        // answers no latency query then): asked again at the first frame (`settle_overload`).
+        // answers no latency query then): asked again at the first frame (`settle_stream`).
         let (overload, settled) = match settings.overload {
             OverloadKind::Block => (Overload::Block, true),
             OverloadKind::Skip => (Overload::Skip, true),
@@ -79,8 +79,8 @@ impl VlmContext {
         // opens it at a later frame).
         // (A failed engine keeps its free sequences but takes no stream: only when every engine
         // has failed does the open below fail.)
-        let healthy = engines.iter().filter(|e| e.failure().is_none());
-        if healthy.clone().count() > 0 && healthy.clone().all(|e| e.stream_slots().1 == 0) {
+        let mut healthy = engines.iter().filter(|e| e.failure().is_none()).peekable();
+        if healthy.peek().is_some() && healthy.all(|e| e.stream_slots().1 == 0) {
             if !pads.refused.swap(true, Ordering::AcqRel) {
                 let (used, free) = engine.stream_slots();
                 gst::element_imp_warning!(
