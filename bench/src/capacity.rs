@@ -210,12 +210,19 @@ fn history_points(record: &RunRecord, points: &[usize]) -> Vec<HistoryPoint> {
         .collect()
 }
 
-/// The largest level each configuration sustained (0: none).
+/// The largest level each configuration sustained with every smaller level it ran sustained
+/// too (0: none; a level that passed above one that failed is luck, not capacity).
 fn sustained(levels: &[Level]) -> BTreeMap<String, usize> {
+    let mut by_streams: Vec<&Level> = levels.iter().collect();
+    by_streams.sort_by_key(|l| l.streams);
     let mut out = BTreeMap::new();
-    for l in levels {
-        let best = out.entry(l.config.name().to_owned()).or_insert(0);
-        if l.sustained {
+    let mut failed = std::collections::BTreeSet::new();
+    for l in by_streams {
+        let name = l.config.name().to_owned();
+        let best = out.entry(name.clone()).or_insert(0);
+        if !l.sustained {
+            failed.insert(name);
+        } else if !failed.contains(&name) {
             *best = (*best).max(l.streams);
         }
     }
@@ -650,6 +657,10 @@ mod tests {
         };
         let other = Level { config: Config::PeerWarm, sustained: false, ..level.clone() };
         assert_eq!(sustained(&[level.clone(), other]), BTreeMap::from([("B1".into(), 2), ("PEER-WARM".into(), 0)]));
+        // A level that passed above one that failed does not count.
+        let failed_at_1 = Level { streams: 1, sustained: false, ..level.clone() };
+        let passed_at_4 = Level { streams: 4, ..level.clone() };
+        assert_eq!(sustained(&[passed_at_4, level.clone(), failed_at_1]), BTreeMap::from([("B1".into(), 0)]));
         let back: Level = serde_json::from_str(&serde_json::to_string(&level).unwrap()).unwrap();
         let md = levels_markdown(&[back], 1000.0, 10.0);
         assert_eq!(md.lines().count(), 3);
