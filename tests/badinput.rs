@@ -76,9 +76,7 @@ fn large_frames_are_encoded() {
 #[test]
 fn buffers_without_timestamps_join_the_history_and_timed_questions_bind_to_the_newest() {
     let _s = serial();
-    let mut f = Fed::new("", "", "appsrc name=questions format=time ! q.query");
-    let questions = f.element("questions").downcast::<gst_app::AppSrc>().unwrap();
-    questions.set_caps(Some(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+    let (mut f, questions) = Fed::with_questions();
     for i in 0..3 {
         f.push(VideoFormat::Rgb, 64, 48, i, None);
     }
@@ -222,9 +220,7 @@ fn a_question_of_one_mebibyte_fails_with_its_length() {
 #[test]
 fn invalid_utf8_on_the_query_pad_is_refused_with_a_warning_and_the_next_question_answered() {
     let _s = serial();
-    let mut f = Fed::new("", "", "appsrc name=questions format=time ! q.query");
-    let questions = f.element("questions").downcast::<gst_app::AppSrc>().unwrap();
-    questions.set_caps(Some(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+    let (mut f, questions) = Fed::with_questions();
     f.push_frames(1);
     for bytes in [&b"\xff\xfe What?"[..], b"caf\xc3", b"\xc0\xaf"] {
         assert_eq!(questions.push_buffer(gst::Buffer::from_slice(bytes)), Ok(gst::FlowSuccess::Ok));
@@ -250,9 +246,7 @@ fn invalid_utf8_on_the_query_pad_is_refused_with_a_warning_and_the_next_question
 #[test]
 fn a_question_source_that_keeps_asking_does_not_hold_eos() {
     let _s = serial();
-    let mut f = Fed::new("", "", "appsrc name=questions format=time ! q.query");
-    let questions = f.element("questions").downcast::<gst_app::AppSrc>().unwrap();
-    questions.set_caps(Some(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+    let (mut f, questions) = Fed::with_questions();
     f.push_frames(1);
     let asking = Arc::new(AtomicBool::new(true));
     let asker = {

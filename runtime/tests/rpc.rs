@@ -46,6 +46,26 @@ fn stream_on(resident: &Arc<Engine>, peers: &[&Arc<Engine>], name: &str, frames:
     stream
 }
 
+/// A 2,000-token answer over `version` replayed on `far`, on a thread of its own, once it has
+/// produced text: the receiver of its result.
+fn long_answer_started(
+    version: &vlm_runtime::Version,
+    far: &Arc<Engine>,
+) -> mpsc::Receiver<vlm_runtime::Result<vlm_runtime::AnswerReport>> {
+    let (text_tx, text_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel();
+    let (version, far) = (version.clone(), Arc::clone(far));
+    std::thread::spawn(move || {
+        let long = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture at length.", 2000) };
+        let result = answer_on(&version, &long, &far, PreparePath::Replay, &never(), |_| {
+            let _ = text_tx.send(());
+        });
+        let _ = done_tx.send(result);
+    });
+    text_rx.recv_timeout(Duration::from_secs(120)).expect("the RPC engine produced no text");
+    done_rx
+}
+
 #[test]
 fn an_rpc_engine_answers_like_a_local_one_both_ways_and_imports_its_snapshots() {
     let server = RpcServer::start();
@@ -222,19 +242,7 @@ fn a_stopped_rpc_server_fails_the_answer_naming_it_within_the_stall_limit() {
     let far = Engine::start(&model_path(), config("far", Device::Rpc(vec![endpoint.clone()]))).unwrap();
     let s = stream_on(&local, &[&local, &far], "s", 1);
     let version = s.wait_version(1, &never()).unwrap();
-    let (text_tx, text_rx) = mpsc::channel();
-    let (done_tx, done_rx) = mpsc::channel();
-    {
-        let (version, far) = (version.clone(), Arc::clone(&far));
-        std::thread::spawn(move || {
-            let long = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture at length.", 2000) };
-            let result = answer_on(&version, &long, &far, PreparePath::Replay, &never(), |_| {
-                let _ = text_tx.send(());
-            });
-            let _ = done_tx.send(result);
-        });
-    }
-    text_rx.recv_timeout(Duration::from_secs(120)).expect("the RPC engine produced no text");
+    let done_rx = long_answer_started(&version, &far);
     server.signal("STOP");
     let stopped = Instant::now();
     let result = done_rx.recv_timeout(Duration::from_secs(60)).expect("the answer on the stopped server never ended");
@@ -275,17 +283,7 @@ fn stopping_an_engine_whose_server_stalls_returns_once_the_stall_is_declared() {
     let far = Engine::start(&model_path(), config("far", Device::Rpc(vec![server.endpoint.clone()]))).unwrap();
     let s = stream_on(&local, &[&local, &far], "s", 1);
     let version = s.wait_version(1, &never()).unwrap();
-    let (text_tx, text_rx) = mpsc::channel();
-    {
-        let (version, far) = (version.clone(), Arc::clone(&far));
-        std::thread::spawn(move || {
-            let long = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture at length.", 2000) };
-            let _ = answer_on(&version, &long, &far, PreparePath::Replay, &never(), |_| {
-                let _ = text_tx.send(());
-            });
-        });
-    }
-    text_rx.recv_timeout(Duration::from_secs(120)).expect("the RPC engine produced no text");
+    let _answer = long_answer_started(&version, &far);
     server.signal("STOP");
     let (stopped_tx, stopped_rx) = mpsc::channel();
     std::thread::spawn(move || {

@@ -200,6 +200,14 @@ impl Fed {
         Fed { pipeline, src, bin, q, bus, frames, log: Log::default() }
     }
 
+    /// [`Fed::new`] with an appsrc `questions` of UTF-8 text on vlmquery's `query` pad, and it.
+    pub fn with_questions() -> (Fed, gst_app::AppSrc) {
+        let f = Fed::new("", "", "appsrc name=questions format=time ! q.query");
+        let questions = f.element("questions").downcast::<gst_app::AppSrc>().unwrap();
+        questions.set_caps(Some(&gst::Caps::builder("text/x-raw").field("format", "utf8").build()));
+        (f, questions)
+    }
+
     pub fn element(&self, name: &str) -> gst::Element {
         self.bin.by_name(name).unwrap()
     }
