@@ -80,6 +80,10 @@ struct Args {
     /// `-fa`); off unless given, as vlm-bench's.
     #[arg(long)]
     flash_attention: bool,
+    /// CPU engines pause answers after their first token while the vision encoder needs the
+    /// cores, each once (vlmcontext's `encode-first=true`, vlm-bench's `--encode-first`).
+    #[arg(long)]
+    encode_first: bool,
     /// The runtime benchmark's binary (default: `vlm-bench` beside this example's folder).
     #[arg(long)]
     vlm_bench: Option<PathBuf>,
@@ -167,7 +171,10 @@ fn running_ms(t: gst::ClockTime) -> f64 {
 
 fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
     let (width, height) = frame_size(a)?;
-    let mut description = format!("vlmcontext name=ctx model={} flash-attention={} ", a.model, a.flash_attention);
+    let mut description = format!(
+        "vlmcontext name=ctx model={} flash-attention={} encode-first={} ",
+        a.model, a.flash_attention, a.encode_first
+    );
     if let Some(engine) = &a.engine {
         description += &format!("engines={engine} ");
     }
@@ -310,6 +317,7 @@ fn runtime_round(a: &Args, bench: &PathBuf) -> Result<Vec<Round>, BoxError> {
         .args(a.engine.iter().flat_map(|e| ["--engine", e.as_str()]))
         .args(["--encoder", &format!("cpu:{}", a.encoder_threads)])
         .args(a.flash_attention.then_some("--flash-attention"))
+        .args(a.encode_first.then_some("--encode-first"))
         .arg("--json")
         .arg(&json)
         .stdout(std::process::Stdio::null())

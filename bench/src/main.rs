@@ -176,6 +176,10 @@ pub struct CommonArgs {
     /// `EngineConfig::merge_frames`).
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
     merge_frames: String,
+    /// CPU engines pause answers after their first token while the vision encoder needs the
+    /// cores, each once (vlmcontext's `encode-first=true`; off by default, as there).
+    #[arg(long)]
+    encode_first: bool,
     /// Least KV cells per sequence (and per server slot).
     #[arg(long, default_value_t = 2048)]
     context: u32,
@@ -255,6 +259,7 @@ fn build_workload(
         kv_type: c.kv_type.clone(),
         flash_attention: c.flash_attention,
         merge_frames: c.merge_frames.clone(),
+        encode_first: c.encode_first,
         encoder_gpu,
         encoder_threads,
         encoder_contexts: c.encoder_contexts,

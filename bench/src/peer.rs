@@ -586,6 +586,7 @@ mod tests {
             kv_type: "f16".into(),
             flash_attention: false,
             merge_frames: "auto".into(),
+            encode_first: false,
             encoder_threads: 1,
             encoder_contexts: 1,
             prepare_threads: None,

@@ -98,6 +98,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
             _ => None,
         },
         answer_cells: answer_reserve,
+        encode_first: w.encode_first,
         ..EngineConfig::default()
     };
     let single = EngineConfig::parse_list(&w.engine, &base)?;

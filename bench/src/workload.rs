@@ -55,6 +55,9 @@ pub struct Workload {
     /// `auto`, `on` or `off`: the engines' `merge_frames`.
     #[serde(default = "auto")]
     pub merge_frames: String,
+    /// The engines' `encode_first` (vlmcontext's `encode-first`).
+    #[serde(default)]
+    pub encode_first: bool,
     /// Threads of the runtime's CPU vision encoder (vlmencode's `threads`).
     #[serde(default = "one")]
     pub encoder_threads: u32,

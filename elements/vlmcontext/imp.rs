@@ -120,6 +120,7 @@ struct Settings {
     overload: OverloadKind,
     step_budget_ms: f64,
     ingest_share: f64,
+    encode_first: bool,
     max_answers: u32,
     flash_attention: bool,
     /// `flash-attention` was set: `auto` layouts do not choose it.
@@ -150,6 +151,7 @@ impl Default for Settings {
             overload: OverloadKind::Auto,
             step_budget_ms: vlm_runtime::engine::DEFAULT_STEP_BUDGET_MS,
             ingest_share: vlm_runtime::engine::DEFAULT_INGEST_SHARE,
+            encode_first: vlm_runtime::engine::DEFAULT_ENCODE_FIRST,
             max_answers: DEFAULT_MAX_ANSWERS,
             flash_attention: false,
             flash_attention_set: false,

@@ -30,6 +30,8 @@
 //! threads as the cap allows, so an engine that went to one thread under a burst of contention
 //! comes back to the cores left to it (an 8-core box whose camera takes two).
 
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// Most a losing probe's period grows (see `ThreadTuner::probe_every`).
@@ -305,6 +307,46 @@ fn proc_stat() -> Option<(u64, u64, usize)> {
     let cpus = lines.filter(|l| l.starts_with("cpu")).count();
     // user nice system idle iowait irq softirq steal (guest time is in user already).
     (fields.len() >= 8 && cpus > 0).then(|| (fields[3] + fields[4], fields[..8].iter().sum(), cpus))
+}
+
+/// Threads of the vision encodes running on the CPU now, process-wide (libmtmd contexts without
+/// a GPU: [`CpuEncode`]), and how many such encodes have ended. A CPU engine reads them to let a
+/// due frame's encode have the cores (`EngineConfig::encode_first`).
+static ENCODER_THREADS: AtomicUsize = AtomicUsize::new(0);
+static ENCODES_ENDED: AtomicU64 = AtomicU64::new(0);
+/// The cores the encoders and the engines share: the process's (affinity and CPU quota), read
+/// by the first encode's thread, which no engine pinned.
+static CORES: OnceLock<usize> = OnceLock::new();
+
+/// A vision encode on `threads` CPU threads, counted from `begin` until dropped.
+pub(crate) struct CpuEncode(usize);
+
+impl CpuEncode {
+    pub(crate) fn begin(threads: usize) -> CpuEncode {
+        CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        ENCODER_THREADS.fetch_add(threads, Ordering::AcqRel);
+        CpuEncode(threads)
+    }
+}
+
+impl Drop for CpuEncode {
+    fn drop(&mut self) {
+        ENCODER_THREADS.fetch_sub(self.0, Ordering::AcqRel);
+        ENCODES_ENDED.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// Whether the CPU encodes running now and `threads` more threads ask for more threads than the
+/// cores: `Some(encodes ended so far)` when they do.
+pub(crate) fn encoder_contends(threads: i32) -> Option<u64> {
+    let encoding = ENCODER_THREADS.load(Ordering::Acquire);
+    let cores = CORES.get().copied().unwrap_or(usize::MAX);
+    (encoding > 0 && encoding + threads.max(1) as usize > cores).then(|| ENCODES_ENDED.load(Ordering::Acquire))
+}
+
+/// CPU encodes ended so far.
+pub(crate) fn encodes_ended() -> u64 {
+    ENCODES_ENDED.load(Ordering::Acquire)
 }
 
 #[cfg(test)]

@@ -239,6 +239,7 @@ impl VlmContext {
             answer_cells: DEFAULT_ANSWER_RESERVE as u32,
             step_budget_ms: s.step_budget_ms,
             ingest_share: s.ingest_share,
+            encode_first: s.encode_first,
             ..EngineConfig::default()
         };
         let mut engines = vec![];

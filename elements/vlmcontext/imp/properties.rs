@@ -25,6 +25,7 @@ pub(super) const PROP_MAX_PENDING: &str = "max-pending";
 pub(super) const PROP_OVERLOAD: &str = "overload";
 pub(super) const PROP_STEP_BUDGET_MS: &str = "step-budget-ms";
 pub(super) const PROP_INGEST_SHARE: &str = "ingest-share";
+pub(super) const PROP_ENCODE_FIRST: &str = "encode-first";
 pub(super) const PROP_MAX_ANSWERS: &str = "max-answers";
 pub(super) const PROP_FLASH_ATTENTION: &str = "flash-attention";
 pub(super) const PROP_GPU_DEVICE: &str = "gpu-device";
@@ -111,6 +112,12 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .minimum(0.0)
             .maximum(0.9)
             .default_value(vlm_runtime::engine::DEFAULT_INGEST_SHARE)
+            .mutable_ready()
+            .build(),
+        glib::ParamSpecBoolean::builder(PROP_ENCODE_FIRST)
+            .nick("Encode first")
+            .blurb("On CPU engines: while vision encoding on the CPU needs the cores (the encoders' threads and an engine's are more than the cores), answers that already have their first token pause until the next encode ends, each at most once, so the next frame is encoded sooner (mean TTFT from capture 3-4% lower on a 2-core machine, but a paused answer ends up to one encode later)")
+            .default_value(vlm_runtime::engine::DEFAULT_ENCODE_FIRST)
             .mutable_ready()
             .build(),
         glib::ParamSpecUInt::builder(PROP_MAX_ANSWERS)
@@ -276,6 +283,7 @@ impl VlmContext {
             PROP_OVERLOAD => s.overload = value.get().unwrap(),
             PROP_STEP_BUDGET_MS => s.step_budget_ms = value.get().unwrap(),
             PROP_INGEST_SHARE => s.ingest_share = value.get().unwrap(),
+            PROP_ENCODE_FIRST => s.encode_first = value.get().unwrap(),
             PROP_MAX_ANSWERS => s.max_answers = value.get().unwrap(),
             PROP_FLASH_ATTENTION => (s.flash_attention, s.flash_attention_set) = (value.get().unwrap(), true),
             PROP_GPU_DEVICE => s.gpu_device = value.get().unwrap(),
@@ -347,6 +355,7 @@ impl VlmContext {
             PROP_OVERLOAD => s.overload.to_value(),
             PROP_STEP_BUDGET_MS => s.step_budget_ms.to_value(),
             PROP_INGEST_SHARE => s.ingest_share.to_value(),
+            PROP_ENCODE_FIRST => s.encode_first.to_value(),
             PROP_MAX_ANSWERS => s.max_answers.to_value(),
             PROP_FLASH_ATTENTION => s.flash_attention.to_value(),
             PROP_GPU_DEVICE => s.gpu_device.to_value(),

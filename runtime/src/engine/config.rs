@@ -42,6 +42,11 @@ pub struct EngineConfig {
     /// engines: kernel launches, round trips), not on the CPU. Either way only for a model whose
     /// rows the calibration run found to decode as its tokens (`crate::llama::Model::rows_agree`).
     pub merge_frames: Option<bool>,
+    /// On the CPU, while vision encodes need the cores (the encoders' threads and this engine's
+    /// are more than the cores), answers that already have their first token pause until the
+    /// next encode ends, each at most once: the next frame is encoded sooner, and a token after
+    /// the first waits at most one encode ([`DEFAULT_ENCODE_FIRST`] says what it costs).
+    pub encode_first: bool,
 }
 
 /// Default most prefill between two decode steps (ms). Measured on the 2-core CI machine
@@ -55,6 +60,12 @@ pub struct EngineConfig {
 pub const DEFAULT_STEP_BUDGET_MS: f64 = 150.0;
 /// Default share of the engine's time that ingestion gets while answers decode.
 pub const DEFAULT_INGEST_SHARE: f64 = 0.25;
+
+/// Default of [`EngineConfig::encode_first`]: off. Measured on the 2-core machine, W1 with
+/// SmolVLM-256M's shapes (docs/benchmarks.md, "Encode first"): mean TTFT from capture 3-4% lower
+/// with it (the second stream's frame is encoded 0.3 s sooner), but the answer paused in the
+/// meantime end about 4 s later (5.8 s from the first token to the last instead of 1.9 s).
+pub const DEFAULT_ENCODE_FIRST: bool = false;
 
 /// Most of `threads` a `gpu` engine with every layer on the GPU takes unless its entry names a
 /// count: its CPU threads only gather token embeddings (llama.cpp keeps the input layer on the
@@ -110,6 +121,7 @@ impl Default for EngineConfig {
             step_budget_ms: DEFAULT_STEP_BUDGET_MS,
             ingest_share: DEFAULT_INGEST_SHARE,
             merge_frames: None,
+            encode_first: DEFAULT_ENCODE_FIRST,
         }
     }
 }

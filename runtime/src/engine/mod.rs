@@ -44,7 +44,9 @@ use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
-pub use config::{DEFAULT_INGEST_SHARE, DEFAULT_STEP_BUDGET_MS, EngineConfig, KvLayout, default_threads};
+pub use config::{
+    DEFAULT_ENCODE_FIRST, DEFAULT_INGEST_SHARE, DEFAULT_STEP_BUDGET_MS, EngineConfig, KvLayout, default_threads,
+};
 use jobs::Job;
 pub(crate) use jobs::{Begun, Generation, Ingestion, Progress};
 use scheduler::run;

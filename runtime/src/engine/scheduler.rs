@@ -43,6 +43,29 @@ struct Active {
     generation: Box<dyn Generation>,
     branch: i32,
     next: (Token, i32),
+    pause: Pause,
+}
+
+/// An answer's pause for the vision encoder (`EngineConfig::encode_first`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pause {
+    Never,
+    /// Paused until more CPU encodes have ended than this count.
+    Until(u64),
+    /// Paused once: never again.
+    Done,
+}
+
+impl Pause {
+    /// The pause after a step that read `contends` ([`crate::threads::encoder_contends`]) with
+    /// `ended` CPU encodes ended.
+    fn next(self, contends: Option<u64>, ended: u64) -> Pause {
+        match (self, contends) {
+            (Pause::Never, Some(at)) => Pause::Until(at),
+            (Pause::Until(at), _) if ended > at || contends.is_none() => Pause::Done,
+            (pause, _) => pause,
+        }
+    }
 }
 
 /// The engine thread's state: the step scheduler.
@@ -62,6 +85,8 @@ struct Scheduler {
     /// Unified-pool cells the front ingestion waits for (`pool_room`): answers starting leave
     /// them free, so that answers overlapping without end cannot hold a frame back for good.
     entry_waits: usize,
+    /// A CPU engine with `EngineConfig::encode_first`.
+    encode_first: bool,
 }
 
 impl Scheduler {
@@ -151,20 +176,56 @@ impl Scheduler {
         }
     }
 
-    /// One decode step of every active answer; returns its duration in ms.
+    /// Whether an answer decodes at the next step (one is active and not paused).
+    fn decoding(&self) -> bool {
+        self.active.iter().any(|a| !matches!(a.pause, Pause::Until(_)))
+    }
+
+    /// Whether all there is to do is answers paused for the encoder: the thread waits for a job
+    /// or the pause's end instead of stepping.
+    fn resting(&self) -> bool {
+        !self.active.is_empty() && !self.decoding() && self.starting.is_empty() && self.ordered.is_empty()
+    }
+
+    /// While CPU vision encodes need the cores this engine's decode steps would take, the
+    /// answers that have their first token pause until the next encode ends, each at most once
+    /// (`EngineConfig::encode_first`).
+    fn pause_for_encoder(&mut self, threads: i32) {
+        if !self.encode_first || self.active.is_empty() {
+            return;
+        }
+        let (contends, ended) = (crate::threads::encoder_contends(threads), crate::threads::encodes_ended());
+        for a in &mut self.active {
+            a.pause = a.pause.next(contends, ended);
+        }
+    }
+
+    /// One decode step of every active answer not paused; returns its duration in ms (0 when
+    /// none decoded). A paused answer that was cancelled ends now.
     fn decode_step(&mut self, w: &mut Worker, shared: &Shared) -> f64 {
-        if self.active.is_empty() {
+        self.pause_for_encoder(w.tuner.threads());
+        self.active.retain_mut(|a| {
+            let keep = !(matches!(a.pause, Pause::Until(_)) && a.generation.cancelled());
+            if !keep {
+                a.generation.fail(Error::Cancelled);
+                w.release(a.branch);
+            }
+            keep
+        });
+        if !self.decoding() {
             return 0.0;
         }
         self.active.sort_by_key(|a| a.branch);
-        let mut batch = Batch::tokens(self.active.len());
-        for a in &self.active {
+        let paused = |a: &Active| matches!(a.pause, Pause::Until(_));
+        let decoded = self.active.iter().filter(|a| !paused(a)).count();
+        let mut batch = Batch::tokens(decoded);
+        for a in self.active.iter().filter(|a| !paused(a)) {
             batch.push_token(a.next.0, a.next.1, a.branch, true);
         }
-        shared.widest.fetch_max(self.active.len(), Ordering::Relaxed);
+        shared.widest.fetch_max(decoded, Ordering::Relaxed);
         let (step, ms) = w.compute(w.tuner.threads(), |ctx| ctx.decode(&batch));
         w.record(Stage::DecodeStep, 1, ms);
-        w.tuner.observe(ms, self.active.len());
+        w.tuner.observe(ms, decoded);
         shared.threads.store(w.tuner.threads(), Ordering::Relaxed);
         let steps = if self.ordered.is_empty() { &shared.idle_steps } else { &shared.busy_steps };
         let mut steps = steps.lock();
@@ -173,6 +234,9 @@ impl Scheduler {
         drop(steps);
         let mut i = 0;
         self.active.retain_mut(|a| {
+            if paused(a) {
+                return true;
+            }
             let progress = match step.as_ref().map_err(Clone::clone).and_then(|()| w.ctx.logits(i)) {
                 Ok(logits) => a.generation.advance(logits),
                 Err(e) => {
@@ -260,9 +324,12 @@ impl Scheduler {
     /// A starting answer after its first token: it decodes from the next step, or has ended.
     fn started(&mut self, w: &mut Worker, s: Starting, progress: Progress) {
         match progress {
-            Progress::Next { token, pos } => {
-                self.active.push(Active { generation: s.generation, branch: s.branch, next: (token, pos) })
-            }
+            Progress::Next { token, pos } => self.active.push(Active {
+                generation: s.generation,
+                branch: s.branch,
+                next: (token, pos),
+                pause: Pause::Never,
+            }),
             Progress::Done => w.release(s.branch),
         }
     }
@@ -409,7 +476,7 @@ impl Scheduler {
     /// per input (measured: a 36-token frame in two chunks took ~165 ms under the live workload,
     /// whole ~130 ms), so the limit is `IDLE_CHUNK_FACTOR` budgets.
     fn chunk_budget_ms(&self) -> f64 {
-        if self.active.is_empty() { self.budget_ms * IDLE_CHUNK_FACTOR } else { self.budget_ms }
+        if self.decoding() { self.budget_ms } else { self.budget_ms * IDLE_CHUNK_FACTOR }
     }
 
     /// Earliest deadline first among the ingestions at the front: the first ingestion of a stream
@@ -503,7 +570,7 @@ impl Scheduler {
         if self.ordered.is_empty() {
             return;
         }
-        if self.active.is_empty() {
+        if !self.decoding() {
             self.credit_ms = 0.0;
             self.ingest(w, shared, self.chunk_budget_ms());
             return;
@@ -626,6 +693,10 @@ fn kv_refresh_interval(cost: std::time::Duration) -> std::time::Duration {
     KV_REFRESH.max(cost * KV_REFRESH_COST_FACTOR)
 }
 
+/// How often an engine whose answers are all paused for the encoder looks whether the pause
+/// has ended.
+const PAUSE_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// The engine thread's loop.
 pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>, config: &EngineConfig) {
     calibrate(&mut w, config.merges_frames(), &|| {
@@ -647,6 +718,7 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
         split: TimeSplit::default(),
         frames_turn: false,
         entry_waits: 0,
+        encode_first: config.encode_first && matches!(config.device, crate::llama::Device::Cpu),
     };
     let began = Instant::now();
     loop {
@@ -663,6 +735,8 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return, // stopped, every job done
             }
+        } else if s.resting() {
+            jobs.recv_timeout(PAUSE_POLL).ok()
         } else {
             jobs.try_recv().ok()
         };
@@ -710,5 +784,113 @@ mod tests {
     fn the_kv_account_is_refreshed_less_often_the_more_it_costs() {
         assert_eq!(kv_refresh_interval(Duration::from_micros(200)), Duration::from_millis(50));
         assert_eq!(kv_refresh_interval(Duration::from_millis(18)), Duration::from_millis(900));
+    }
+
+    #[test]
+    fn a_pause_begins_with_an_encode_that_contends_and_ends_with_the_next_encode_to_end() {
+        assert_eq!(Pause::Never.next(None, 3), Pause::Never);
+        assert_eq!(Pause::Never.next(Some(3), 3), Pause::Until(3));
+        assert_eq!(Pause::Until(3).next(Some(3), 3), Pause::Until(3));
+        assert_eq!(Pause::Until(3).next(Some(4), 4), Pause::Done); // the next encode began
+        assert_eq!(Pause::Until(3).next(None, 3), Pause::Done); // no encode contends now
+        assert_eq!(Pause::Done.next(Some(9), 9), Pause::Done); // once only
+    }
+
+    /// Against real llama.cpp (the test model, an engine on the CPU): while a CPU vision encode
+    /// that needs the cores runs (one held open here with more threads than any machine's
+    /// cores), an answer that has its first token pauses until the encode ends; a second
+    /// encode does not pause it again; a paused answer that is cancelled ends at once.
+    #[test]
+    fn an_answer_pauses_once_for_an_encode_that_needs_the_cores() {
+        use crate::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
+        use crate::threads::CpuEncode;
+        use std::sync::atomic::AtomicBool;
+
+        let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
+        let model_path = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        let config = EngineConfig {
+            max_streams: 1,
+            max_branches: 2,
+            context_per_sequence: 2048,
+            encode_first: true,
+            ..Default::default()
+        };
+        let engine = crate::Engine::start(&model_path, config).unwrap();
+        let model = crate::models::model(&model_path, &crate::Device::Cpu).unwrap();
+        let projector = crate::models::projector(&models.join("test-mmproj-mlp.gguf"), &model, false, 1, 1).unwrap();
+        let rgb = vec![128u8; 64 * 48 * 3];
+        let frame =
+            MtmdEncoder::new(projector).encode(&Picture::packed(&rgb, 64, 48, 64 * 3, PixelLayout::Rgb)).unwrap();
+        let prompt =
+            Arc::new(crate::prompt::Prompt::new(engine.model(), crate::prompt::DEFAULT_SYSTEM_PROMPT).unwrap());
+        let stream = crate::Stream::open(&engine, prompt, crate::StreamConfig::new("s")).unwrap();
+        let never = AtomicBool::new(false);
+        stream.register(Arc::new(frame), &never).unwrap();
+        let version = stream.wait_version(1, &never).unwrap();
+        // An answer on its own thread, its tokens counted; it ends on the channel.
+        let ask = |tokens: u32| {
+            let (count, cancel) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+            let (done, ended) = mpsc::channel();
+            let question = crate::Question {
+                id: "q".into(),
+                text: "Describe the picture.".into(),
+                max_tokens: tokens,
+                ignore_eos: true,
+                sampling: Default::default(),
+                arrival: Instant::now(),
+            };
+            let (version, counted, cancelled) = (version.clone(), Arc::clone(&count), Arc::clone(&cancel));
+            std::thread::spawn(move || {
+                let r = crate::answer::answer(&version, &question, &cancelled, |_| {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                });
+                let _ = done.send(r.map(|r| r.tokens));
+            });
+            (count, cancel, ended)
+        };
+        let wait_for = |count: &AtomicUsize, n: usize| {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while count.load(Ordering::SeqCst) < n {
+                assert!(Instant::now() < deadline, "{n} tokens never came ({} did)", count.load(Ordering::SeqCst));
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        // Paused: no token for a while (the step under way when the encode began may add one),
+        // and none after that either, the answer not ended.
+        let paused = |count: &AtomicUsize, ended: &mpsc::Receiver<Result<u32>>| {
+            for _ in 0..20 {
+                assert!(ended.try_recv().is_err(), "the answer ended while an encode needed the cores");
+                let before = count.load(Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(300));
+                if count.load(Ordering::SeqCst) == before {
+                    std::thread::sleep(Duration::from_millis(500));
+                    assert_eq!(count.load(Ordering::SeqCst), before, "the paused answer decoded");
+                    assert!(ended.try_recv().is_err(), "the answer ended while an encode needed the cores");
+                    return;
+                }
+            }
+            panic!("the answer went on decoding while an encode needed the cores");
+        };
+
+        let (count, _, ended) = ask(1000);
+        wait_for(&count, 2);
+        let encode = CpuEncode::begin(1 << 16);
+        paused(&count, &ended);
+        drop(encode);
+        let resumed = count.load(Ordering::SeqCst);
+        wait_for(&count, resumed + 2);
+        let encode = CpuEncode::begin(1 << 16);
+        let held = count.load(Ordering::SeqCst);
+        wait_for(&count, held + 3); // not paused a second time
+        drop(encode);
+        assert_eq!(ended.recv_timeout(Duration::from_secs(120)).unwrap().unwrap(), 1000);
+
+        let (count, cancel, ended) = ask(1000);
+        wait_for(&count, 2);
+        let _encode = CpuEncode::begin(1 << 16);
+        paused(&count, &ended);
+        cancel.store(true, Ordering::SeqCst);
+        let outcome = ended.recv_timeout(Duration::from_secs(10)).expect("the cancelled answer ended while paused");
+        assert!(matches!(outcome, Err(Error::Cancelled)), "{outcome:?}");
     }
 }

@@ -314,6 +314,9 @@ pub struct Projector {
     /// The process's streams whose encoder contexts follow their number
     /// (`crate::encoder::MtmdEncoder::for_stream`).
     streams: std::sync::atomic::AtomicUsize,
+    /// CPU threads each context encodes on (0 on a GPU): counted while it encodes
+    /// ([`crate::threads::CpuEncode`]).
+    cpu_threads: std::sync::atomic::AtomicUsize,
 }
 
 /// The most threads one picture's resize is split over.
@@ -542,6 +545,7 @@ impl Projector {
             prepare_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(PREPARE_THREADS)).into(),
             cutter: OnceLock::new(),
             streams: 0.into(),
+            cpu_threads: if use_gpu { 0 } else { threads_each(threads, contexts) as usize }.into(),
         };
         projector.ensure_contexts(contexts, threads)?;
         Ok(projector)
@@ -552,6 +556,9 @@ impl Projector {
     pub fn ensure_contexts(&self, contexts: usize, threads: i32) -> Result<()> {
         let contexts = contexts.clamp(1, MAX_ENCODER_CONTEXTS);
         let mut loaded = self.contexts.loaded.lock();
+        if !self.use_gpu && loaded.len() < contexts {
+            self.cpu_threads.store(threads_each(threads, contexts) as usize, Ordering::Relaxed);
+        }
         while loaded.len() < contexts {
             // The second context of a tiled projector takes one tile at most: it encodes as the
             // others do, and prepares the tiles of a picture cut here ([`Cutter`]).
@@ -804,6 +811,8 @@ impl Projector {
         let wait_ms = asked.elapsed().as_secs_f64() * 1e3;
         leases.extend(self.contexts.lease_free(todo.len() - 1));
         let used = leases.len();
+        let _cores = (!self.use_gpu)
+            .then(|| crate::threads::CpuEncode::begin(used * self.cpu_threads.load(Ordering::Relaxed).max(1)));
         let next = std::sync::atomic::AtomicUsize::new(0);
         let encode_on = |ctx: &Lease<'_>| -> Result<Vec<EncodedImage>> {
             let mut out = vec![];
