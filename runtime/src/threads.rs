@@ -318,11 +318,14 @@ static ENCODES_ENDED: AtomicU64 = AtomicU64::new(0);
 /// by the first encode's thread, which no engine pinned.
 static CORES: OnceLock<usize> = OnceLock::new();
 
-/// A vision encode on `threads` CPU threads, counted from `begin` until dropped.
-pub(crate) struct CpuEncode(usize);
+/// A vision encode on `threads` CPU threads, counted from `begin` until dropped. libmtmd's
+/// encodes on the CPU count themselves; an encoder of an application's own that runs on the
+/// same cores can announce its work the same way, so that engines with
+/// `EngineConfig::encode_first` give it the cores.
+pub struct CpuEncode(usize);
 
 impl CpuEncode {
-    pub(crate) fn begin(threads: usize) -> CpuEncode {
+    pub fn begin(threads: usize) -> CpuEncode {
         CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         ENCODER_THREADS.fetch_add(threads, Ordering::AcqRel);
         CpuEncode(threads)

@@ -5,12 +5,14 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
 
 use common::*;
-use vlm_runtime::encoder::MtmdEncoder;
-use vlm_runtime::{AnswerReport, Engine, EngineConfig, Overload, Stream, StreamConfig, answer};
+use vlm_runtime::encoder::{CpuEncode, MtmdEncoder};
+use vlm_runtime::error::Error;
+use vlm_runtime::{AnswerReport, Engine, EngineConfig, Overload, Stream, StreamConfig, Version, answer};
 
 /// These tests compare timings within a run: one at a time.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -458,4 +460,128 @@ fn a_calibration_taken_under_contention_is_replaced_by_the_first_real_measuremen
     stream.wait_version(1, &never).unwrap();
     let rate = engine.rates().prefill_ms_per_token;
     assert!(rate < 1e3, "the seed still weighs on the prefill rate: {rate} ms per token");
+}
+
+/// An answer on its own thread, its tokens counted as they come; its end on the channel.
+fn counted_answer(version: &Version, tokens: u32) -> (Arc<AtomicUsize>, Arc<AtomicBool>, Receiver<Result<u32, Error>>) {
+    let (count, cancel) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+    let (done, ended) = std::sync::mpsc::channel();
+    let (version, counted, cancelled) = (version.clone(), Arc::clone(&count), Arc::clone(&cancel));
+    std::thread::spawn(move || {
+        let r = answer(&version, &exact("Describe the picture.", tokens), &cancelled, |_| {
+            counted.fetch_add(1, Ordering::SeqCst);
+        });
+        let _ = done.send(r.map(|r| r.tokens));
+    });
+    (count, cancel, ended)
+}
+
+/// Wait (at most 60 s) until `count` reaches `n`.
+fn wait_for(count: &AtomicUsize, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count.load(Ordering::SeqCst) < n {
+        assert!(Instant::now() < deadline, "{n} tokens never came ({} did)", count.load(Ordering::SeqCst));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The answer counted by `count` is paused: no token for a while (the step under way when the
+/// pause began may add one), none after that either, and it has not ended.
+fn assert_paused(count: &AtomicUsize, ended: &Receiver<Result<u32, Error>>) {
+    for _ in 0..20 {
+        let before = count.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(300));
+        if count.load(Ordering::SeqCst) == before {
+            std::thread::sleep(Duration::from_millis(500));
+            assert_eq!(count.load(Ordering::SeqCst), before, "the paused answer decoded");
+            assert!(ended.try_recv().is_err(), "the answer ended while an encode needed the cores");
+            return;
+        }
+        assert!(ended.try_recv().is_err(), "the answer ended while an encode needed the cores");
+    }
+    panic!("the answer went on decoding while an encode needed the cores");
+}
+
+/// `encode_first`: while a CPU vision encode that needs the cores runs (one announced here with
+/// more threads than any machine's cores), an answer that has its first token pauses until the
+/// encode ends; a second encode does not pause it again; a paused answer that is cancelled ends
+/// at once. (With `encode_first` off the first check fails: the answer goes on.)
+#[test]
+fn an_answer_pauses_once_for_an_encode_that_needs_the_cores() {
+    let _alone = serial();
+    let config = EngineConfig {
+        name: "cpu".into(),
+        max_streams: 1,
+        max_branches: 2,
+        context_per_sequence: 2048,
+        encode_first: true,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&model_path(), config).unwrap();
+    let stream = open(&engine, "s", true);
+    let version = with_frames(&stream, &encoder(), 1);
+
+    let (count, _, ended) = counted_answer(&version, 1000);
+    wait_for(&count, 2);
+    let encode = CpuEncode::begin(1 << 16);
+    assert_paused(&count, &ended);
+    drop(encode);
+    let resumed = count.load(Ordering::SeqCst);
+    wait_for(&count, resumed + 2);
+    let encode = CpuEncode::begin(1 << 16);
+    let held = count.load(Ordering::SeqCst);
+    wait_for(&count, held + 3); // not paused a second time
+    drop(encode);
+    assert_eq!(ended.recv_timeout(Duration::from_secs(120)).unwrap().unwrap(), 1000);
+
+    let (count, cancel, ended) = counted_answer(&version, 1000);
+    wait_for(&count, 2);
+    let _encode = CpuEncode::begin(1 << 16);
+    assert_paused(&count, &ended);
+    cancel.store(true, Ordering::SeqCst);
+    let outcome = ended.recv_timeout(Duration::from_secs(10)).expect("the cancelled answer ended while paused");
+    assert!(matches!(outcome, Err(Error::Cancelled)), "{outcome:?}");
+}
+
+/// Frames that questions wait for (here watched streams', which count as such) share a step's
+/// prefill budget where they fit in it, instead of one frame's chunk a step: four streams' frames
+/// registered at once, with an answer decoding, are all published after one decode step, not
+/// one each (on a GPU a frame takes a fraction of the budget, and a burst of questions each
+/// waiting for its own stream's frame took a step a frame). The budget is made large so that
+/// the frames fit on any machine.
+#[test]
+fn frames_questions_wait_for_share_a_steps_budget() {
+    let _alone = serial();
+    let config = EngineConfig {
+        name: "cpu".into(),
+        max_streams: 5,
+        max_branches: 1,
+        context_per_sequence: 1024,
+        step_budget_ms: 60_000.0,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&model_path(), config).unwrap();
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let talker = open(&engine, "talker", true);
+    let version = with_frames(&talker, &enc, 1);
+    let watched: Vec<Arc<Stream>> = (1..=4).map(|i| open(&engine, &format!("watched{i}"), true)).collect();
+    let _watches: Vec<_> = watched.iter().map(|s| s.watch()).collect();
+    let (count, _, ended) = counted_answer(&version, 600);
+    wait_for(&count, 2);
+    let (release, holder) = hold(&engine);
+    for (i, s) in watched.iter().enumerate() {
+        s.register(frame(&enc, i as u32 + 1), &never).unwrap();
+    }
+    let before = engine.decode_rates().busy_steps;
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while watched.iter().any(|s| s.published() < 1) {
+        assert!(Instant::now() < deadline, "the watched streams' frames were never published");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let steps = engine.decode_rates().busy_steps - before;
+    assert!(steps <= 2, "{steps} decode steps ran while the four frames were ingested");
+    assert!(ended.recv_timeout(Duration::from_secs(120)).unwrap().is_ok());
 }

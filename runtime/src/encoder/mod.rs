@@ -18,6 +18,7 @@ use parking_lot::Mutex;
 
 /// The change gate: whether a frame changed enough since the last encoded one to encode it.
 pub mod gate;
+pub use crate::threads::CpuEncode;
 /// The Rockchip NPU backend (the `rknn` cargo feature).
 #[cfg(feature = "rknn")]
 pub mod rknn;

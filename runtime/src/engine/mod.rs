@@ -12,9 +12,10 @@
 //!    budget behind prefill (chunked prefill, as in vLLM and Sarathi-Serve); with no answer
 //!    decoding, a chunk may take a few budgets (larger chunks cost less per input);
 //! 3. while answers are decoding, ingestion earns credit at `ingest_share` of the engine's time
-//!    and runs a chunk when it has a budget's worth, so answers keep `1 - ingest_share` of their
-//!    idle decode rate; while a question waits for frames still being ingested, ingestion gets a
-//!    budget every step (that question is an answer starting); with no answer active, ingestion
+//!    and runs the next chunk once the credit covers what it costs (a budget's worth at most),
+//!    so answers keep `1 - ingest_share` of their idle decode rate; while a question waits for
+//!    frames still being ingested, ingestion gets a budget every step (that question is an
+//!    answer starting), as many streams' frames as fit in it; with no answer decoding, ingestion
 //!    runs back to back;
 //! 4. background evaluations (standing alerts) and ingestion take turns: after a step that
 //!    started evaluations, the next chunk of ingestion goes before the next ones, so a history
