@@ -116,7 +116,7 @@ pub(super) fn specs() -> Vec<glib::ParamSpec> {
             .build(),
         glib::ParamSpecBoolean::builder(PROP_ENCODE_FIRST)
             .nick("Encode first")
-            .blurb("On CPU engines: while vision encoding on the CPU needs the cores (the encoders' threads and an engine's are more than the cores), answers that already have their first token pause until the next encode ends, each at most once, so the next frame is encoded sooner (mean TTFT from capture 3-4% lower on a 2-core machine, but a paused answer ends up to one encode later)")
+            .blurb("CPU engines: while a CPU vision encode needs the cores, answers past their first token pause until it ends, each once (the next frame sooner, those answers later)")
             .default_value(vlm_runtime::engine::DEFAULT_ENCODE_FIRST)
             .mutable_ready()
             .build(),
