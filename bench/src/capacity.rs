@@ -1,7 +1,8 @@
 //! `vlm-bench capacity`: how many live streams each side sustains. Levels of S = 1, 2, 4, ...
 //! streams (each at a fixed frame rate, a question every K frames, answers of exactly T tokens),
 //! every configuration once per level in turn (a fresh worker process or server each time), each
-//! level judged end to end: no lost answers, p95 TTFT from the frame's capture within a target,
+//! level judged end to end: no lost answers and no failed run (a warm peer's frame request
+//! refused counts), p95 TTFT from the frame's capture within a target,
 //! feed lateness under one frame interval and few frames skipped; a side stops after a level it
 //! clearly does not sustain. Then the history curve: one stream, TTFT of questions over 8, 16,
 //! ..., 128 frames, the retained runtime against the server, each with its history made ready
@@ -54,7 +55,7 @@ pub struct CapacityArgs {
     /// its frames (percent; runtime only: the server never skips a frame).
     #[arg(long, default_value_t = 10.0)]
     max_skipped_pct: f64,
-    /// A configuration runs no further level after one with answers lost, or its p95 TTFT, feed
+    /// A configuration runs no further level after one with answers lost or a run failed, or its p95 TTFT, feed
     /// lateness or skipped frames beyond this many times what is allowed.
     #[arg(long, default_value_t = 1.5)]
     stop_factor: f64,
@@ -154,6 +155,11 @@ fn judge(s: &Summary, lost: usize, frames_offered: usize, a: &CapacityArgs) -> (
     if lost > 0 {
         why.push(format!("{lost} answer(s) lost"));
     }
+    // A run's own failure (a warm peer's frame request refused, a worker that failed) leaves the
+    // level unmeasured however its answers went.
+    if let Some(error) = s.errors.first() {
+        why.push(format!("a run failed: {error}"));
+    }
     if beyond(a.ttft_target_ms) {
         why.push(format!("p95 TTFT from capture {p95:.0} ms > {:.0} ms", a.ttft_target_ms));
     }
@@ -164,6 +170,7 @@ fn judge(s: &Summary, lost: usize, frames_offered: usize, a: &CapacityArgs) -> (
         why.push(format!("{skipped:.0} of {frames_offered} frames skipped"));
     }
     let clearly = lost > 0
+        || !s.errors.is_empty()
         || beyond(a.stop_factor * a.ttft_target_ms)
         || late >= a.stop_factor * interval_ms
         || skipped > (a.stop_factor * allowed).max(allowed + 1.0);
@@ -606,6 +613,10 @@ mod tests {
         assert!(!ok && !clearly && why.contains("from capture"), "{why}");
         assert!(judge(&summary(1600.0, 0), 0, 100, &a).2, "p95 beyond 1.5x the target");
         assert!(judge(&summary(900.0, 0), 1, 100, &a).2, "an answer lost");
+        // Every answer in time, but a warm peer's frame request failed: not measured.
+        let failed = Summary { errors: vec!["a frame request failed: refused".into()], ..summary(900.0, 0) };
+        let (ok, why, clearly) = judge(&failed, 0, 100, &a);
+        assert!(!ok && clearly && why.contains("a frame request failed"), "{why}");
         assert!(judge(&summary(900.0, 10), 0, 100, &a).0, "10 of 100 frames skipped");
         let (ok, why, clearly) = judge(&summary(900.0, 11), 0, 100, &a);
         assert!(!ok && !clearly && why.contains("11 of 100 frames skipped"), "{why}");

@@ -585,3 +585,47 @@ fn frames_questions_wait_for_share_a_steps_budget() {
     assert!(steps <= 2, "{steps} decode steps ran while the four frames were ingested");
     assert!(ended.recv_timeout(Duration::from_secs(120)).unwrap().is_ok());
 }
+
+/// What an answer's start leaves of a step's budget goes to frames questions wait for: a
+/// question starting and another stream's waited-for frame (watched), queued together while an
+/// answer decodes, both go in one step (a burst of questions otherwise let their frames wait
+/// while each of them started, a step each).
+#[test]
+fn a_starting_answer_leaves_the_rest_of_its_step_to_waited_frames() {
+    let _alone = serial();
+    let config = EngineConfig {
+        name: "cpu".into(),
+        max_streams: 3,
+        max_branches: 2,
+        context_per_sequence: 1024,
+        step_budget_ms: 60_000.0,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(&model_path(), config).unwrap();
+    let enc = encoder();
+    let never = AtomicBool::new(false);
+    let (talker, asker, watched) =
+        (open(&engine, "talker", true), open(&engine, "asker", true), open(&engine, "watched", true));
+    let talking = with_frames(&talker, &enc, 1);
+    let asking = with_frames(&asker, &enc, 1);
+    let _watch = watched.watch();
+    let (count, _, ended) = counted_answer(&talking, 600);
+    wait_for(&count, 2);
+    let (release, holder) = hold(&engine);
+    let queued = engine.start_backlog_ms();
+    let (_, _, asked) = counted_answer(&asking, 4);
+    wait_queued(&engine, queued);
+    watched.register(frame(&enc, 3), &never).unwrap();
+    let before = engine.decode_rates().busy_steps;
+    release.send(()).unwrap();
+    holder.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while watched.published() < 1 {
+        assert!(Instant::now() < deadline, "the watched stream's frame was never published");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let steps = engine.decode_rates().busy_steps - before;
+    assert!(steps <= 1, "{steps} decode steps ran before the waited-for frame was ingested beside the start");
+    assert!(asked.recv_timeout(Duration::from_secs(120)).unwrap().is_ok());
+    assert!(ended.recv_timeout(Duration::from_secs(120)).unwrap().is_ok());
+}

@@ -682,19 +682,16 @@ impl VlmQuery {
     /// first).
     fn post_answer(&self, p: &Pending, message: gst::Structure) {
         self.post_message(&message);
-        let failed = match (message.get::<&str>("status"), message.get::<&str>("reason")) {
-            (Ok("failed"), Ok(reason)) => Some(format!("question {} not answered: {reason}", p.job.question.id)),
-            _ => None,
-        };
-        *p.message.lock() = Some(message);
-        {
-            let _shared = self.shared.lock();
-            p.posted.store(true, Ordering::Release);
-            self.changed.notify_all();
-        }
-        if let Some(warning) = failed {
+        // A failed question's warning goes on the bus before the answer counts as posted: the
+        // EOS that may follow it then comes after both.
+        if let (Ok("failed"), Ok(reason)) = (message.get::<&str>("status"), message.get::<&str>("reason")) {
+            let warning = format!("question {} not answered: {reason}", p.job.question.id);
             self.warn_question(gst::StreamError::Failed, Some(&p.job.question.id), &warning);
         }
+        *p.message.lock() = Some(message);
+        let _shared = self.shared.lock();
+        p.posted.store(true, Ordering::Release);
+        self.changed.notify_all();
     }
 
     fn post_message(&self, message: &gst::Structure) {

@@ -46,6 +46,12 @@ struct Active {
     pause: Pause,
 }
 
+impl Active {
+    fn paused(&self) -> bool {
+        matches!(self.pause, Pause::Until(_))
+    }
+}
+
 /// An answer's pause for the vision encoder (`EngineConfig::encode_first`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pause {
@@ -178,7 +184,7 @@ impl Scheduler {
 
     /// Whether an answer decodes at the next step (one is active and not paused).
     fn decoding(&self) -> bool {
-        self.active.iter().any(|a| !matches!(a.pause, Pause::Until(_)))
+        self.active.iter().any(|a| !a.paused())
     }
 
     /// Whether all there is to do is answers paused for the encoder: the thread waits for a job
@@ -205,7 +211,7 @@ impl Scheduler {
     fn decode_step(&mut self, w: &mut Worker, shared: &Shared) -> f64 {
         self.pause_for_encoder(w.tuner.threads());
         self.active.retain_mut(|a| {
-            let keep = !(matches!(a.pause, Pause::Until(_)) && a.generation.cancelled());
+            let keep = !(a.paused() && a.generation.cancelled());
             if !keep {
                 a.generation.fail(Error::Cancelled);
                 w.release(a.branch);
@@ -216,10 +222,9 @@ impl Scheduler {
             return 0.0;
         }
         self.active.sort_by_key(|a| a.branch);
-        let paused = |a: &Active| matches!(a.pause, Pause::Until(_));
-        let decoded = self.active.iter().filter(|a| !paused(a)).count();
+        let decoded = self.active.iter().filter(|a| !a.paused()).count();
         let mut batch = Batch::tokens(decoded);
-        for a in self.active.iter().filter(|a| !paused(a)) {
+        for a in self.active.iter().filter(|a| !a.paused()) {
             batch.push_token(a.next.0, a.next.1, a.branch, true);
         }
         shared.widest.fetch_max(decoded, Ordering::Relaxed);
@@ -234,7 +239,7 @@ impl Scheduler {
         drop(steps);
         let mut i = 0;
         self.active.retain_mut(|a| {
-            if paused(a) {
+            if a.paused() {
                 return true;
             }
             let progress = match step.as_ref().map_err(Clone::clone).and_then(|()| w.ctx.logits(i)) {
@@ -562,9 +567,13 @@ impl Scheduler {
         }
         let started = Instant::now();
         let prefilled = self.prefill_start(w, shared);
-        self.split.start_ms += ms_since(started);
+        let start_ms = ms_since(started);
+        self.split.start_ms += start_ms;
         if prefilled {
             self.frames_turn = background_next;
+            // What the start left of the budget goes to frames questions wait for (a burst of
+            // questions otherwise let their frames wait while each of them started).
+            self.ingest_demanded(w, shared, self.budget_ms - start_ms);
             return;
         }
         if self.ordered.is_empty() {
@@ -581,11 +590,7 @@ impl Scheduler {
         // budget, and a burst of questions, each waiting for its own stream's frame, took a step
         // a frame).
         if self.demanded() {
-            let mut spent = 0.0;
-            while spent < self.budget_ms && self.demanded() {
-                let Some(ms) = self.ingest_progress(w, shared, self.budget_ms - spent) else { break };
-                spent += ms;
-            }
+            self.ingest_demanded(w, shared, self.budget_ms);
             return;
         }
         // Otherwise ingestion runs on its credit: the front chunk once the credit covers what
@@ -595,6 +600,16 @@ impl Scheduler {
         while self.credit_ms >= self.front_cost_ms(w) {
             let Some(ms) = self.ingest_progress(w, shared, self.credit_ms) else { break };
             self.credit_ms -= ms;
+        }
+    }
+
+    /// Ingest frames questions wait for, as many as `allowed_ms` holds (the next begins while
+    /// time is left).
+    fn ingest_demanded(&mut self, w: &mut Worker, shared: &Shared, allowed_ms: f64) {
+        let mut spent = 0.0;
+        while spent < allowed_ms && self.demanded() {
+            let Some(ms) = self.ingest_progress(w, shared, allowed_ms - spent) else { break };
+            spent += ms;
         }
     }
 
@@ -820,7 +835,7 @@ mod tests {
         assert_eq!(Pause::Never.next(None, 3), Pause::Never);
         assert_eq!(Pause::Never.next(Some(3), 3), Pause::Until(3));
         assert_eq!(Pause::Until(3).next(Some(3), 3), Pause::Until(3));
-        assert_eq!(Pause::Until(3).next(Some(4), 4), Pause::Done); // the next encode began
+        assert_eq!(Pause::Until(3).next(Some(4), 4), Pause::Done); // an encode ended, another runs
         assert_eq!(Pause::Until(3).next(None, 3), Pause::Done); // no encode contends now
         assert_eq!(Pause::Done.next(Some(9), 9), Pause::Done); // once only
     }
