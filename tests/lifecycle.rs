@@ -112,6 +112,25 @@ fn pads_requested_while_the_model_loads_do_not_load_it_again() {
     set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), "PLAYING->NULL");
 }
 
+/// `max-streams` unset reads back what the load sized once the model is loaded (the sink pads
+/// requested by then, at least 2), not the default it reads before.
+#[test]
+fn max_streams_unset_reads_back_the_streams_the_load_sized() {
+    let pipeline =
+        launch("vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf fakesrc num-buffers=0 ! fakesink");
+    let ctx = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("ctx").unwrap();
+    let pads: Vec<gst::Pad> = (0..3).map(|_| ctx.request_pad_simple("sink_%u").unwrap()).collect();
+    assert_eq!(ctx.property::<u32>("max-streams"), 2, "unset and not loaded: the default");
+    assert!(pipeline.set_state(gst::State::Playing).is_ok());
+    let (_, state, _) = pipeline.state(gst::ClockTime::from_seconds(60));
+    assert_eq!(state, gst::State::Playing);
+    assert_eq!(ctx.property::<u32>("max-streams"), 3, "the streams the load sized for three cameras");
+    for pad in pads {
+        ctx.release_request_pad(&pad);
+    }
+    set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), "PLAYING->NULL");
+}
+
 /// An application's NULL→PLAYING from its main loop does not wait for the model: the state
 /// change returns ASYNC at once (the load goes on off the application's thread), the main loop
 /// keeps running, the load's Progress messages and then the pipeline's ASYNC_DONE reach its bus

@@ -87,6 +87,16 @@ impl<K: Eq + Hash + Clone, V: Weighted> BoundedCache<K, V> {
         Some(Arc::clone(v))
     }
 
+    /// Whether an entry of `size` bytes can be cached at all; `false` counts as a refused
+    /// insert. (For a caller whose entry is dear to build: a KV export checks its size first.)
+    pub fn admits(&self, size: usize) -> bool {
+        let admits = size <= self.max_bytes && self.max_entries > 0;
+        if !admits {
+            self.inner.lock().stats.refused += 1;
+        }
+        admits
+    }
+
     /// Insert `value` (replacing an entry of the same key), evicting unheld entries, least
     /// recently used first, until both limits hold. Returns false, caching nothing, when that is
     /// impossible without evicting an entry somebody holds.
@@ -170,6 +180,16 @@ mod tests {
         assert!(s.entries <= 3 && s.bytes <= 100, "{s:?}");
         assert!(!cache.insert(5, Arc::new(Blob(101))), "larger than the byte limit");
         assert_eq!(s.misses, 1);
+    }
+
+    /// An entry too large to cache is told before it is built, and counted as refused.
+    #[test]
+    fn an_entry_over_the_byte_limit_is_not_admitted() {
+        let cache: BoundedCache<u32, Blob> = BoundedCache::new(3, 100);
+        assert!(cache.admits(100));
+        assert!(!cache.admits(101));
+        assert_eq!(cache.stats().refused, 1);
+        assert!(!BoundedCache::<u32, Blob>::new(0, 100).admits(1), "no entries at all");
     }
 
     /// A new value for a key that does not fit (only held entries could make room) is refused

@@ -137,23 +137,9 @@ fn an_rpc_server_that_dies_mid_answer_fails_that_answer_and_the_placer_moves_on(
     stranded.wait_version(1, &never()).unwrap();
 
     // A long answer on the RPC engine; the server is killed once it has produced text.
-    let (text_tx, text_rx) = mpsc::channel();
-    let (done_tx, done_rx) = mpsc::channel();
-    let running = {
-        let version = version.clone();
-        let far = Arc::clone(&far);
-        std::thread::spawn(move || {
-            let long = vlm_runtime::Question { ignore_eos: true, ..question("Describe the picture at length.", 2000) };
-            let result = answer_on(&version, &long, &far, PreparePath::Replay, &never(), |_| {
-                let _ = text_tx.send(());
-            });
-            let _ = done_tx.send(result);
-        })
-    };
-    text_rx.recv_timeout(Duration::from_secs(120)).expect("the RPC engine produced no text");
+    let done_rx = long_answer_started(&version, &far);
     server.kill();
     let result = done_rx.recv_timeout(Duration::from_secs(60)).expect("the answer on the dead server never ended");
-    running.join().unwrap();
     let err = result.expect_err("an answer whose server died cannot succeed").to_string();
     assert!(err.contains(&endpoint) && err.contains("stopped answering"), "{err}");
     let failure = far.failure().expect("the engine is declared failed");

@@ -323,6 +323,13 @@ impl VlmContext {
                 };
                 return (bytes as u64).to_value();
             }
+            // Unset, once the model is loaded: the streams the load sized (the sink pads
+            // requested by then, at least 2).
+            PROP_MAX_STREAMS => {
+                let loaded = self.state.lock().engines.first().map(|e| e.config().max_streams);
+                let s = self.settings.lock();
+                return loaded.filter(|_| !s.max_streams_set).unwrap_or(s.max_streams).to_value();
+            }
             PROP_ACTIVE_KV_LAYOUT | PROP_ACTIVE_FLASH_ATTENTION => {
                 let st = self.state.lock();
                 let config = st.engines.first().map(|e| e.config());
@@ -346,7 +353,6 @@ impl VlmContext {
             PROP_RETAIN => s.retain.to_value(),
             PROP_SYSTEM_PROMPT => s.system_prompt.to_value(),
             PROP_CONTEXT_SIZE => s.context_size.to_value(),
-            PROP_MAX_STREAMS => s.max_streams.to_value(),
             PROP_MAX_PENDING => s.max_pending.to_value(),
             PROP_HISTORY_POLICY => s.history_policy.to_value(),
             PROP_KV_LAYOUT => s.kv_layout.to_value(),

@@ -15,8 +15,8 @@
 //!    and runs the next chunk once the credit covers what it costs (a budget's worth at most),
 //!    so answers keep `1 - ingest_share` of their idle decode rate; while a question waits for
 //!    frames still being ingested, ingestion gets a budget every step (that question is an
-//!    answer starting), or what an answer's start left of it, as many streams' frames as fit;
-//!    with no answer decoding, ingestion runs back to back;
+//!    answer starting), as many streams' frames as fit in it; with no answer decoding, ingestion
+//!    runs back to back;
 //! 4. background evaluations (standing alerts) and ingestion take turns: after a step that
 //!    started evaluations, the next chunk of ingestion goes before the next ones, so a history
 //!    keeps up with its camera (the alerts thin out, newest frame first, when the engine cannot

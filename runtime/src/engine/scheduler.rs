@@ -567,13 +567,9 @@ impl Scheduler {
         }
         let started = Instant::now();
         let prefilled = self.prefill_start(w, shared);
-        let start_ms = ms_since(started);
-        self.split.start_ms += start_ms;
+        self.split.start_ms += ms_since(started);
         if prefilled {
             self.frames_turn = background_next;
-            // What the start left of the budget goes to frames questions wait for (a burst of
-            // questions otherwise let their frames wait while each of them started).
-            self.ingest_demanded(w, shared, self.budget_ms - start_ms);
             return;
         }
         if self.ordered.is_empty() {

@@ -469,6 +469,12 @@ impl Context {
         size.saturating_sub(self.empty_state_bytes)
     }
 
+    /// Bytes [`Context::seq_snapshot`] of `seq` takes now (nothing is copied).
+    pub fn seq_snapshot_size(&mut self, seq: i32) -> usize {
+        // SAFETY: a size query on a valid context and sequence.
+        unsafe { sys::llama_state_seq_get_size(self.ptr.as_ptr(), seq) }
+    }
+
     /// Export the KV state of `seq` (cells, positions, sequence metadata) into a buffer.
     pub fn seq_snapshot(&mut self, seq: i32) -> Result<Vec<u8>> {
         // SAFETY: the size query and the export use the same valid context and sequence; the

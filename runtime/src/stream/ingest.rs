@@ -140,8 +140,10 @@ impl Stream {
             if !at_home(&s) {
                 return;
             }
+            // (The export is sized first: one the cache refuses is never copied.)
             if let (Ok(end), Some(cache), Some(w)) = (&end, &cache, w)
                 && missed.load(Ordering::Acquire)
+                && cache.admits(w.ctx.seq_snapshot_size(seq))
                 && let Ok(bytes) = w.ctx.seq_snapshot(seq)
             {
                 // A failed export only means nothing is cached.
