@@ -340,11 +340,10 @@ impl Drop for CpuEncode {
 }
 
 /// Whether the CPU encodes running now and `threads` more threads ask for more threads than the
-/// cores: `Some(encodes ended so far)` when they do.
-pub(crate) fn encoder_contends(threads: i32) -> Option<u64> {
+/// cores.
+pub(crate) fn encoder_contends(threads: i32) -> bool {
     let encoding = ENCODER_THREADS.load(Ordering::Acquire);
-    let cores = CORES.get().copied().unwrap_or(usize::MAX);
-    (encoding > 0 && encoding + threads.max(1) as usize > cores).then(|| ENCODES_ENDED.load(Ordering::Acquire))
+    encoding > 0 && encoding + threads.max(1) as usize > CORES.get().copied().unwrap_or(usize::MAX)
 }
 
 /// CPU encodes ended so far.

@@ -62,9 +62,10 @@ pub const DEFAULT_STEP_BUDGET_MS: f64 = 150.0;
 pub const DEFAULT_INGEST_SHARE: f64 = 0.25;
 
 /// Default of [`EngineConfig::encode_first`]: off. Measured on the 2-core machine, W1 with
-/// SmolVLM-256M's shapes (docs/benchmarks.md, "Encode first"): mean TTFT from capture 3-4% lower
-/// with it (the second stream's frame is encoded 0.3 s sooner), but the answer paused in the
-/// meantime end about 4 s later (5.8 s from the first token to the last instead of 1.9 s).
+/// SmolVLM-256M's shapes (docs/benchmarks.md, "The bound with every frame encoded, and
+/// `encode-first`"): mean TTFT from capture 3% lower with it (the second stream's frame is
+/// encoded 0.3 s sooner), but the answers paused meanwhile end about 4 s later (5.8 s from the
+/// first token to the last instead of 1.9 s).
 pub const DEFAULT_ENCODE_FIRST: bool = false;
 
 /// Most of `threads` a `gpu` engine with every layer on the GPU takes unless its entry names a

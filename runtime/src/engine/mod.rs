@@ -15,8 +15,9 @@
 //!    and runs the next chunk once the credit covers what it costs (a budget's worth at most),
 //!    so answers keep `1 - ingest_share` of their idle decode rate; while a question waits for
 //!    frames still being ingested, ingestion gets a budget every step (that question is an
-//!    answer starting), as many streams' frames as fit in it; with no answer decoding, ingestion
-//!    runs back to back;
+//!    answer starting), as many of them as fit in it; with no answer active, ingestion runs
+//!    back to back; while every answer is paused for a CPU vision encode
+//!    (`EngineConfig::encode_first`), only frames a question waits for are ingested;
 //! 4. background evaluations (standing alerts) and ingestion take turns: after a step that
 //!    started evaluations, the next chunk of ingestion goes before the next ones, so a history
 //!    keeps up with its camera (the alerts thin out, newest frame first, when the engine cannot

@@ -63,13 +63,13 @@ enum Pause {
 }
 
 impl Pause {
-    /// The pause after a step that read `contends` ([`crate::threads::encoder_contends`]) with
-    /// `ended` CPU encodes ended.
-    fn next(self, contends: Option<u64>, ended: u64) -> Pause {
-        match (self, contends) {
-            (Pause::Never, Some(at)) => Pause::Until(at),
-            (Pause::Until(at), _) if ended > at || contends.is_none() => Pause::Done,
-            (pause, _) => pause,
+    /// The pause after a step that read whether CPU encodes contend for the cores
+    /// ([`crate::threads::encoder_contends`]) with `ended` of them ended so far.
+    fn next(self, contends: bool, ended: u64) -> Pause {
+        match self {
+            Pause::Never if contends => Pause::Until(ended),
+            Pause::Until(at) if ended > at || !contends => Pause::Done,
+            pause => pause,
         }
     }
 }
@@ -187,10 +187,11 @@ impl Scheduler {
         self.active.iter().any(|a| !a.paused())
     }
 
-    /// Whether all there is to do is answers paused for the encoder: the thread waits for a job
-    /// or the pause's end instead of stepping.
+    /// Whether every answer is paused for the encoder: between steps the thread waits a little
+    /// for a job instead of spinning (what it may do meanwhile, a frame a question waits for or
+    /// an answer's start, can wait on the room paused answers hold).
     fn resting(&self) -> bool {
-        !self.active.is_empty() && !self.decoding() && self.starting.is_empty() && self.ordered.is_empty()
+        !self.active.is_empty() && !self.decoding()
     }
 
     /// While CPU vision encodes need the cores this engine's decode steps would take, the
@@ -481,7 +482,7 @@ impl Scheduler {
     /// per input (measured: a 36-token frame in two chunks took ~165 ms under the live workload,
     /// whole ~130 ms), so the limit is `IDLE_CHUNK_FACTOR` budgets.
     fn chunk_budget_ms(&self) -> f64 {
-        if self.decoding() { self.budget_ms } else { self.budget_ms * IDLE_CHUNK_FACTOR }
+        if self.active.is_empty() { self.budget_ms * IDLE_CHUNK_FACTOR } else { self.budget_ms }
     }
 
     /// Earliest deadline first among the ingestions at the front: the first ingestion of a stream
@@ -575,7 +576,7 @@ impl Scheduler {
         if self.ordered.is_empty() {
             return;
         }
-        if !self.decoding() {
+        if self.active.is_empty() {
             self.credit_ms = 0.0;
             self.ingest(w, shared, self.chunk_budget_ms());
             return;
@@ -589,6 +590,10 @@ impl Scheduler {
             self.ingest_demanded(w, shared, self.budget_ms);
             return;
         }
+        // Answers paused for the encoder leave the cores to it: frames nobody waits for wait too.
+        if !self.decoding() {
+            return;
+        }
         // Otherwise ingestion runs on its credit: the front chunk once the credit covers what
         // it costs (a budget's worth at most), as long as it does.
         let share = self.share;
@@ -599,13 +604,18 @@ impl Scheduler {
         }
     }
 
-    /// Ingest frames questions wait for, as many as `allowed_ms` holds (the next begins while
-    /// time is left).
+    /// Ingest frames questions wait for within `allowed_ms`: the front chunk, then the next
+    /// while it is also a frame a question waits for and its cost fits in what is left.
     fn ingest_demanded(&mut self, w: &mut Worker, shared: &Shared, allowed_ms: f64) {
         let mut spent = 0.0;
-        while spent < allowed_ms && self.demanded() {
-            let Some(ms) = self.ingest_progress(w, shared, allowed_ms - spent) else { break };
+        while let Some(ms) = self.ingest_progress(w, shared, allowed_ms - spent) {
             spent += ms;
+            self.promote_demanded();
+            let demanded_front = matches!(self.ordered.front(),
+                Some(Ordered::Ingest(i)) if i.demand.load(Ordering::Acquire) > 0);
+            if !demanded_front || spent + self.front_cost_ms(w) > allowed_ms {
+                break;
+            }
         }
     }
 
@@ -776,7 +786,13 @@ pub(super) fn run(mut w: Worker, jobs: mpsc::Receiver<Job>, shared: Arc<Shared>,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return, // stopped, every job done
             }
         } else if s.resting() {
-            jobs.recv_timeout(PAUSE_POLL).ok()
+            let waited = Instant::now();
+            let job = jobs.recv_timeout(PAUSE_POLL);
+            if matches!(job, Err(mpsc::RecvTimeoutError::Disconnected)) {
+                std::thread::sleep(PAUSE_POLL); // stopped: the paused answers still end
+            }
+            s.split.idle_ms += ms_since(waited);
+            job.ok()
         } else {
             jobs.try_recv().ok()
         };
@@ -828,11 +844,11 @@ mod tests {
 
     #[test]
     fn a_pause_begins_with_an_encode_that_contends_and_ends_with_the_next_encode_to_end() {
-        assert_eq!(Pause::Never.next(None, 3), Pause::Never);
-        assert_eq!(Pause::Never.next(Some(3), 3), Pause::Until(3));
-        assert_eq!(Pause::Until(3).next(Some(3), 3), Pause::Until(3));
-        assert_eq!(Pause::Until(3).next(Some(4), 4), Pause::Done); // an encode ended, another runs
-        assert_eq!(Pause::Until(3).next(None, 3), Pause::Done); // no encode contends now
-        assert_eq!(Pause::Done.next(Some(9), 9), Pause::Done); // once only
+        assert_eq!(Pause::Never.next(false, 3), Pause::Never);
+        assert_eq!(Pause::Never.next(true, 3), Pause::Until(3));
+        assert_eq!(Pause::Until(3).next(true, 3), Pause::Until(3));
+        assert_eq!(Pause::Until(3).next(true, 4), Pause::Done); // an encode ended, another runs
+        assert_eq!(Pause::Until(3).next(false, 3), Pause::Done); // no encode contends now
+        assert_eq!(Pause::Done.next(true, 9), Pause::Done); // once only
     }
 }
