@@ -485,46 +485,66 @@ fn wait_for(count: &AtomicUsize, n: usize) {
     }
 }
 
-/// The answer counted by `count` is paused: no token for a while (the step under way when the
-/// pause began may add one), none after that either, and it has not ended.
-fn assert_paused(count: &AtomicUsize, ended: &Receiver<Result<u32, Error>>) {
-    for _ in 0..20 {
-        let before = count.load(Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(300));
-        if count.load(Ordering::SeqCst) == before {
-            std::thread::sleep(Duration::from_millis(500));
-            assert_eq!(count.load(Ordering::SeqCst), before, "the paused answer decoded");
-            assert!(ended.try_recv().is_err(), "the answer ended while an encode needed the cores");
-            return;
-        }
-        assert!(ended.try_recv().is_err(), "the answer ended while an encode needed the cores");
+/// Wait (at most 120 s) until each of `streams` has published `frames` frames.
+fn wait_published(streams: &[&Arc<Stream>], frames: u64) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while streams.iter().any(|s| s.published() < frames) {
+        assert!(Instant::now() < deadline, "the frames were never published");
+        std::thread::sleep(Duration::from_millis(1));
     }
-    panic!("the answer went on decoding while an encode needed the cores");
+}
+
+/// The answer counted by `count` is paused, read against the engine's own progress: `frames`
+/// (encoded before, so that no encode ends meanwhile) are registered on `watched`, whose frames
+/// count as waited for and so are ingested while answers pause, one small chunk a step; once
+/// they are published the answer has gained at most the token of the step under way when the
+/// pause began, and has not ended. Unpaused, it gains a token every step.
+fn assert_paused(
+    count: &AtomicUsize,
+    ended: &Receiver<Result<u32, Error>>,
+    watched: &Arc<Stream>,
+    frames: Vec<Arc<vlm_runtime::Frame>>,
+) {
+    let before = count.load(Ordering::SeqCst);
+    let target = watched.published() + frames.len() as u64;
+    for f in frames {
+        watched.register(f, &AtomicBool::new(false)).unwrap();
+    }
+    wait_published(&[watched], target);
+    let gained = count.load(Ordering::SeqCst) - before;
+    assert!(gained <= 1, "the answer decoded {gained} tokens while an encode needed the cores");
+    assert!(ended.try_recv().is_err(), "the answer ended while an encode needed the cores");
 }
 
 /// `encode_first`: while a CPU vision encode that needs the cores runs (one announced here with
 /// more threads than any machine's cores), an answer that has its first token pauses until the
 /// encode ends; a second encode does not pause it again; a paused answer that is cancelled ends
-/// at once. (With `encode_first` off the first check fails: the answer goes on.)
+/// at once. (With `encode_first` off the first check fails: the answer goes on.) A step budget
+/// of 1 ms makes every chunk of the watched stream's frames a step of its own.
 #[test]
 fn an_answer_pauses_once_for_an_encode_that_needs_the_cores() {
     let _alone = serial();
     let config = EngineConfig {
         name: "cpu".into(),
-        max_streams: 1,
+        max_streams: 2,
         max_branches: 2,
         context_per_sequence: 2048,
+        step_budget_ms: 1.0,
         encode_first: true,
         ..EngineConfig::default()
     };
     let engine = Engine::start(&model_path(), config).unwrap();
+    let enc = encoder();
     let stream = open(&engine, "s", true);
-    let version = with_frames(&stream, &encoder(), 1);
+    let watched = open(&engine, "watched", true);
+    let _watch = watched.watch();
+    let version = with_frames(&stream, &enc, 1);
+    let mut frames: Vec<Arc<vlm_runtime::Frame>> = (1..=4).map(|v| frame(&enc, v)).collect();
 
     let (count, _, ended) = counted_answer(&version, 1000);
     wait_for(&count, 2);
     let encode = CpuEncode::begin(1 << 16);
-    assert_paused(&count, &ended);
+    assert_paused(&count, &ended, &watched, frames.drain(..2).collect());
     drop(encode);
     let resumed = count.load(Ordering::SeqCst);
     wait_for(&count, resumed + 2);
@@ -537,7 +557,7 @@ fn an_answer_pauses_once_for_an_encode_that_needs_the_cores() {
     let (count, cancel, ended) = counted_answer(&version, 1000);
     wait_for(&count, 2);
     let _encode = CpuEncode::begin(1 << 16);
-    assert_paused(&count, &ended);
+    assert_paused(&count, &ended, &watched, frames);
     cancel.store(true, Ordering::SeqCst);
     let outcome = ended.recv_timeout(Duration::from_secs(10)).expect("the cancelled answer ended while paused");
     assert!(matches!(outcome, Err(Error::Cancelled)), "{outcome:?}");
@@ -576,11 +596,7 @@ fn frames_questions_wait_for_share_a_steps_budget() {
     let before = engine.decode_rates().busy_steps;
     release.send(()).unwrap();
     holder.join().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while watched.iter().any(|s| s.published() < 1) {
-        assert!(Instant::now() < deadline, "the watched streams' frames were never published");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_published(&watched.iter().collect::<Vec<_>>(), 1);
     let steps = engine.decode_rates().busy_steps - before;
     assert!(steps <= 2, "{steps} decode steps ran while the four frames were ingested");
     assert!(ended.recv_timeout(Duration::from_secs(120)).unwrap().is_ok());
