@@ -6,6 +6,8 @@ use gst::glib;
 pub const QUESTION: &str = "vlm-question";
 /// Name of the sticky event that tells downstream which stream a pad carries.
 pub const STREAM: &str = "vlm-stream";
+/// Name of the event vlmencode sends before a frame it encodes again though it did not change.
+pub const STANDING: &str = "vlm-standing";
 /// Name of the query vlmencode sends downstream to learn the language model.
 pub const MODEL_QUERY: &str = "vlm-model";
 /// Name of the query vlmencode sends downstream to learn its stream's demand.
@@ -73,6 +75,26 @@ impl StreamEvent {
 
     pub fn parse(event: &gst::EventRef) -> Option<u64> {
         event.structure().filter(|s| s.name() == STREAM)?.get::<u64>("id").ok()
+    }
+}
+
+/// The serialized `vlm-standing` event: `vlmencode min-change` encodes the frame that follows
+/// again although it did not change (`max-unchanged` reached), and until it is registered the
+/// frame encoded last stands for it, as for a frame the gate held: a question about its time
+/// binds at once. `pts` and `duration` are the frame's (in the video's segment).
+pub struct StandingEvent;
+
+impl StandingEvent {
+    pub fn event(pts: Option<gst::ClockTime>, duration: Option<gst::ClockTime>) -> gst::Event {
+        gst::event::CustomDownstream::new(
+            gst::Structure::builder(STANDING).field("pts", pts).field("duration", duration).build(),
+        )
+    }
+
+    /// The frame's timestamp and duration, when the event is one.
+    pub fn parse(event: &gst::EventRef) -> Option<(Option<gst::ClockTime>, Option<gst::ClockTime>)> {
+        let s = event.structure().filter(|s| s.name() == STANDING)?;
+        Some((s.get("pts").ok().flatten(), s.get("duration").ok().flatten()))
     }
 }
 

@@ -6,19 +6,23 @@
 //!       --rounds 3 --json docs/benchmarks/pipeline.json
 //!
 //! Each stream is `videotestsrc is-live=true` at `--fps` (320x240) into its own `vlmencode`
-//! (every frame encoded, `--encoder-threads`, as the runtime benchmark's encoder), one `vlmcontext` for both streams (its defaults, as B1), and one
-//! `vlmquery` per stream (`exact-tokens=true`); when the 2nd, 4th, 6th or 8th frame of a stream
-//! leaves `vlmcontext`, the question is asked there with `ask`, as the runtime benchmark asks
-//! right after registering that frame. Models load in READY (the `load-model` Progress message), before
-//! the window, as the runtime benchmark's warm-up does. Throughput is answers over the window
-//! (PLAYING to the last answer).
+//! (every frame due, `--encoder-threads`, as the runtime benchmark's encoder; `--gate` for the
+//! change gate at its defaults), one `vlmcontext` for both streams (its defaults, as B1), and one
+//! `vlmquery` per stream (`exact-tokens=true`); when the 2nd, 4th, 6th or 8th frame of a stream is
+//! captured (reaches `vlmencode`), a question timed at its capture goes to that `vlmquery`'s
+//! `query` pad, which binds it to that frame once the video has passed its time (or to the frame
+//! the change gate keeps standing for it), as a user asks about what the camera sees now. Models
+//! load in READY (the `load-model` Progress message), before the window, as the runtime
+//! benchmark's warm-up does. Throughput is answers over the window (PLAYING to the last answer).
 //!
 //! Two clocks, as vlm-bench's: the headline TTFT counts from the capture of the question's frame
-//! (its running time on the live source), encoding included: the time from that frame's
-//! timestamp to the `ask` (read on the pipeline's clock) plus the `vlm-answer`'s `ttft-ms`, which
-//! counts from the `ask` (the secondary column). Also per answer the staleness (the `ask`'s
-//! running time minus the newest frame's of its history) and per round the feed lateness (a
-//! frame leaving `vlmcontext`, registered, minus its timestamp) and the encoders' frames/s
+//! (its running time on the live source), encoding included: the `vlm-answer`'s
+//! `ttft-from-capture-ms`. The secondary column counts from the later of the question (its
+//! frame's capture) and the registration of the frame it is bound to (a frame leaving
+//! `vlmcontext`), as the runtime benchmark asks right after registering. Also per answer the
+//! staleness (`picture-age-ms`: the question's time minus the capture of the newest frame in
+//! its answer) and per round the feed lateness (a frame leaving `vlmcontext` minus its
+//! timestamp) and the encoders' frames/s
 //! (`frames-encoded` over `mean-encode-ms`). With `--peer`, llama.cpp's `llama-server` runs as
 //! vlm-bench's PEER-WARM (each frame sent as captured) and PEER (naive) in the same vlm-bench run
 //! as B1, so the pipeline is compared with the server directly, warm first.
@@ -156,17 +160,23 @@ fn frame_size(a: &Args) -> Result<(u32, u32), BoxError> {
         .ok_or_else(|| format!("--frame-size {}: expected WIDTHxHEIGHT", a.frame_size).into())
 }
 
-/// What the probes saw of one stream: each registered frame's capture (running time, ms) by its
-/// number, and each question's (capture of its frame, running time of its `ask`) by its id.
+/// What the probes saw: each registered frame's capture and registration (running time, ms) by
+/// (stream, number), and the feed's lateness (frames, sum, max).
 #[derive(Default)]
 struct Seen {
-    captures: HashMap<(usize, u64), f64>,
-    asked: HashMap<String, (usize, f64, f64)>,
+    registered: HashMap<(usize, u64), (f64, f64)>,
     feed: (u64, f64, f64),
 }
 
 fn running_ms(t: gst::ClockTime) -> f64 {
     t.nseconds() as f64 / 1e6
+}
+
+/// A buffer's timestamp as running time on `pad` (a live source stamps the running time it was
+/// captured at).
+fn running_time(pad: &gst::Pad, buffer: &gst::BufferRef) -> Option<gst::ClockTime> {
+    pad.sticky_event::<gst::event::Segment>(0)
+        .and_then(|e| e.segment().downcast_ref::<gst::ClockTime>()?.to_running_time(buffer.pts()?))
 }
 
 fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
@@ -182,7 +192,8 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
         description += &format!(
             "videotestsrc is-live=true pattern={pattern} num-buffers={} ! video/x-raw,width={width},height={height},framerate={} \
              ! videoconvert ! vlmencode name=enc{s} mmproj={} model={} interval=0 {}threads={} ! ctx.sink_{s} \
-             ctx.src_{s} ! vlmquery name=q{s} max-tokens={} exact-tokens=true ! fakesink sync=false async=false ",
+             ctx.src_{s} ! vlmquery name=q{s} max-tokens={} exact-tokens=true ! fakesink sync=false async=false \
+             appsrc name=qs{s} format=time caps=text/x-raw,format=utf8 ! q{s}.query ",
             a.frames,
             framerate(a.fps),
             a.mmproj,
@@ -206,44 +217,49 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
 
     let seen = Arc::new(Mutex::new(Seen::default()));
     for s in 0..2 {
-        let q = pipeline.by_name(&format!("q{s}")).ok_or("no vlmquery")?;
+        let by_name = |name: String| pipeline.by_name(&name).ok_or(format!("no {name}"));
+        let questions = by_name(format!("qs{s}"))?.downcast::<gst_app::AppSrc>().map_err(|_| "not an appsrc")?;
+        // The n-th frame captured: its question, timed at its capture, goes to vlmquery's query
+        // pad now, as a user asks about what the camera sees now; vlmquery binds it to the frame
+        // of that time (or the one standing for it) once the video has passed there.
         let ask_after = a.ask_after.clone();
-        let src =
-            pipeline.by_name("ctx").ok_or("no vlmcontext")?.static_pad(&format!("src_{s}")).ok_or("no src pad")?;
-        // The n-th frame leaving vlmcontext, joined to the history or skipped by the overload
-        // policy (then the question binds to the newest frame that joined), as the runtime
-        // benchmark counts registrations.
         let count = std::sync::atomic::AtomicU64::new(0);
+        by_name(format!("enc{s}"))?.static_pad("sink").ok_or("no sink pad")?.add_probe(
+            gst::PadProbeType::BUFFER,
+            move |pad, info| {
+                let n = count.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                let capture = info.buffer().and_then(|b| running_time(pad, b));
+                if let (Some(index), Some(capture)) = (ask_after.iter().position(|&a| a == n), capture) {
+                    let mut question = gst::Buffer::from_slice(QUESTIONS[index % QUESTIONS.len()].as_bytes());
+                    question.get_mut().expect("new").set_pts(capture);
+                    let _ = questions.push_buffer(question);
+                }
+                gst::PadProbeReturn::Ok
+            },
+        );
+        // Each frame leaving vlmcontext, joined to the history, held or skipped: how late.
         let pipe = pipeline.downgrade();
         let seen = Arc::clone(&seen);
-        src.add_probe(gst::PadProbeType::BUFFER, move |pad, info| {
-            let Some(buffer) = info.buffer() else { return gst::PadProbeReturn::Ok };
-            let Some(meta) = buffer.meta::<VlmFrameMeta>() else { return gst::PadProbeReturn::Ok };
-            // The frame's capture: its timestamp as running time (a live source stamps the
-            // running time it was due), and now on the same clock.
-            let capture = pad
-                .sticky_event::<gst::event::Segment>(0)
-                .and_then(|e| e.segment().downcast_ref::<gst::ClockTime>()?.to_running_time(buffer.pts()?))
-                .map(running_ms);
-            let now = pipe.upgrade().and_then(|p| p.current_running_time()).map(running_ms);
-            let n = count.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-            let mut seen = seen.lock().expect("no panics hold it");
-            if let (Some(capture), Some(now)) = (capture, now) {
-                let late = (now - capture).max(0.0);
-                seen.feed = (seen.feed.0 + 1, seen.feed.1 + late, seen.feed.2.max(late));
-                if let Some((_, number)) = meta.position() {
-                    // A skipped frame carries the newest joined frame's number: keep the first.
-                    seen.captures.entry((s, number)).or_insert(capture);
+        by_name("ctx".into())?.static_pad(&format!("src_{s}")).ok_or("no src pad")?.add_probe(
+            gst::PadProbeType::BUFFER,
+            move |pad, info| {
+                let Some(buffer) = info.buffer() else { return gst::PadProbeReturn::Ok };
+                let Some(meta) = buffer.meta::<VlmFrameMeta>() else { return gst::PadProbeReturn::Ok };
+                let capture = running_time(pad, buffer).map(running_ms);
+                let now = pipe.upgrade().and_then(|p| p.current_running_time()).map(running_ms);
+                let mut seen = seen.lock().expect("no panics hold it");
+                if let (Some(capture), Some(now)) = (capture, now) {
+                    let late = (now - capture).max(0.0);
+                    seen.feed = (seen.feed.0 + 1, seen.feed.1 + late, seen.feed.2.max(late));
+                    if let Some((_, number)) = meta.position() {
+                        // A held or skipped frame carries the newest joined frame's number: keep
+                        // the first.
+                        seen.registered.entry((s, number)).or_insert((capture, now));
+                    }
                 }
-            }
-            if let Some(index) = ask_after.iter().position(|&a| a == n) {
-                let id = q.emit_by_name::<Option<String>>("ask", &[&QUESTIONS[index % QUESTIONS.len()]]);
-                if let (Some(id), Some(capture), Some(now)) = (id, capture, now) {
-                    seen.asked.insert(id, (s, capture, now));
-                }
-            }
-            gst::PadProbeReturn::Ok
-        });
+                gst::PadProbeReturn::Ok
+            },
+        );
     }
     let started = Instant::now();
     pipeline.set_state(gst::State::Playing)?;
@@ -259,19 +275,22 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
                 if let Some(s) = e.structure().filter(|s| s.name() == "vlm-answer")
                     && s.get::<String>("status")? == "answered"
                 {
-                    let ttft = s.get::<f64>("ttft-ms")?;
-                    round.ttft_from_question_ms.push(ttft);
+                    let stream = usize::from(msg.src().is_some_and(|q| q.name() == "q1"));
+                    let from_capture = s.get::<f64>("ttft-from-capture-ms")?;
+                    round.ttft_from_capture_ms.push(from_capture);
                     round.wait_ms.push(s.get::<f64>("wait-ms")?);
                     round.window_ms = started.elapsed().as_secs_f64() * 1e3;
-                    let seen = seen.lock().expect("no panics hold it");
-                    let asked = s.get::<String>("id").ok().and_then(|id| seen.asked.get(&id).copied());
-                    if let Some((stream, capture, at)) = asked {
-                        round.ttft_from_capture_ms.push(at - capture + ttft);
-                        let frames = s.get::<u64>("frames").ok().or_else(|| s.get::<u32>("frames").ok().map(u64::from));
-                        if let Some(newest) = frames.and_then(|n| seen.captures.get(&(stream, n))) {
-                            round.staleness_ms.push(at - newest);
-                        }
-                    }
+                    // The picture's age at the question's time: its capture to the newest frame
+                    // in its answer.
+                    let age = s.get::<f64>("picture-age-ms")?;
+                    round.staleness_ms.push(age);
+                    // From the question or its frame's registration, whichever came later.
+                    let frames = s.get::<u64>("frames")?;
+                    let registered = seen.lock().expect("no panics hold it").registered.get(&(stream, frames)).copied();
+                    round.ttft_from_question_ms.push(match registered {
+                        Some((capture, at)) => from_capture - (at - capture - age).max(0.0),
+                        None => from_capture,
+                    });
                 }
             }
             _ => (),
@@ -495,8 +514,9 @@ fn main() -> Result<(), BoxError> {
                       "frame_size": a.frame_size, "model": a.model, "mmproj": a.mmproj, "rounds": a.rounds,
                       "gate": a.gate },
         "clocks": "ttft_from_capture: from the question's frame's timestamp (running time on the live source) to \
-            the first token, encoding included (the headline); ttft_from_question: from the ask (pipeline), the \
-            registration (runtime) or the frame's due time (peers)",
+            the first token, encoding included (the headline); ttft_from_question: from the later of the \
+            question and its bound frame's registration (pipeline), the registration (runtime) or the frame's due time \
+            (peers)",
         "pipeline": p, "runtime": rt, "peer_warm": a.peer.then_some(&warm), "peer": a.peer.then_some(&server),
         "ratios": { "ttft_from_capture_mean": ratio("ttft_from_capture_mean_ms"),
                     "ttft_from_question_mean": ratio("ttft_from_question_mean_ms"),

@@ -85,6 +85,32 @@ fn a_timed_question_before_the_first_frame_binds_to_it() {
     assert_eq!(log.answers.len(), 1, "exactly one vlm-answer: {log:?}");
 }
 
+/// A camera at a low rate: a question timed inside a frame's duration (here from the caps' 10
+/// frames/s) binds to that frame as soon as it passes, not when the next frame comes.
+#[test]
+fn a_timed_question_binds_to_the_frame_that_lasts_past_its_time() {
+    let _s = serial();
+    let mut f = Fed::new("", "", "appsrc name=qs format=time caps=text/x-raw,format=utf8 ! q.query");
+    let qs = f.element("qs").downcast::<gst_app::AppSrc>().unwrap();
+    for i in 0..3 {
+        f.push(VideoFormat::Rgb, 64, 48, i, ms(100 * i));
+    }
+    f.frames.wait(3, "the video");
+    // At 250 ms, inside the third frame (200-300 ms); no frame follows until it is answered.
+    let mut question = gst::Buffer::from_slice(b"What is in the picture?");
+    question.get_mut().unwrap().set_pts(ms(250));
+    assert_eq!(qs.push_buffer(question), Ok(gst::FlowSuccess::Ok));
+    let bus = f.bus.clone();
+    assert!(f.log.pump(&bus, Duration::from_secs(120), |l| !l.answers.is_empty()), "{:?}", f.log);
+    let a = f.log.answers[0].clone();
+    assert_eq!(status(&a), "answered", "{a}");
+    assert_eq!(field::<u64>(&a, "frames"), 3, "bound to the frame at 200 ms: {a}");
+    assert_eq!(qs.end_of_stream(), Ok(gst::FlowSuccess::Ok));
+    let log = f.finish();
+    assert_clean(&log);
+    assert_eq!(log.answers.len(), 1, "exactly one vlm-answer: {log:?}");
+}
+
 #[test]
 fn a_stop_cancels_a_question_waiting_for_the_first_frame() {
     let _s = serial();

@@ -207,6 +207,79 @@ fn held_duplicates_answer_as_the_changed_frames_alone_with_the_pictures_age() {
     assert_eq!(gated.get::<&str>("text").unwrap(), plain.get::<&str>("text").unwrap());
 }
 
+/// A frame `max-unchanged` encodes again though it did not change does not hold the questions
+/// about its time: the frame encoded last stands for it at once (`vlm-standing`), and the
+/// refreshed picture joins the history after its encode, for the questions after it.
+#[test]
+fn a_question_at_a_refresh_binds_to_the_standing_frame_during_its_encode() {
+    let pipeline = launch(
+        "appsrc name=src format=time caps=video/x-raw,format=RGB,width=64,height=48,framerate=1/1 \
+         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf interval=0 max-unchanged=2000000000 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=4 ! fakesink sync=false \
+         appsrc name=qs format=time caps=text/x-raw,format=utf8 ! q.query",
+    );
+    let bin = pipeline.downcast_ref::<gst::Bin>().unwrap();
+    // The refreshed frame (at 2 s) is held back after its encode until the question is answered.
+    let (answered, wait) = std::sync::mpsc::channel::<()>();
+    let wait = std::sync::Mutex::new(wait);
+    let held_back = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held_too = std::sync::Arc::clone(&held_back);
+    let two = gst::ClockTime::from_seconds(2);
+    bin.by_name("enc").unwrap().static_pad("src").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+        if info.buffer().is_some_and(|b| b.pts() == Some(two)) {
+            held_too.store(true, std::sync::atomic::Ordering::SeqCst);
+            let _ = wait.lock().unwrap().recv_timeout(std::time::Duration::from_secs(60));
+            held_too.store(false, std::sync::atomic::Ordering::SeqCst);
+        }
+        gst::PadProbeReturn::Ok
+    });
+    let src = bin.by_name("src").unwrap().downcast::<gst_app::AppSrc>().unwrap();
+    let qs = bin.by_name("qs").unwrap().downcast::<gst_app::AppSrc>().unwrap();
+    let bus = pipeline.bus().unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    // Encoded at 0 s, held at 1 s, the same picture again at 2 s: the cap (2 s) is reached.
+    for secs in 0..3 {
+        let mut b = gray(60);
+        b.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(secs));
+        b.get_mut().unwrap().set_duration(gst::ClockTime::SECOND);
+        src.push_buffer(b).unwrap();
+    }
+    let mut q = gst::Buffer::from_slice(b"What is in the picture?");
+    q.get_mut().unwrap().set_pts(two);
+    qs.push_buffer(q).unwrap();
+    let answer = |bus: &gst::Bus| loop {
+        let types = [gst::MessageType::Element, gst::MessageType::Error];
+        let msg = bus.timed_pop_filtered(gst::ClockTime::from_seconds(120), &types).expect("a vlm-answer");
+        if let gst::MessageView::Error(e) = msg.view() {
+            panic!("{:?}", e.error());
+        }
+        if let Some(s) = msg.structure().filter(|s| s.name() == "vlm-answer") {
+            break s.to_owned();
+        }
+    };
+    let first = answer(&bus);
+    let during_refresh = held_back.load(std::sync::atomic::Ordering::SeqCst);
+    answered.send(()).unwrap();
+    assert!(during_refresh, "answered only after the refreshed frame left vlmencode: {first}");
+    assert_eq!(first.get::<&str>("status").unwrap(), "answered", "{first}");
+    assert_eq!(first.get::<u64>("frames").unwrap(), 1, "bound to the frame encoded at 0 s: {first}");
+    assert_eq!(first.get::<f64>("picture-age-ms").unwrap(), 2000.0, "{first}");
+    // The refreshed picture joins the history: a question after it (at 3.5 s, the same picture
+    // held at 3 s) binds to it.
+    let mut b = gray(60);
+    b.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(3));
+    b.get_mut().unwrap().set_duration(gst::ClockTime::SECOND);
+    src.push_buffer(b).unwrap();
+    let mut q = gst::Buffer::from_slice(b"And now?");
+    q.get_mut().unwrap().set_pts(gst::ClockTime::from_mseconds(3500));
+    qs.push_buffer(q).unwrap();
+    let second = answer(&bus);
+    assert_eq!(second.get::<&str>("status").unwrap(), "answered", "{second}");
+    assert_eq!(second.get::<u64>("frames").unwrap(), 2, "{second}");
+    assert_eq!(bin.by_name("enc").unwrap().property::<u64>("frames-unchanged"), 2);
+    pipeline.set_state(gst::State::Null).unwrap();
+}
+
 /// A 64x48 gradient with a white square of `side` px at (x, y) (none for side 0).
 fn scene(x: usize, y: usize, side: usize) -> gst::Buffer {
     let mut rgb = vec![0u8; 64 * 48 * 3];

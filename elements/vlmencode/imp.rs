@@ -201,6 +201,9 @@ struct Due {
     luma: Option<Arc<Luma>>,
     /// `max-unchanged` forced it: no tile is reused on a threshold (drifts under it add up).
     refresh: bool,
+    /// The gate found it unchanged (a refresh with `min-change` on): the frame encoded last
+    /// stands for it until it is registered, said downstream before the encode (`vlm-standing`).
+    stands: bool,
 }
 
 /// What waits, in stream order, for the encoding task.
@@ -292,6 +295,9 @@ enum Gate {
     /// Encode it (changed, the gate off, or `max-unchanged` reached: then true), with its
     /// sampling for later frames to compare with once it goes to the encoder.
     Encode(Option<Arc<Luma>>, bool),
+    /// It did not change, but `max-unchanged` was reached: it is encoded again, the last
+    /// encoded frame standing for it meanwhile.
+    Refresh(Arc<Luma>),
     /// It did not change (the share of the picture that did): the last encoded frame stands.
     Hold(f64),
 }
@@ -374,7 +380,8 @@ impl VlmEncode {
                 (_, Some((_, at))) => at.elapsed() >= std::time::Duration::from(max_unchanged),
             };
         match state.gate.decide(&picture(&vframe, info, format), min_change) {
-            Some(Decision::Unchanged(change, _)) if !stale && min_change > 0.0 => Gate::Hold(change.share()),
+            Some(Decision::Unchanged(_, luma)) if stale && min_change > 0.0 => Gate::Refresh(Arc::new(luma)),
+            Some(Decision::Unchanged(change, _)) if min_change > 0.0 => Gate::Hold(change.share()),
             Some(Decision::Unchanged(_, luma)) => Gate::Encode(Some(Arc::new(luma)), stale),
             Some(Decision::Changed(_, luma)) => Gate::Encode(Some(Arc::new(luma)), false),
             None => Gate::Encode(None, false),
@@ -400,8 +407,9 @@ impl VlmEncode {
             gst::trace!(CAT, imp = self, "frame {:?} not due", buffer.pts());
             return self.enqueue(Item::Frame(buffer, None), false);
         }
-        let (luma, refresh) = match self.gate(&buffer, &info, running_time) {
-            Gate::Encode(luma, refresh) => (luma, refresh),
+        let (luma, refresh, stands) = match self.gate(&buffer, &info, running_time) {
+            Gate::Encode(luma, refresh) => (luma, refresh, false),
+            Gate::Refresh(luma) => (Some(luma), true, true),
             Gate::Hold(share) => {
                 // The last encoded frame stands for this one: it passes, marked, and the interval
                 // starts again from it.
@@ -437,7 +445,7 @@ impl VlmEncode {
             state.gate.encoded(Arc::clone(luma));
             state.gate_passed = Some((running_time, Instant::now()));
         }
-        self.enqueue(Item::Frame(buffer, Some(Due { info, luma, refresh })), true)
+        self.enqueue(Item::Frame(buffer, Some(Due { info, luma, refresh, stands })), true)
     }
 
     fn sink_event(&self, event: gst::Event) -> bool {

@@ -174,6 +174,11 @@ struct Video {
     captures: VecDeque<(u64, gst::ClockTime)>,
     /// Running time of the newest video buffer, registered or not.
     running_time: Option<gst::ClockTime>,
+    /// Running time up to which the video is known: where the newest frame ends (its duration,
+    /// or one frame of the caps' rate), or the frame `vlm-standing` said the last encoded one
+    /// stands for. A timed question binds once this is past its time: no frame before it can
+    /// come later.
+    known_until: Option<gst::ClockTime>,
     /// The newest video buffer had no timestamp: a timed question cannot be matched to the
     /// video's time and binds to the newest frame instead of waiting for the video to pass it.
     untimed: bool,
@@ -255,6 +260,21 @@ impl Video {
             Some(at) => self.captures.iter().rev().find(|&&(s, rt)| self.of_current(s) && rt <= at).map(|c| c.1),
             None => self.time_of(bound),
         }
+    }
+
+    /// A sampled frame of `stream` (registered, held, or standing in for) captured at `rt`.
+    fn captured(&mut self, stream: u64, rt: gst::ClockTime) {
+        if self.captures.len() == FRAME_HISTORY {
+            self.captures.pop_front();
+        }
+        self.captures.push_back((stream, rt));
+    }
+
+    /// The video is known up to the end of a frame at `rt` lasting `duration` (unknown: one
+    /// frame of the caps' rate, or a nanosecond).
+    fn known_to(&mut self, rt: gst::ClockTime, duration: Option<gst::ClockTime>) {
+        let end = rt.saturating_add(duration.or(self.frame_duration).unwrap_or(gst::ClockTime::NSECOND));
+        self.known_until = self.known_until.max(Some(end));
     }
 
     /// The newest frame at or before running time `t`.

@@ -7,6 +7,7 @@ use gst::prelude::*;
 use gst::subclass::prelude::*;
 
 use super::{CAT, Item, MAX_QUEUED, VlmEncode};
+use crate::events::StandingEvent;
 
 impl VlmEncode {
     /// Queue an item for the encoding task, blocking while the queue is full (backpressure).
@@ -150,6 +151,14 @@ impl VlmEncode {
             }
             Item::Frame(buffer, None) => self.srcpad.push(buffer),
             Item::Frame(mut buffer, Some(due)) => {
+                if due.stands {
+                    // (A frame without a duration lasts one frame of the caps' rate.)
+                    let rate = due.info.fps();
+                    let frame = (rate.numer() > 0 && rate.denom() > 0)
+                        .then(|| gst::ClockTime::SECOND.mul_div_floor(rate.denom() as u64, rate.numer() as u64))
+                        .flatten();
+                    self.srcpad.push_event(StandingEvent::event(buffer.pts(), buffer.duration().or(frame)));
+                }
                 let encoded = self.encode(&mut buffer, &due);
                 let mut q = self.queue.lock();
                 q.pending = q.pending.saturating_sub(1);

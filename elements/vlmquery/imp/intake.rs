@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use vlm_runtime::{CommitTurn, Question, Stream};
 
 use super::{CAT, CommitAnswers, FRAME_HISTORY, Job, Outcome, Pending, SeenFrame, Shared, VlmQuery};
-use crate::events::{QuestionEvent, StreamEvent};
+use crate::events::{QuestionEvent, StandingEvent, StreamEvent};
 use crate::meta::VlmFrameMeta;
 use crate::text::question_text;
 
@@ -370,10 +370,7 @@ impl VlmQuery {
         let rt = buffer.pts().and_then(|pts| shared.video.segment.as_ref().and_then(|s| s.to_running_time(pts)));
         let meta = buffer.meta::<VlmFrameMeta>();
         if let (Some(rt), Some((stream, _))) = (rt, meta.as_ref().and_then(|m| m.position())) {
-            if shared.video.captures.len() == FRAME_HISTORY {
-                shared.video.captures.pop_front();
-            }
-            shared.video.captures.push_back((stream, rt));
+            shared.video.captured(stream, rt);
         }
         // (A held frame carries the position of the frame that stands for it: not a new frame.)
         if let Some((stream, number)) = meta.filter(|m| !m.held()).and_then(|m| m.position()) {
@@ -385,8 +382,9 @@ impl VlmQuery {
             self.maybe_caption(&mut shared, rt, buffer.pts(), number);
             self.alert_frame(shared.video.stream().as_ref(), number, buffer.pts(), rt);
         }
-        if rt.is_some() {
-            shared.video.running_time = rt;
+        if let Some(rt) = rt {
+            shared.video.running_time = Some(rt);
+            shared.video.known_to(rt, buffer.duration());
         }
         shared.video.untimed = rt.is_none();
         if let Some(pts) = buffer.pts() {
@@ -500,6 +498,20 @@ impl VlmQuery {
         }
         if let Some(id) = StreamEvent::parse(&event) {
             self.shared.lock().video.switch_to(id);
+            return true;
+        }
+        // `vlmencode` encodes a frame again that did not change: the frame encoded last stands
+        // for it from its time on, as for a frame the gate held, and the questions about that
+        // time bind now instead of waiting for the encode.
+        if let Some((pts, duration)) = StandingEvent::parse(&event) {
+            let mut shared = self.shared.lock();
+            let video = &mut shared.video;
+            let rt = pts.and_then(|pts| video.segment.as_ref()?.to_running_time(pts));
+            if let (Some(rt), Some(stream)) = (rt, video.stream_id) {
+                video.captured(stream, rt);
+                video.known_to(rt, duration);
+                self.changed.notify_all();
+            }
             return true;
         }
         match event.view() {
@@ -645,7 +657,7 @@ impl VlmQuery {
                     && !shared.query_flushing
                     && shared.video.eos.is_none()
                     && !shared.video.untimed
-                    && shared.video.running_time.is_none_or(|rt| rt <= t)
+                    && shared.video.known_until.is_none_or(|end| end <= t)
                 {
                     self.changed.wait(&mut shared);
                 }

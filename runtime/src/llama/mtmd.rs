@@ -53,16 +53,21 @@ pub type Demand = Arc<std::sync::atomic::AtomicUsize>;
 /// encodes go first) and what says it is no longer wanted (its element flushing or stopping):
 /// it then stops waiting for a context and encodes no further image, ending in
 /// [`Error::Cancelled`], so a flush or a state change never waits behind other streams' encodes.
+///
+/// A `background` encode (a picture encoded again that nothing waits for: `vlmencode`'s
+/// `max-unchanged` refresh) goes after every other encode waiting, and takes a context one
+/// image at a time, so that a frame that comes meanwhile waits for one image at most.
 #[derive(Clone, Copy, Default)]
 pub struct Turn<'a> {
     pub demand: Option<&'a Demand>,
     pub cancelled: Option<&'a (dyn Fn() -> bool + Sync)>,
+    pub background: bool,
 }
 
 impl<'a> Turn<'a> {
     /// The turn of an encode for the stream whose demand is given.
     pub fn of(demand: Option<&'a Demand>) -> Turn<'a> {
-        Turn { demand, cancelled: None }
+        Turn { demand, ..Turn::default() }
     }
 
     fn cancelled(&self) -> bool {
@@ -98,6 +103,7 @@ impl Drop for Lease<'_> {
 struct Waiter {
     ticket: u64,
     demand: Option<Demand>,
+    background: bool,
     granted: Option<MtmdPtr>,
     /// Times a waited-on stream's encode was granted a context before it, the longest-waiting.
     passed: u32,
@@ -118,22 +124,36 @@ struct Pool {
 
 impl Pool {
     /// Hand the free contexts to the waiting encodes whose turn it is: a waited-on stream's
-    /// longest-waiting encode first, then the longest-waiting, which is passed at most
-    /// [`MAX_PASSED`] times. Whether anything was granted.
+    /// longest-waiting encode first, then the longest-waiting of the others, background encodes
+    /// last; the longest-waiting of all is passed at most [`MAX_PASSED`] times. Whether anything
+    /// was granted.
     fn grant(&mut self) -> bool {
+        // (0 goes first.)
+        fn rank(w: &Waiter) -> u8 {
+            match w {
+                _ if w.demand.as_ref().is_some_and(|d| d.load(Ordering::Acquire) > 0) => 0,
+                Waiter { background: false, .. } => 1,
+                _ => 2,
+            }
+        }
         let mut granted = false;
         while !self.free.is_empty() {
-            let ungranted = |w: &&mut Waiter| w.granted.is_none();
-            let waited = |w: &&mut Waiter| w.demand.as_ref().is_some_and(|d| d.load(Ordering::Acquire) > 0);
-            let mut open = self.waiting.iter_mut().filter(ungranted);
+            let mut open = self.waiting.iter_mut().filter(|w| w.granted.is_none());
             let Some(first) = open.next() else { break };
-            let next = if waited(&first) || first.passed >= MAX_PASSED {
-                first
-            } else if let Some(demanded) = open.find(waited) {
-                first.passed += 1;
-                demanded
-            } else {
-                first
+            let mut before: Option<&mut Waiter> = None;
+            if first.passed < MAX_PASSED {
+                for w in open {
+                    if rank(w) < before.as_deref().map_or(rank(first), rank) {
+                        before = Some(w);
+                    }
+                }
+            }
+            let next = match before {
+                Some(w) => {
+                    first.passed += 1;
+                    w
+                }
+                None => first,
             };
             next.granted = self.free.pop();
             granted = true;
@@ -169,7 +189,8 @@ impl Contexts {
         }
         let ticket = pool.next_ticket;
         pool.next_ticket += 1;
-        pool.waiting.push_back(Waiter { ticket, demand: turn.demand.cloned(), granted: None, passed: 0 });
+        let background = turn.background;
+        pool.waiting.push_back(Waiter { ticket, demand: turn.demand.cloned(), background, granted: None, passed: 0 });
         if pool.grant() {
             self.returned.notify_all();
         }
@@ -806,34 +827,49 @@ impl Projector {
         if todo.is_empty() {
             return Ok((vec![], 0, 0.0));
         }
+        let cores = |contexts: usize| {
+            (!self.use_gpu)
+                .then(|| crate::threads::CpuEncode::begin(contexts * self.cpu_threads.load(Ordering::Relaxed).max(1)))
+        };
+        let encode_one = |ctx: &Lease<'_>, i: usize| -> Result<EncodedImage> {
+            if turn.cancelled() {
+                return Err(Error::Cancelled);
+            }
+            let c = images[i].0;
+            // SAFETY: the caller's chunks; the context is leased to this thread; its output holds
+            // the chunk's rows after a successful encode.
+            unsafe {
+                let rc = sys::mtmd_encode_chunk(ctx.ptr(), c);
+                if rc != 0 {
+                    return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
+                }
+                let rows = sys::mtmd_input_chunk_get_n_tokens(c);
+                Ok((i, std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.ptr()), rows * n_embd).into()))
+            }
+        };
         let asked = std::time::Instant::now();
+        if turn.background {
+            // One image a lease: an encode that comes meanwhile goes before the next image.
+            let (mut out, mut wait_ms) = (vec![], 0.0);
+            for &i in todo {
+                let asked = std::time::Instant::now();
+                let ctx = self.contexts.lease(turn)?;
+                wait_ms += asked.elapsed().as_secs_f64() * 1e3;
+                let _cores = cores(1);
+                out.push(encode_one(&ctx, i)?);
+            }
+            return Ok((out, 1, wait_ms));
+        }
         let mut leases = vec![self.contexts.lease(turn)?];
         let wait_ms = asked.elapsed().as_secs_f64() * 1e3;
         leases.extend(self.contexts.lease_free(todo.len() - 1));
         let used = leases.len();
-        let _cores = (!self.use_gpu)
-            .then(|| crate::threads::CpuEncode::begin(used * self.cpu_threads.load(Ordering::Relaxed).max(1)));
+        let _cores = cores(used);
         let next = std::sync::atomic::AtomicUsize::new(0);
         let encode_on = |ctx: &Lease<'_>| -> Result<Vec<EncodedImage>> {
             let mut out = vec![];
             while let Some(&i) = todo.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
-                if turn.cancelled() {
-                    return Err(Error::Cancelled);
-                }
-                let c = images[i].0;
-                // SAFETY: the caller's chunks; the context is leased to this thread; its output
-                // holds the chunk's rows after a successful encode.
-                unsafe {
-                    let rc = sys::mtmd_encode_chunk(ctx.ptr(), c);
-                    if rc != 0 {
-                        return Err(Error::Engine(format!("mtmd_encode_chunk failed ({rc})")));
-                    }
-                    let rows = sys::mtmd_input_chunk_get_n_tokens(c);
-                    out.push((
-                        i,
-                        std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.ptr()), rows * n_embd).into(),
-                    ));
-                }
+                out.push(encode_one(ctx, i)?);
             }
             Ok(out)
         };
@@ -996,8 +1032,13 @@ mod tests {
     fn an_encode_nobody_waits_on_is_passed_only_so_often() {
         let mut pool = Pool::default();
         let demand = Demand::new(1.into());
-        let waiter =
-            |ticket, demand: Option<&Demand>| Waiter { ticket, demand: demand.cloned(), granted: None, passed: 0 };
+        let waiter = |ticket, demand: Option<&Demand>| Waiter {
+            ticket,
+            demand: demand.cloned(),
+            background: false,
+            granted: None,
+            passed: 0,
+        };
         pool.waiting.push_back(waiter(0, None));
         let mut granted = vec![];
         for ticket in 1..=MAX_PASSED as u64 + 1 {
@@ -1012,6 +1053,27 @@ mod tests {
         assert_eq!(granted, [1, 2, 0], "the encode nobody waits on waited for good");
     }
 
+    /// A background encode (a refresh nothing waits for) waits behind an encode that asked
+    /// after it.
+    #[test]
+    fn a_background_encode_waits_behind_the_encodes_after_it() {
+        let pool = pool(1);
+        let order = std::sync::Mutex::new(vec![]);
+        let held = pool.lease(Turn::default()).unwrap();
+        std::thread::scope(|scope| {
+            for (i, (name, background)) in [("refresh", true), ("frame", false)].into_iter().enumerate() {
+                let (pool, order) = (&pool, &order);
+                scope.spawn(move || {
+                    let _lease = pool.lease(Turn { background, ..Turn::default() }).unwrap();
+                    order.lock().unwrap().push(name);
+                });
+                waiting(pool, i + 1);
+            }
+            drop(held);
+        });
+        assert_eq!(*order.lock().unwrap(), ["frame", "refresh"]);
+    }
+
     /// An encode whose turn is cancelled (its element flushing) stops waiting while the context
     /// is still held, and leaves its place to the encode behind it.
     #[test]
@@ -1024,7 +1086,7 @@ mod tests {
         std::thread::scope(|scope| {
             let pool = &pool;
             scope.spawn(move || {
-                let turn = Turn { demand: None, cancelled: Some(&cancelled) };
+                let turn = Turn { cancelled: Some(&cancelled), ..Turn::default() };
                 let _ = tx.send(pool.lease(turn).err());
             });
             waiting(pool, 1);
@@ -1045,7 +1107,13 @@ mod tests {
         let pool = pool(3);
         let first = pool.lease(Turn::default()).unwrap();
         // An encode waiting for a context.
-        pool.pool.lock().waiting.push_back(Waiter { ticket: 7, demand: None, granted: None, passed: 0 });
+        pool.pool.lock().waiting.push_back(Waiter {
+            ticket: 7,
+            demand: None,
+            background: false,
+            granted: None,
+            passed: 0,
+        });
         assert!(pool.lease_free(2).is_empty(), "an extra context taken from a waiting encode");
         pool.pool.lock().waiting.clear();
         assert_eq!(pool.lease_free(5).len(), 2, "the free contexts once nobody waits");
