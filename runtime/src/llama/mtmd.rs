@@ -31,7 +31,8 @@ pub const MAX_ENCODER_CONTEXTS: usize = 16;
 ///
 /// A context returned goes to the encode that has waited longest among those of streams a
 /// reader waits on (a question waiting for the frame, a standing alert: the stream's
-/// [`Demand`]), and otherwise to the encode that has waited longest: never to one that asks
+/// [`Demand`]), and otherwise to the encode that has waited longest, background ones
+/// ([`Turn::background`]) after the others: never to one that asks
 /// later (a new frame taking it as it comes back would send the waiting one to the back, again
 /// and again under load). A frame takes contexts beyond its first only while no other frame
 /// waits for one.
@@ -105,13 +106,14 @@ struct Waiter {
     demand: Option<Demand>,
     background: bool,
     granted: Option<MtmdPtr>,
-    /// Times a waited-on stream's encode was granted a context before it, the longest-waiting.
+    /// Times an encode that goes first (a waited-on stream's, or any before a background one)
+    /// was granted a context before it, the longest-waiting.
     passed: u32,
 }
 
-/// Most times the longest-waiting encode is passed by waited-on streams' encodes: a stream
-/// nobody waits on is never held back for good by streams that always have readers (standing
-/// alerts count as readers for as long as they stand).
+/// Most times the longest-waiting encode is passed by encodes that go first: a stream nobody
+/// waits on is never held back for good by streams that always have readers (standing alerts
+/// count as readers for as long as they stand), nor a background encode by a busy encoder.
 const MAX_PASSED: u32 = 2;
 
 /// The contexts free now and the encodes waiting for one, in their order of arrival.
