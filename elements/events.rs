@@ -81,20 +81,34 @@ impl StreamEvent {
 /// The serialized `vlm-standing` event: `vlmencode min-change` encodes the frame that follows
 /// again although it did not change (`max-unchanged` reached), and until it is registered the
 /// frame encoded last stands for it, as for a frame the gate held: a question about its time
-/// binds at once. `pts` and `duration` are the frame's (in the video's segment).
-pub struct StandingEvent;
+/// binds at once. `pts` and `duration` are the frame's (in the video's segment); `vlmcontext`
+/// adds its `stream` (the id `vlm-stream` announces).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StandingEvent {
+    pub pts: Option<gst::ClockTime>,
+    pub duration: Option<gst::ClockTime>,
+    pub stream: Option<u64>,
+}
 
 impl StandingEvent {
-    pub fn event(pts: Option<gst::ClockTime>, duration: Option<gst::ClockTime>) -> gst::Event {
+    pub fn event(&self) -> gst::Event {
         gst::event::CustomDownstream::new(
-            gst::Structure::builder(STANDING).field("pts", pts).field("duration", duration).build(),
+            gst::Structure::builder(STANDING)
+                .field("pts", self.pts)
+                .field("duration", self.duration)
+                .field_if_some("stream", self.stream)
+                .build(),
         )
     }
 
-    /// The frame's timestamp and duration, when the event is one.
-    pub fn parse(event: &gst::EventRef) -> Option<(Option<gst::ClockTime>, Option<gst::ClockTime>)> {
+    /// The event's fields, when it is one.
+    pub fn parse(event: &gst::EventRef) -> Option<StandingEvent> {
         let s = event.structure().filter(|s| s.name() == STANDING)?;
-        Some((s.get("pts").ok().flatten(), s.get("duration").ok().flatten()))
+        Some(StandingEvent {
+            pts: s.get("pts").ok().flatten(),
+            duration: s.get("duration").ok().flatten(),
+            stream: s.get("stream").ok(),
+        })
     }
 }
 

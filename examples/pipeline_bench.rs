@@ -276,13 +276,17 @@ fn pipeline_round(a: &Args) -> Result<Round, BoxError> {
                     && s.get::<String>("status")? == "answered"
                 {
                     let stream = usize::from(msg.src().is_some_and(|q| q.name() == "q1"));
+                    // (-1: no clock, or the frame left the element's recent ones.)
                     let from_capture = s.get::<f64>("ttft-from-capture-ms")?;
+                    let age = s.get::<f64>("picture-age-ms")?;
+                    if from_capture < 0.0 || age < 0.0 {
+                        return Err(format!("an answer without its capture clock: {s}").into());
+                    }
                     round.ttft_from_capture_ms.push(from_capture);
                     round.wait_ms.push(s.get::<f64>("wait-ms")?);
                     round.window_ms = started.elapsed().as_secs_f64() * 1e3;
                     // The picture's age at the question's time: its capture to the newest frame
                     // in its answer.
-                    let age = s.get::<f64>("picture-age-ms")?;
                     round.staleness_ms.push(age);
                     // From the question or its frame's registration, whichever came later.
                     let frames = s.get::<u64>("frames")?;

@@ -174,10 +174,10 @@ struct Video {
     captures: VecDeque<(u64, gst::ClockTime)>,
     /// Running time of the newest video buffer, registered or not.
     running_time: Option<gst::ClockTime>,
-    /// Running time up to which the video is known: where the newest frame ends (its duration,
-    /// or one frame of the caps' rate), or the frame `vlm-standing` said the last encoded one
-    /// stands for. A timed question binds once this is past its time: no frame before it can
-    /// come later.
+    /// Running time up to which the video is known: half-way through the newest frame, or the
+    /// frame `vlm-standing` said the last encoded one stands for (its duration, or one frame of
+    /// the caps' rate; half, as a live source's next frame may come early). A timed question
+    /// binds once this is past its time: no frame before it is to come.
     known_until: Option<gst::ClockTime>,
     /// The newest video buffer had no timestamp: a timed question cannot be matched to the
     /// video's time and binds to the newest frame instead of waiting for the video to pass it.
@@ -270,11 +270,12 @@ impl Video {
         self.captures.push_back((stream, rt));
     }
 
-    /// The video is known up to the end of a frame at `rt` lasting `duration` (unknown: one
-    /// frame of the caps' rate, or a nanosecond).
+    /// The video is known up to half-way through a frame at `rt` lasting `duration` (unknown:
+    /// one frame of the caps' rate, or a nanosecond).
     fn known_to(&mut self, rt: gst::ClockTime, duration: Option<gst::ClockTime>) {
-        let end = rt.saturating_add(duration.or(self.frame_duration).unwrap_or(gst::ClockTime::NSECOND));
-        self.known_until = self.known_until.max(Some(end));
+        let half =
+            duration.or(self.frame_duration).map_or(gst::ClockTime::NSECOND, |d| (d / 2).max(gst::ClockTime::NSECOND));
+        self.known_until = self.known_until.max(Some(rt.saturating_add(half)));
     }
 
     /// The newest frame at or before running time `t`.

@@ -11,7 +11,7 @@ use gst::subclass::prelude::*;
 use vlm_runtime::{DEFAULT_ANSWER_RESERVE, Error, HistoryPolicy, Overload, Stream, StreamConfig};
 
 use super::{CAT, HistoryPolicyKind, OverloadKind, StreamPads, VlmContext};
-use crate::events::{DemandQuery, ModelQuery, StreamEvent};
+use crate::events::{DemandQuery, ModelQuery, StandingEvent, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
 impl VlmContext {
@@ -327,6 +327,13 @@ impl VlmContext {
                         false
                     }
                 };
+            }
+            // (The stream it stands in, for a vlmquery that several streams reach.)
+            gst::EventView::CustomDownstream(_) => {
+                if let Some(standing) = StandingEvent::parse(&event) {
+                    let stream = pads.stream.lock().as_ref().map(|s| s.id());
+                    return pads.src.push_event(StandingEvent { stream, ..standing }.event());
+                }
             }
             _ => (),
         }

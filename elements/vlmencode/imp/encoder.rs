@@ -204,7 +204,7 @@ impl VlmEncode {
             })?;
             let demand = self.demand();
             let flushing = || self.flushing.load(std::sync::atomic::Ordering::Acquire);
-            // (A refresh the last encoded frame stands for waits for every other encode.)
+            // (A refresh the last encoded frame stands for goes after the other encodes.)
             let turn = Turn { demand: demand.as_ref(), cancelled: Some(&flushing), background: due.stands };
             encoder.encode_reusing(&super::picture(&vframe, info, format), reuse, turn).map_err(|e| match e {
                 vlm_runtime::Error::Cancelled => gst::FlowError::Flushing,

@@ -157,7 +157,9 @@ impl VlmEncode {
                     let frame = (rate.numer() > 0 && rate.denom() > 0)
                         .then(|| gst::ClockTime::SECOND.mul_div_floor(rate.denom() as u64, rate.numer() as u64))
                         .flatten();
-                    self.srcpad.push_event(StandingEvent::event(buffer.pts(), buffer.duration().or(frame)));
+                    let standing =
+                        StandingEvent { pts: buffer.pts(), duration: buffer.duration().or(frame), stream: None };
+                    self.srcpad.push_event(standing.event());
                 }
                 let encoded = self.encode(&mut buffer, &due);
                 let mut q = self.queue.lock();

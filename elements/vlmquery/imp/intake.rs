@@ -503,13 +503,13 @@ impl VlmQuery {
         // `vlmencode` encodes a frame again that did not change: the frame encoded last stands
         // for it from its time on, as for a frame the gate held, and the questions about that
         // time bind now instead of waiting for the encode.
-        if let Some((pts, duration)) = StandingEvent::parse(&event) {
+        if let Some(standing) = StandingEvent::parse(&event) {
             let mut shared = self.shared.lock();
             let video = &mut shared.video;
-            let rt = pts.and_then(|pts| video.segment.as_ref()?.to_running_time(pts));
-            if let (Some(rt), Some(stream)) = (rt, video.stream_id) {
+            let rt = standing.pts.and_then(|pts| video.segment.as_ref()?.to_running_time(pts));
+            if let (Some(rt), Some(stream)) = (rt, standing.stream.or(video.stream_id)) {
                 video.captured(stream, rt);
-                video.known_to(rt, duration);
+                video.known_to(rt, standing.duration);
                 self.changed.notify_all();
             }
             return true;
@@ -531,6 +531,8 @@ impl VlmQuery {
                 // starts, not at the old segment's last frame.
                 let start = shared.video.segment.as_ref().and_then(|s| s.start());
                 (shared.video.pts, shared.video.end) = (start, start);
+                // (Its running time may start lower: a timed question waits for its frames.)
+                shared.video.known_until = None;
                 (shared.text_pad.segment_sent, shared.cue_pad.segment_sent) = (false, false);
                 (shared.text_position, shared.cue_position, shared.gap_ahead) = (None, None, None);
                 shared.video.between_segments = true;

@@ -56,8 +56,10 @@ pub type Demand = Arc<std::sync::atomic::AtomicUsize>;
 /// [`Error::Cancelled`], so a flush or a state change never waits behind other streams' encodes.
 ///
 /// A `background` encode (a picture encoded again that nothing waits for: `vlmencode`'s
-/// `max-unchanged` refresh) goes after every other encode waiting, and takes a context one
-/// image at a time, so that a frame that comes meanwhile waits for one image at most.
+/// `max-unchanged` refresh) goes after the other encodes waiting (passed at most
+/// [`MAX_PASSED`] times, as any), takes a context one image at a time, so that a frame that
+/// comes meanwhile waits for one image at most, and does not count as an encode that needs the
+/// cores (`encode-first` pauses no answer for it).
 #[derive(Clone, Copy, Default)]
 pub struct Turn<'a> {
     pub demand: Option<&'a Demand>,
@@ -829,10 +831,6 @@ impl Projector {
         if todo.is_empty() {
             return Ok((vec![], 0, 0.0));
         }
-        let cores = |contexts: usize| {
-            (!self.use_gpu)
-                .then(|| crate::threads::CpuEncode::begin(contexts * self.cpu_threads.load(Ordering::Relaxed).max(1)))
-        };
         let encode_one = |ctx: &Lease<'_>, i: usize| -> Result<EncodedImage> {
             if turn.cancelled() {
                 return Err(Error::Cancelled);
@@ -857,7 +855,7 @@ impl Projector {
                 let asked = std::time::Instant::now();
                 let ctx = self.contexts.lease(turn)?;
                 wait_ms += asked.elapsed().as_secs_f64() * 1e3;
-                let _cores = cores(1);
+                // (Not counted as an encode that needs the cores: no answer pauses for it.)
                 out.push(encode_one(&ctx, i)?);
             }
             return Ok((out, 1, wait_ms));
@@ -866,7 +864,8 @@ impl Projector {
         let wait_ms = asked.elapsed().as_secs_f64() * 1e3;
         leases.extend(self.contexts.lease_free(todo.len() - 1));
         let used = leases.len();
-        let _cores = cores(used);
+        let _cores = (!self.use_gpu)
+            .then(|| crate::threads::CpuEncode::begin(used * self.cpu_threads.load(Ordering::Relaxed).max(1)));
         let next = std::sync::atomic::AtomicUsize::new(0);
         let encode_on = |ctx: &Lease<'_>| -> Result<Vec<EncodedImage>> {
             let mut out = vec![];
