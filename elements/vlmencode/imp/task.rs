@@ -152,13 +152,8 @@ impl VlmEncode {
             Item::Frame(buffer, None) => self.srcpad.push(buffer),
             Item::Frame(mut buffer, Some(due)) => {
                 if due.stands {
-                    // (A frame without a duration lasts one frame of the caps' rate.)
-                    let rate = due.info.fps();
-                    let frame = (rate.numer() > 0 && rate.denom() > 0)
-                        .then(|| gst::ClockTime::SECOND.mul_div_floor(rate.denom() as u64, rate.numer() as u64))
-                        .flatten();
-                    let standing =
-                        StandingEvent { pts: buffer.pts(), duration: buffer.duration().or(frame), stream: None };
+                    // (Without a duration, vlmquery counts one frame of the caps' rate.)
+                    let standing = StandingEvent { pts: buffer.pts(), duration: buffer.duration(), stream: None };
                     self.srcpad.push_event(standing.event());
                 }
                 let encoded = self.encode(&mut buffer, &due);
