@@ -453,6 +453,9 @@ pub enum WorkerMsg {
         lag: LagStats,
         #[serde(default)]
         feed: FeedStats,
+        /// The encoder contexts loaded at the end (automatic ones grow with the load).
+        #[serde(default)]
+        encoder_contexts: Option<usize>,
     },
     Failed {
         error: String,

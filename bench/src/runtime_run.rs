@@ -119,7 +119,7 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
     // model is the first engine's copy (vlmencode takes any loaded copy), so a GPU engine's
     // weights are not loaded a second time on the CPU.
     let model = models::model(&w.model, &configs[0].device)?;
-    let contexts = vlm_runtime::encoder::encoder_contexts(w.encoder_contexts, w.encoder_gpu, streams.len());
+    let contexts = vlm_runtime::encoder::encoder_contexts(w.encoder_contexts, w.encoder_gpu);
     // Flash attention in the vision encoder as in the engines: the server's `-fa` sets both.
     vlm_runtime::llama::set_projector_flash_attention(Some(w.flash_attention));
     let projector = models::projector(&w.mmproj, &model, w.encoder_gpu, w.encoder_threads as i32, contexts)?;
@@ -127,7 +127,11 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         projector.set_prepare_threads(threads);
     }
     let encoder_contexts = projector.contexts();
-    let encoder = MtmdEncoder::new(projector);
+    // Automatic contexts follow the load, as vlmencode's do.
+    let encoder = match w.encoder_contexts {
+        0 => MtmdEncoder::for_stream(projector, w.encoder_threads as i32),
+        _ => MtmdEncoder::new(projector),
+    };
     // (A stream's demand puts its frames first while a question waits on it, as vlmencode's do.)
     let encode = |rgb: &[u8], demand: Option<&Demand>| {
         encoder.encode_for(
@@ -212,9 +216,9 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         (lag, sampler.join().expect("the KV sampler does not panic"))
     });
 
-    let encoder = window.encoder.lock().expect("no panics hold it");
-    (feed.encoded, feed.encode_ms) = (encoder.encoded, encoder.busy_ms);
-    drop(encoder);
+    let clock = window.encoder.lock().expect("no panics hold it");
+    (feed.encoded, feed.encode_ms) = (clock.encoded, clock.busy_ms);
+    drop(clock);
     let window_ms = ms(*window.last_end.lock().expect("no panics hold it") - t0);
     let after = totals(&engines);
     let decode_split = DecodeSplit {
@@ -224,7 +228,9 @@ fn run(spec: &WorkerSpec) -> Result<(), BoxError> {
         idle_ms: after.idle_ms - before.idle_ms,
         engine_time: after.engine_time.plus(&before.engine_time, -1.0),
     };
-    emit(&WorkerMsg::Done { window_ms, peak_rss_kib: peak_rss_kib(None).unwrap_or(0), kv, decode_split, lag, feed });
+    let encoder_contexts = Some(encoder.contexts());
+    let peak_rss_kib = peak_rss_kib(None).unwrap_or(0);
+    emit(&WorkerMsg::Done { window_ms, peak_rss_kib, kv, decode_split, lag, feed, encoder_contexts });
     for o in &opened {
         o.stream.close();
     }

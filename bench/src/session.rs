@@ -115,8 +115,9 @@ fn run_workers(
                 bar.inc(1);
                 record.answers.push(a);
             }
-            Some((_, WorkerMsg::Done { window_ms, peak_rss_kib, kv, decode_split, lag, feed })) => {
+            Some((_, WorkerMsg::Done { window_ms, peak_rss_kib, kv, decode_split, lag, feed, encoder_contexts })) => {
                 record.window_ms = record.window_ms.max(window_ms);
+                record.encoder_contexts = record.encoder_contexts.max(encoder_contexts);
                 record.peak_rss_kib += peak_rss_kib;
                 record.kv.get_or_insert_default().add(&kv);
                 record.decode_split.as_mut().expect("set above").add(&decode_split);

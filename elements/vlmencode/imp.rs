@@ -710,7 +710,7 @@ impl ObjectImpl for VlmEncode {
                     .nick("Encoder contexts")
                     .blurb(
                         "libmtmd encoder contexts shared by the process's vlmencodes of one projector: tiles and \
-                         frames encoded side by side (0: on a GPU 2 for up to 4 vlmencodes, 4 for more; 1 on the CPU)",
+                         frames encoded side by side (0: on a GPU 2, growing to 4 while busy; 1 on the CPU)",
                     )
                     .maximum(vlm_runtime::llama::MAX_ENCODER_CONTEXTS as u32)
                     .default_value(0)

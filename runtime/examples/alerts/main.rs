@@ -64,7 +64,8 @@ struct Args {
     /// engines=g0:gpu,g1:gpu`); streams are dealt out to them in turn.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
     engines: u32,
-    /// libmtmd encoder contexts (0: 4 on the GPU, 1 on the CPU, as `vlmencode` chooses).
+    /// libmtmd encoder contexts (0: automatic, as `vlmencode` chooses: on the GPU 2, growing to 4
+    /// with the load; 1 on the CPU).
     #[arg(long, default_value_t = 0)]
     encoder_contexts: usize,
     /// The engines' `ingest_share` (the engine's default otherwise).
@@ -212,17 +213,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get() as i32);
     let device = if args.gpu { Device::Gpu(Gpu { index: 0, layers: None }) } else { Device::Cpu };
     let model = models::model(&args.files.model, &device)?;
-    let contexts = vlm_runtime::encoder::encoder_contexts(
-        args.encoder_contexts,
-        args.gpu,
-        args.streams.iter().copied().max().unwrap_or(1),
-    );
+    let contexts = vlm_runtime::encoder::encoder_contexts(args.encoder_contexts, args.gpu);
     let projector = models::projector(&args.files.mmproj, &model, args.gpu, threads, contexts)?;
     if let Some(n) = args.prepare_threads {
         projector.set_prepare_threads(n);
     }
     let resized_before_libmtmd = projector.resizes_pictures();
-    let encoder = Arc::new(MtmdEncoder::new(projector));
+    let encoder = Arc::new(match args.encoder_contexts {
+        0 => MtmdEncoder::for_stream(projector, threads),
+        _ => MtmdEncoder::new(projector),
+    });
     // The engines' threads as vlmcontext gives them.
     let engine_threads = vlm_runtime::engine::default_threads(&device, threads);
     let per_sequence = args.per_sequence || args.gpu;
@@ -430,7 +430,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "benchmark": "alerts-capture-to-choice", "clock": "capture (the frame's due time), encode included",
         "peer": server_binary.map(|p| p.display().to_string()),
         "kv_layout": if per_sequence { "per-sequence" } else { "unified" }, "flash_attention": flash_attention,
-        "device": if args.gpu { "gpu" } else { "cpu" }, "engines": args.engines, "encoder_contexts": contexts,
+        "device": if args.gpu { "gpu" } else { "cpu" }, "engines": args.engines, "encoder_contexts": encoder.contexts(),
         "model": args.files.model, "mmproj": args.files.mmproj, "threads": threads, "engine_threads": engine_threads, "ingest_share": args.ingest_share,
         "pictures_resized_before_libmtmd": resized_before_libmtmd,
         "rows": rows, "engine_time": engine_time,

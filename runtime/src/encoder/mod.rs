@@ -7,6 +7,7 @@
 //! costs a hash, not an encode.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use xxhash_rust::xxh3::Xxh3;
 
@@ -291,25 +292,26 @@ pub trait VisionEncoder: Send + Sync {
 pub struct MtmdEncoder {
     projector: Arc<Projector>,
     id: String,
-    /// Counted among the projector's streams ([`MtmdEncoder::for_stream`]) until dropped.
-    counted: bool,
+    /// Automatic encoder contexts ([`MtmdEncoder::for_stream`]): the threads new ones share; the
+    /// encoder is counted among the projector's streams until dropped.
+    automatic: Option<i32>,
 }
 
 impl MtmdEncoder {
     pub fn new(projector: Arc<Projector>) -> MtmdEncoder {
         let id = format!("mtmd:{}:{}", projector.path().display(), projector.model().identity());
-        MtmdEncoder { projector, id, counted: false }
+        MtmdEncoder { projector, id, automatic: None }
     }
 
-    /// The encoder of one more stream of the process on `projector`, whose encoder contexts
-    /// follow the streams ([`encoder_contexts`] with 0): loaded now up to what they number. A
-    /// context that cannot load (no GPU memory left) leaves the encoder with those loaded, and
-    /// says so in the log.
+    /// The encoder of one more stream of the process on `projector`, whose encoder contexts are
+    /// automatic: loaded now up to [`encoder_contexts`]'s start, then following the load
+    /// ([`grow_with_load`]). A context that cannot load (no GPU memory left) leaves the encoder
+    /// with those loaded, and says so in the log.
     pub fn for_stream(projector: Arc<Projector>, threads: i32) -> MtmdEncoder {
         let streams = projector.stream_opened();
         let mut encoder = MtmdEncoder::new(projector);
-        encoder.counted = true;
-        let wanted = encoder_contexts(0, encoder.projector.uses_gpu(), streams);
+        encoder.automatic = Some(threads);
+        let wanted = encoder_contexts(0, encoder.projector.uses_gpu());
         if let Err(e) = encoder.projector.ensure_contexts(wanted, threads) {
             let loaded = encoder.projector.contexts();
             crate::llama::log(
@@ -323,7 +325,7 @@ impl MtmdEncoder {
 
 impl Drop for MtmdEncoder {
     fn drop(&mut self) {
-        if self.counted {
+        if self.automatic.is_some() {
             self.projector.stream_closed();
         }
     }
@@ -348,7 +350,11 @@ impl VisionEncoder for MtmdEncoder {
         reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
         turn: Turn<'_>,
     ) -> Result<(Vec<Segment>, TileCount)> {
-        self.projector.encode_tiles(&rgb.data, rgb.width, rgb.height, reuse, turn)
+        let encoded = self.projector.encode_tiles(&rgb.data, rgb.width, rgb.height, reuse, turn);
+        if let Some(threads) = self.automatic {
+            grow_with_load(&self.projector, threads);
+        }
+        encoded
     }
 }
 
@@ -396,33 +402,56 @@ fn open_rknn(model: &std::path::Path, _width: usize) -> Result<Arc<dyn VisionEnc
     )))
 }
 
-/// Most streams of a process for which a projector on a GPU keeps
-/// [`FEW_STREAMS_ENCODER_CONTEXTS`] encoder contexts when their number is automatic.
-pub const FEW_ENCODER_STREAMS: usize = 4;
-/// Encoder contexts on a GPU for up to [`FEW_ENCODER_STREAMS`] streams. Each holds a copy of the
-/// projector's weights and its compute buffers (SmolVLM-500M: ~320 MiB of GPU memory). Measured
-/// on an H200 (`vlm-bench encoders`, SmolVLM-500M's shapes, docs/benchmarks.md, "Vision encoding
-/// that scales"): 2 contexts encode 7.9 frames/s for one stream and 21.2 for four, against 8.5 and
-/// 21.6 on 4 (5.2 and 15.1 on one); W1 on an H100, TTFT from capture 149 ms mean against 143 on
-/// 4 and 196 on 1 (on another, with every default, 174 against 164 on 4), at 642 MiB less GPU
-/// memory than 4.
-pub const FEW_STREAMS_ENCODER_CONTEXTS: usize = 2;
-/// Encoder contexts on a GPU for more streams: 30.3 frames/s at 16 streams against 24.5 on 2;
-/// more add nothing (29.7 on 8).
-pub const MANY_STREAMS_ENCODER_CONTEXTS: usize = 4;
+/// Encoder contexts a projector on a GPU starts with when their number is automatic. Each holds
+/// a copy of the projector's weights and its compute buffers (SmolVLM-500M: ~320 MiB of GPU
+/// memory). Measured on an H200 (`vlm-bench encoders`, SmolVLM-500M's shapes, docs/benchmarks.md,
+/// "Vision encoding that scales"): 2 contexts encode 7.9 frames/s for one stream and 21.2 for
+/// four, against 8.5 and 21.6 on 4 (5.2 and 15.1 on one); W1 on an H100, TTFT from capture 149 ms
+/// mean against 143 on 4 and 196 on 1, at 642 MiB less GPU memory than 4. At 16 live streams of
+/// one frame a second they also answer sooner than 4 (H100: p95 from capture 287-388 ms against
+/// 350-616 over six rounds: encodes that the encoder's throughput does not need take the GPU
+/// from the engines' ingestion; "Encoder contexts that follow the load").
+pub const START_ENCODER_CONTEXTS: usize = 2;
+/// The most encoder contexts automatic ones grow to ([`grow_with_load`]): 30.3 frames/s at 16
+/// streams against 24.5 on 2; more add nothing (29.7 on 8).
+pub const MOST_ENCODER_CONTEXTS: usize = 4;
+/// How long the contexts' busy share is measured over before automatic contexts grow.
+pub const LOAD_WINDOW: Duration = Duration::from_secs(5);
+/// The busy share of the loaded contexts over [`LOAD_WINDOW`] from which automatic ones grow by
+/// one: the due frames then need about all the encoder gives, and frames wait for contexts.
+pub const GROW_AT: f64 = 0.9;
 
-/// How many libmtmd encoder contexts `contexts` means for `streams` streams of the process (0:
-/// automatic): on a GPU several, so that the tiles of a frame and the frames of several streams
-/// are encoded side by side (a small vision tower leaves most of a GPU idle while one context
-/// launches its kernels), two for a few streams and four for more; on the CPU one, whose
+/// How many libmtmd encoder contexts `contexts` means at the start (0: automatic): on a GPU
+/// several, so that the tiles of a frame and the frames of several streams are encoded side by
+/// side (a small vision tower leaves most of a GPU idle while one context launches its kernels),
+/// [`START_ENCODER_CONTEXTS`], growing with the load ([`grow_with_load`]); on the CPU one, whose
 /// threads already take every core given.
-pub fn encoder_contexts(contexts: usize, gpu: bool, streams: usize) -> usize {
+pub fn encoder_contexts(contexts: usize, gpu: bool) -> usize {
     match contexts {
-        0 if gpu && streams <= FEW_ENCODER_STREAMS => FEW_STREAMS_ENCODER_CONTEXTS,
-        0 if gpu => MANY_STREAMS_ENCODER_CONTEXTS,
+        0 if gpu => START_ENCODER_CONTEXTS,
         0 => 1,
         n => n.min(crate::llama::MAX_ENCODER_CONTEXTS),
     }
+}
+
+/// Automatic encoder contexts on a GPU follow the load: one more, up to
+/// [`MOST_ENCODER_CONTEXTS`], once the loaded ones were leased at least [`GROW_AT`] of their
+/// time over a [`LOAD_WINDOW`]; called after each encode (one of the encodes that ends a window
+/// measures it). A context that cannot load (no GPU memory left) ends the growth, said in the log.
+pub fn grow_with_load(projector: &Projector, threads: i32) {
+    let loaded = projector.contexts();
+    if !projector.uses_gpu() || loaded >= MOST_ENCODER_CONTEXTS || projector.load_failed() {
+        return;
+    }
+    let Some(busy) = projector.busy_share(LOAD_WINDOW).filter(|&b| b >= GROW_AT) else {
+        return;
+    };
+    let (level, message) = match projector.ensure_contexts(loaded + 1, threads) {
+        Ok(()) => (crate::llama::LogLevel::Info, format!("{} encoder contexts now", projector.contexts())),
+        Err(e) => (crate::llama::LogLevel::Warn, format!("no more encoder contexts: {e}")),
+    };
+    let window = LOAD_WINDOW.as_secs();
+    crate::llama::log(level, &format!("{loaded} encoder contexts busy {:.0}% of {window} s: {message}", busy * 100.0));
 }
 
 /// Open the vision encoder for `backend`: libmtmd with `mmproj` on the CPU or GPU (`contexts`
@@ -437,7 +466,7 @@ pub fn open_encoder(
     contexts: usize,
 ) -> Result<EncoderChoice> {
     let mtmd = |gpu: bool| -> Result<Arc<dyn VisionEncoder>> {
-        let projector = crate::models::projector(mmproj, model, gpu, threads, encoder_contexts(contexts, gpu, 1))?;
+        let projector = crate::models::projector(mmproj, model, gpu, threads, encoder_contexts(contexts, gpu))?;
         Ok(Arc::new(match contexts {
             0 => MtmdEncoder::for_stream(projector, threads),
             _ => MtmdEncoder::new(projector),
@@ -652,14 +681,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn automatic_encoder_contexts_follow_the_streams_on_a_gpu_and_stay_one_on_the_cpu() {
-        let auto = |gpu, streams| encoder_contexts(0, gpu, streams);
-        assert_eq!((auto(true, 1), auto(true, FEW_ENCODER_STREAMS)), (2, 2));
-        assert_eq!((auto(true, FEW_ENCODER_STREAMS + 1), auto(true, 32)), (4, 4));
-        assert_eq!((auto(false, 1), auto(false, 32)), (1, 1));
+    fn automatic_encoder_contexts_start_at_two_on_a_gpu_and_stay_one_on_the_cpu() {
+        assert_eq!((encoder_contexts(0, true), encoder_contexts(0, false)), (START_ENCODER_CONTEXTS, 1));
         // A number given is kept, up to the most a projector loads.
-        assert_eq!((encoder_contexts(3, true, 32), encoder_contexts(3, false, 1)), (3, 3));
-        assert_eq!(encoder_contexts(1000, true, 1), crate::llama::MAX_ENCODER_CONTEXTS);
+        assert_eq!((encoder_contexts(3, true), encoder_contexts(3, false)), (3, 3));
+        assert_eq!(encoder_contexts(1000, true), crate::llama::MAX_ENCODER_CONTEXTS);
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use llama_cpp_sys_2 as sys;
 use parking_lot::{Condvar, Mutex};
@@ -79,12 +80,13 @@ impl<'a> Turn<'a> {
 }
 
 /// How often an encode waiting for a context looks whether it is still wanted.
-const CANCEL_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+const CANCEL_POLL: Duration = Duration::from_millis(20);
 
 /// One context leased from the pool, returned when dropped.
 struct Lease<'a> {
     ctx: Option<MtmdPtr>,
     pool: &'a Contexts,
+    since: Instant,
 }
 
 impl Lease<'_> {
@@ -96,7 +98,7 @@ impl Lease<'_> {
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
         if let Some(ctx) = self.ctx.take() {
-            self.pool.give(ctx);
+            self.pool.give(ctx, self.since.elapsed());
         }
     }
 }
@@ -118,12 +120,15 @@ struct Waiter {
 /// count as readers for as long as they stand), nor a background encode by a busy encoder.
 const MAX_PASSED: u32 = 2;
 
-/// The contexts free now and the encodes waiting for one, in their order of arrival.
+/// The contexts free now and the encodes waiting for one, in their order of arrival; the time
+/// contexts were leased since `measured` ([`Contexts::busy_share`]).
 #[derive(Default)]
 struct Pool {
     free: Vec<MtmdPtr>,
     waiting: std::collections::VecDeque<Waiter>,
     next_ticket: u64,
+    busy: Duration,
+    measured: Option<Instant>,
 }
 
 impl Pool {
@@ -175,7 +180,7 @@ impl Pool {
 impl Contexts {
     fn new(first: MtmdPtr) -> Contexts {
         Contexts {
-            pool: Mutex::new(Pool { free: vec![first], ..Pool::default() }),
+            pool: Mutex::new(Pool { free: vec![first], measured: Some(Instant::now()), ..Pool::default() }),
             returned: Condvar::new(),
             loaded: Mutex::new(vec![first]),
             count: 1.into(),
@@ -189,7 +194,7 @@ impl Contexts {
         if pool.waiting.is_empty()
             && let Some(ctx) = pool.free.pop()
         {
-            return Ok(Lease { ctx: Some(ctx), pool: self });
+            return Ok(Lease { ctx: Some(ctx), pool: self, since: Instant::now() });
         }
         let ticket = pool.next_ticket;
         pool.next_ticket += 1;
@@ -211,7 +216,7 @@ impl Contexts {
             }
             self.returned.wait_for(&mut pool, CANCEL_POLL);
         }
-        Ok(Lease { ctx: pool.leave(ticket), pool: self })
+        Ok(Lease { ctx: pool.leave(ticket), pool: self, since: Instant::now() })
     }
 
     /// Up to `n` contexts free now, without waiting; none while another encode waits for one.
@@ -221,17 +226,34 @@ impl Contexts {
             return vec![];
         }
         let at = pool.free.len().saturating_sub(n);
-        pool.free.drain(at..).map(|ctx| Lease { ctx: Some(ctx), pool: self }).collect()
+        let since = Instant::now();
+        pool.free.drain(at..).map(|ctx| Lease { ctx: Some(ctx), pool: self, since }).collect()
     }
 
-    /// A context back in the pool (returned, or newly loaded): granted to the encode whose turn
-    /// it is.
-    fn give(&self, ctx: MtmdPtr) {
+    /// A context back in the pool (returned after `busy` leased, or newly loaded): granted to
+    /// the encode whose turn it is.
+    fn give(&self, ctx: MtmdPtr, busy: Duration) {
         let mut pool = self.pool.lock();
+        pool.busy += busy;
         pool.free.push(ctx);
         if pool.grant() {
             self.returned.notify_all();
         }
+    }
+
+    /// The share of the loaded contexts' time they were leased (a lease counted when it ends)
+    /// since the last measure, once `window` has passed since it (`None` before); the next
+    /// measure starts now.
+    fn busy_share(&self, window: Duration) -> Option<f64> {
+        let mut pool = self.pool.lock();
+        let since = pool.measured?.elapsed();
+        if since < window {
+            return None;
+        }
+        let contexts = self.count.load(Ordering::Acquire).max(1) as f64;
+        let share = std::mem::take(&mut pool.busy).as_secs_f64() / (since.as_secs_f64() * contexts);
+        pool.measured = Some(Instant::now());
+        Some(share)
     }
 }
 
@@ -342,6 +364,8 @@ pub struct Projector {
     /// CPU threads each context encodes on (0 on a GPU): counted while it encodes
     /// ([`crate::threads::CpuEncode`]).
     cpu_threads: std::sync::atomic::AtomicUsize,
+    /// A context failed to load (no memory left): [`Projector::load_failed`].
+    load_failed: std::sync::atomic::AtomicBool,
 }
 
 /// The most threads one picture's resize is split over.
@@ -571,6 +595,7 @@ impl Projector {
             cutter: OnceLock::new(),
             streams: 0.into(),
             cpu_threads: if use_gpu { 0 } else { threads_each(threads, contexts) as usize }.into(),
+            load_failed: false.into(),
         };
         projector.ensure_contexts(contexts, threads)?;
         Ok(projector)
@@ -589,10 +614,11 @@ impl Projector {
             // others do, and prepares the tiles of a picture cut here ([`Cutter`]).
             let tile_view = self.tiled.filter(|_| loaded.len() == 1).and_then(|g| Some((g.tile, g.tokens?)));
             let max_tokens = tile_view.map(|(_, tokens)| tokens);
-            let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)?;
+            let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)
+                .inspect_err(|_| self.load_failed.store(true, Ordering::Relaxed))?;
             loaded.push(MtmdPtr(ctx));
             self.contexts.count.store(loaded.len(), Ordering::Release);
-            self.contexts.give(MtmdPtr(ctx));
+            self.contexts.give(MtmdPtr(ctx), Duration::ZERO);
             if let Some((tile, tokens)) = tile_view {
                 let _ = self.cutter.set(Cutter::new(DecodeView(ctx), tile, tokens));
             }
@@ -633,6 +659,17 @@ impl Projector {
     /// How many encoder contexts are loaded.
     pub fn contexts(&self) -> usize {
         self.contexts.count.load(Ordering::Acquire)
+    }
+
+    /// Whether a context failed to load (no memory left for another).
+    pub fn load_failed(&self) -> bool {
+        self.load_failed.load(Ordering::Relaxed)
+    }
+
+    /// The share of the loaded contexts' time that encodes held them since the last measure,
+    /// once `window` has passed since it (`None` before); the next measure starts now.
+    pub fn busy_share(&self, window: Duration) -> Option<f64> {
+        self.contexts.busy_share(window)
     }
 
     /// One more stream counts on the projector's contexts: how many do now.
@@ -697,7 +734,7 @@ impl Projector {
         reuse: &mut dyn FnMut(Tile, usize) -> Option<Box<[f32]>>,
         turn: Turn<'_>,
     ) -> Result<(Vec<Segment>, TileCount)> {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let mut prep = self.prepare(rgb, width, height, reuse)?;
         // SAFETY: `images[i]` for each `i` of `todo` is a valid image chunk of this projector's
         // tokenization (or of its tile context: the same images), alive with `prep`.
@@ -749,7 +786,7 @@ impl Projector {
         }
         let n_embd = self.model.n_embd();
         let mut count = TileCount::default();
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let presized = self.presized(rgb, width, height);
         let (rgb, width, height) = presized.as_ref().map_or((rgb, width, height), |(p, w, h)| (&p[..], *w, *h));
         let cutter = self.cutter.get().filter(|_| self.resizes_pictures());
@@ -847,12 +884,12 @@ impl Projector {
                 Ok((i, std::slice::from_raw_parts(sys::mtmd_get_output_embd(ctx.ptr()), rows * n_embd).into()))
             }
         };
-        let asked = std::time::Instant::now();
+        let asked = Instant::now();
         if turn.background {
             // One image a lease: an encode that comes meanwhile goes before the next image.
             let (mut out, mut wait_ms) = (vec![], 0.0);
             for &i in todo {
-                let asked = std::time::Instant::now();
+                let asked = Instant::now();
                 let ctx = self.contexts.lease(turn)?;
                 wait_ms += asked.elapsed().as_secs_f64() * 1e3;
                 // (Not counted as an encode that needs the cores: no answer pauses for it.)
@@ -968,9 +1005,27 @@ mod tests {
         let ptr = || MtmdPtr(NonNull::dangling());
         let pool = Contexts::new(ptr());
         for _ in 1..n {
-            pool.give(ptr());
+            pool.give(ptr(), Duration::ZERO);
         }
+        pool.count.store(n, Ordering::Release);
         pool
+    }
+
+    /// The busy share is the time leases held contexts over the loaded contexts' time, measured
+    /// once a window has passed, from then on.
+    #[test]
+    fn the_busy_share_is_the_leased_time_over_the_contexts_time() {
+        let pool = pool(2);
+        assert_eq!(pool.busy_share(Duration::from_secs(3600)), None, "before its window");
+        pool.pool.lock().measured = Some(Instant::now() - Duration::from_secs(10));
+        let lease = pool.lease(Turn::default()).unwrap();
+        drop(lease);
+        pool.pool.lock().busy = Duration::from_secs(15);
+        let share = pool.busy_share(Duration::from_secs(5)).expect("a window has passed");
+        assert!((0.74..=0.75).contains(&share), "15 s busy of 2 contexts x 10 s: {share}");
+        assert_eq!(pool.busy_share(Duration::from_secs(5)), None, "a new window began");
+        pool.pool.lock().measured = Some(Instant::now() - Duration::from_secs(10));
+        assert!(pool.busy_share(Duration::from_secs(5)).unwrap() < 0.01, "nothing leased since");
     }
 
     fn waiting(pool: &Contexts, n: usize) {
@@ -1094,7 +1149,7 @@ mod tests {
             let next = scope.spawn(|| pool.lease(Turn::default()).is_ok());
             waiting(pool, 2);
             stop.store(true, Ordering::Release);
-            let gave_up = rx.recv_timeout(std::time::Duration::from_secs(60));
+            let gave_up = rx.recv_timeout(Duration::from_secs(60));
             drop(held);
             assert!(matches!(gave_up, Ok(Some(Error::Cancelled))), "still waiting: {gave_up:?}");
             assert!(next.join().unwrap(), "the encode behind it got the context");
