@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::*;
@@ -389,18 +390,19 @@ fn questions_asked_together_with_ordered_commits_see_each_others_answers() {
     }
 }
 
-/// Answers committed to a history that no frame fills (two frames, then five answers of 40
-/// tokens in 512 cells) make the history policy slide it: each slide is counted in
-/// `history-slides` and announced by `vlm-history` with `cause=answer`, as a frame's is.
+/// Answers committed to a history that its frames do not fill (eight frames, then five answers
+/// of 40 tokens in 512 cells) make the history policy slide it, keeping its newest frames: each
+/// slide is counted in `history-slides` and announced by `vlm-history` with `cause=answer`, as
+/// a frame's is.
 #[test]
 fn a_slide_caused_by_a_committed_answer_is_counted_and_announced() {
     let srt = std::env::temp_dir().join(format!("vlm-commit-slide-{}.srt", std::process::id()));
     let text: String = (1..=5)
-        .map(|i| format!("{i}\n00:00:00,500 --> 00:00:00,600\nQuestion number {i}: what do you see?\n\n"))
+        .map(|i| format!("{i}\n00:00:01,900 --> 00:00:01,950\nQuestion number {i}: what do you see?\n\n"))
         .collect();
     std::fs::write(&srt, text).unwrap();
     let pipeline = launch(&format!(
-        "videotestsrc pattern=ball num-buffers=8 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
+        "videotestsrc pattern=ball num-buffers=60 ! video/x-raw,width=160,height=120,framerate=30/1 ! videoconvert \
          ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=250000000 \
          ! vlmcontext name=ctx model=models/SmolLM2-135M-Instruct.Q4_1.gguf context-size=512 \
          ! vlmquery name=q max-tokens=40 exact-tokens=true commit-answers=ordered ! fakesink sync=false \
@@ -418,8 +420,11 @@ fn a_slide_caused_by_a_committed_answer_is_counted_and_announced() {
     assert!(run.answers.iter().all(|a| a.get::<String>("status").unwrap() == "answered"));
     let history = history.lock().unwrap();
     let by_answers = history.iter().filter(|s| s.get::<String>("cause").unwrap() == "answer").count();
-    // Two frames of 36 cells fit 256 cells: only the answers (about 50 cells each) can fill them.
+    // Eight frames of 36 cells fit the 384 cells left after the answers' reserve: only the
+    // answers (about 50 cells each) can fill them, and a slide keeps the newest frames (every
+    // answer sees one: none is answered from no picture).
     assert!(by_answers >= 1, "{history:?}");
+    assert!(run.answers.iter().all(|a| a.get::<u64>("frames").unwrap() > 0), "{:?}", run.answers);
     assert_eq!(counted, history.len() as u64, "{history:?}");
 }
 
@@ -854,4 +859,40 @@ fn an_answer_on_a_live_camera_counts_its_ttft_from_the_frames_capture() {
         let bound_ms = (end - pts).nseconds() as f64 / 1e6;
         assert!(from_capture > 0.0 && from_capture <= bound_ms, "{from_capture} ms, at most {bound_ms}: {a}");
     }
+}
+
+/// Answers drawn by textoverlay, recorded from `subtitle_src`, and questions timed after the
+/// video's end (a 1 s video, questions at 2 to 6 s) with one question pending at a time:
+/// textoverlay keeps the first text buffer that reaches it after the video's EOS for ever and
+/// takes no other, so the text pad's pushes stop there. Every question is still answered, the
+/// recorder still gets its EOS, and the pipeline ends (the recorder's EOS waited for the text
+/// pad, and the answers waiting for it held `max-questions`: the run never ended, and the
+/// questions after the first two were neither answered nor refused).
+#[test]
+fn questions_after_the_video_drawn_by_textoverlay_are_all_answered_and_the_recorder_ends() {
+    let srt = std::env::temp_dir().join(format!("vlm-after-video-{}.srt", std::process::id()));
+    let text: String =
+        (1..=5).map(|i| format!("{i}\n00:00:0{},000 --> 00:00:0{},500\nQuestion {i}?\n\n", i + 1, i + 1)).collect();
+    std::fs::write(&srt, text).unwrap();
+    let pipeline = launch(&format!(
+        "videotestsrc num-buffers=30 ! video/x-raw,width=96,height=96,framerate=30/1 ! videoconvert \
+         ! vlmencode mmproj=models/test-mmproj-mlp.gguf ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery name=q max-tokens=8 max-questions=1 q.video_src ! textoverlay name=o ! fakesink \
+         q.src ! o.text_sink q.subtitle_src ! fakesink name=cues \
+         filesrc location={} ! subparse ! q.query",
+        srt.display()
+    ));
+    let cues = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&cues);
+    let sink = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("cues").unwrap();
+    sink.static_pad("sink").unwrap().add_probe(gst::PadProbeType::BUFFER, move |_, _| {
+        counted.fetch_add(1, Ordering::Relaxed);
+        gst::PadProbeReturn::Ok
+    });
+    let run = run_for(&pipeline, 120);
+    std::fs::remove_file(&srt).unwrap();
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert_eq!(run.answers.len(), 5, "{:?} {:?}", run.answers, run.warnings);
+    assert!(run.answers.iter().all(|a| a.get::<String>("status").as_deref() == Ok("answered")), "{:?}", run.answers);
+    assert_eq!(cues.load(Ordering::Relaxed), 5, "one cue per answer on subtitle_src");
 }

@@ -352,6 +352,20 @@ struct Shared {
     cue_eos: bool,
 }
 
+impl Shared {
+    /// The `max-questions` slots taken: each accepted question's until its answer is pushed on
+    /// the text pad, and after the video's EOS until its answer is posted. textoverlay holds a
+    /// text pad for ever once its video has ended and a second answer comes, which would leave
+    /// the questions after the video neither answered nor refused; the answers that wait for
+    /// the text pad then are bounded by the questions taken before `maybe_finish` ends them.
+    fn taken_slots(&self) -> usize {
+        match self.video.eos {
+            None => self.pending.len(),
+            Some(_) => self.pending.iter().filter(|p| !p.posted.load(Ordering::Acquire)).count(),
+        }
+    }
+}
+
 /// A source pad has sent its stream start and caps (once), and the video's current segment.
 #[derive(Default)]
 struct PadStarted {
@@ -748,7 +762,7 @@ impl ObjectImpl for VlmQuery {
                     .build(),
                 glib::ParamSpecUInt::builder("max-questions")
                     .nick("Max questions")
-                    .blurb("Questions pending (being answered or waiting to be pushed) before the query pad blocks and question events and ask are refused")
+                    .blurb("Questions pending (being answered, or waiting to be pushed while the video runs) before the query pad blocks and question events and ask are refused")
                     .minimum(1)
                     .maximum(1024)
                     .default_value(DEFAULT_MAX_QUESTIONS)

@@ -197,7 +197,9 @@
 //!   screen at once, or waits for its `answer-duration` to end.
 //! - `caption-prompt` (empty = off); `caption-interval` (ns, 10000000000; 0 = every frame that
 //!   joins the history). A caption that finds `max-questions` pending is skipped.
-//! - `max-questions` (1-1024, 16): questions pending at once.
+//! - `max-questions` (1-1024, 16): questions pending at once (being answered, or answered and
+//!   waiting for the text pad while the video runs: after the video's EOS only those being
+//!   answered count, since textoverlay then holds its text pad for ever).
 //! - `commit-answers` (`none`/`ordered`, `none`): with `ordered`, each question and its answer
 //!   join the stream's history in question order, so later questions see the conversation.
 //! - `temp` (0 = greedy), `seed` (0; at most 4294967294), `top-k` (40), `top-p` (0.95), `min-p` (0.05).

@@ -291,6 +291,18 @@ pub fn lookup(id: u64) -> Option<Arc<Stream>> {
 impl Stream {
     /// Create a stream on `engine` and prefill its prompt prefix (version 0).
     pub fn open(engine: &Arc<Engine>, prompt: Arc<Prompt>, config: StreamConfig) -> Result<Arc<Stream>> {
+        // (No frame could ever join a history whose prompt leaves no room.)
+        let room = engine.n_ctx_per_seq() as i32 - config.answer_reserve;
+        if prompt.prefix.len() as i32 >= room {
+            return Err(Error::Config(format!(
+                "the system prompt takes {} KV cells: a stream's sequence of {} cells leaves {} after the {} kept for \
+                 answers (a shorter system-prompt or a larger context-size)",
+                prompt.prefix.len(),
+                engine.n_ctx_per_seq(),
+                room.max(0),
+                config.answer_reserve
+            )));
+        }
         let seq = engine.take_stream_seq()?;
         // Serials start at 1: a published serial of 0 means nothing is published yet.
         let root = Record {
@@ -487,6 +499,12 @@ impl Stream {
         let mut kept: &[Entry] = &tail.history[from..];
         while !kept.is_empty() && prefix_len + kept.iter().map(Entry::cells).sum::<i32>() + n_cells > room {
             kept = &kept[1..];
+        }
+        // A committed answer never drops the last frame: the questions after it would be
+        // answered from no picture (a still scene, whose frames the gate holds, and a long
+        // conversation). It is not committed; the next frame makes room.
+        if !new_frame && frames(kept) == 0 && frames(&tail.history) > 0 {
+            return Err(full());
         }
         let root = PrefixKey::root(self.engine().model().identity(), &self.prompt.prefix);
         let key = kept.iter().chain([&entry]).fold(root, |key, e| e.extend(key));

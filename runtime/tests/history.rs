@@ -790,3 +790,45 @@ fn a_frame_larger_than_the_context_is_refused_as_such() {
     );
     assert_eq!(stream.wait_version(0, &never).unwrap().number, 0, "the stream goes on");
 }
+
+/// A still scene (one frame, the gate holding the rest) and a long conversation: answers
+/// committed after the frame fill the history until it must slide. The answer whose slide would
+/// drop that frame is not committed (the questions after it would be answered from no
+/// picture), and the history keeps its frame.
+#[test]
+fn a_committed_answer_never_slides_the_last_frame_out() {
+    let engine = engine_with("cpu", 512);
+    let stream = open_with(&engine, "still", true, HistoryPolicy::Slide);
+    let never = AtomicBool::new(false);
+    stream.register(frame(&encoder(), 0), &never).unwrap();
+    let words = engine.model().tokenize(&" the picture".repeat(40), false, false).unwrap();
+    let mut committed = 0;
+    let refused = loop {
+        match stream.commit("What did you see?", &words[..40], &never) {
+            Ok(_) => committed += 1,
+            Err(e) => break e,
+        }
+        assert!(committed < 20, "512 cells never filled");
+    };
+    assert!(committed > 0, "the first answers fit without a slide");
+    assert!(matches!(refused, Error::HistoryFull { .. }), "{refused}");
+    let report = ask(&stream, 1, "What is in the picture?");
+    assert_eq!(report.frames, 1, "the history lost its frame");
+    assert_eq!(stream.slides(), 0, "nothing slid");
+    engine.stop();
+}
+
+/// A system prompt that leaves a stream's sequence no room for a frame is refused when the
+/// stream opens, naming it, instead of refusing every frame after it.
+#[test]
+fn a_system_prompt_that_fills_the_sequence_is_refused_at_the_start() {
+    let engine = engine_with("cpu", 256);
+    let long = "Describe what the camera shows. ".repeat(40);
+    let prompt = Arc::new(Prompt::new(engine.model(), &long).unwrap());
+    let refused = Stream::open(&engine, prompt, StreamConfig::new("long")).map(|_| ()).unwrap_err();
+    assert!(matches!(&refused, Error::Config(m) if m.contains("system prompt")), "{refused}");
+    // A short one opens on the same engine.
+    let prompt = Arc::new(Prompt::new(engine.model(), DEFAULT_SYSTEM_PROMPT).unwrap());
+    Stream::open(&engine, prompt, StreamConfig::new("short")).expect("a short prompt");
+    engine.stop();
+}

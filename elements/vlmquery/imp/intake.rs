@@ -99,7 +99,7 @@ impl VlmQuery {
             if shared.eos {
                 return Err(Refusal::Ended);
             }
-            if shared.pending.len() < max {
+            if shared.taken_slots() < max {
                 break;
             }
             if !block {

@@ -459,7 +459,7 @@ impl VlmQuery {
 
     /// One iteration of `subtitle_src`'s task (its own, so that a text pad held by an overlay
     /// never holds the recorder, which would hold the video): the next cue, a GAP up to the
-    /// newest frame, or EOS once the text pad has had its EOS and every cue is out.
+    /// newest frame, or EOS once every cue is out after the streams' end.
     fn cue_task_iteration(&self) {
         let next = {
             let mut shared = self.shared.lock();
@@ -492,13 +492,16 @@ impl VlmQuery {
 
     /// What `subtitle_src` says next, if anything now: a cue, a GAP up to the newest frame, or
     /// EOS. Cues start where the video is when their answers end, so cues and GAPs go forward
-    /// together; a GAP does not reach past the newest frame (a cue may still come there).
+    /// together; a GAP does not reach past the newest frame (a cue may still come there). EOS
+    /// once the streams have ended and every accepted question's answer is posted (its cue
+    /// queued before): not after the text pad, which textoverlay holds for ever once the video
+    /// has ended and a second answer comes after it.
     fn next_cue(shared: &mut Shared) -> Option<NextCue> {
         if let Some(cue) = shared.cues.pop_front() {
             shared.cue_position = shared.cue_position.max(cue.pts);
             return Some(NextCue::Cue(cue));
         }
-        if shared.all_answered {
+        if shared.eos && shared.pending.iter().all(|p| p.posted.load(Ordering::Acquire)) {
             return (!shared.cue_eos).then(|| {
                 shared.cue_eos = true;
                 NextCue::Eos
