@@ -300,19 +300,3 @@ fn a_picture_too_narrow_for_the_longest_edge_is_refused_with_a_reason() {
     enc.encode_reusing(&Picture::packed(&rgb, 256, 2, 256 * 3, PixelLayout::Rgb), TileReuse::Off, Turn::default())
         .expect("a 128:1 picture");
 }
-
-#[test]
-fn encoders_with_automatic_contexts_count_as_the_projectors_streams_while_they_live() {
-    let dir = common::models_dir();
-    let model = models::model(&dir.join("test-idefics3-lm.gguf"), &Device::Cpu).expect("model");
-    let projector = models::projector(&dir.join("test-idefics3-mmproj.gguf"), &model, false, 2, 1).expect("projector");
-    let open = || MtmdEncoder::for_stream(Arc::clone(&projector), 2);
-    let (a, b) = (open(), open());
-    assert_eq!(projector.streams(), 2);
-    drop(a);
-    assert_eq!(projector.streams(), 1);
-    drop(b);
-    assert_eq!(projector.streams(), 0);
-    // On the CPU one context, whatever the streams.
-    assert_eq!(projector.contexts(), 1);
-}

@@ -292,8 +292,7 @@ pub trait VisionEncoder: Send + Sync {
 pub struct MtmdEncoder {
     projector: Arc<Projector>,
     id: String,
-    /// Automatic encoder contexts ([`MtmdEncoder::for_stream`]): the threads new ones share; the
-    /// encoder is counted among the projector's streams until dropped.
+    /// Automatic encoder contexts ([`MtmdEncoder::for_stream`]): the threads new ones share.
     automatic: Option<i32>,
 }
 
@@ -308,7 +307,6 @@ impl MtmdEncoder {
     /// ([`grow_with_load`]). A context that cannot load (no GPU memory left) leaves the encoder
     /// with those loaded, and says so in the log.
     pub fn for_stream(projector: Arc<Projector>, threads: i32) -> MtmdEncoder {
-        let streams = projector.stream_opened();
         let mut encoder = MtmdEncoder::new(projector);
         encoder.automatic = Some(threads);
         let wanted = encoder_contexts(0, encoder.projector.uses_gpu());
@@ -316,18 +314,10 @@ impl MtmdEncoder {
             let loaded = encoder.projector.contexts();
             crate::llama::log(
                 crate::llama::LogLevel::Warn,
-                &format!("{streams} streams: {loaded} encoder contexts loaded of {wanted}: {e}"),
+                &format!("{loaded} encoder contexts loaded of {wanted}: {e}"),
             );
         }
         encoder
-    }
-}
-
-impl Drop for MtmdEncoder {
-    fn drop(&mut self) {
-        if self.automatic.is_some() {
-            self.projector.stream_closed();
-        }
     }
 }
 

@@ -358,9 +358,6 @@ pub struct Projector {
     /// Threads that resize a picture and prepare its tiles (0: libmtmd prepares it whole on the
     /// encode's thread).
     prepare_threads: std::sync::atomic::AtomicUsize,
-    /// The process's streams whose encoder contexts follow their number
-    /// (`crate::encoder::MtmdEncoder::for_stream`).
-    streams: std::sync::atomic::AtomicUsize,
     /// CPU threads each context encodes on (0 on a GPU): counted while it encodes
     /// ([`crate::threads::CpuEncode`]).
     cpu_threads: std::sync::atomic::AtomicUsize,
@@ -593,7 +590,6 @@ impl Projector {
             tiled: super::gguf::tile_geometry(path).filter(|g| g.longest_edge % g.tile == 0),
             prepare_threads: std::thread::available_parallelism().map_or(1, |n| n.get().min(PREPARE_THREADS)).into(),
             cutter: OnceLock::new(),
-            streams: 0.into(),
             cpu_threads: if use_gpu { 0 } else { threads_each(threads, contexts) as usize }.into(),
             load_failed: false.into(),
         };
@@ -670,21 +666,6 @@ impl Projector {
     /// once `window` has passed since it (`None` before); the next measure starts now.
     pub fn busy_share(&self, window: Duration) -> Option<f64> {
         self.contexts.busy_share(window)
-    }
-
-    /// One more stream counts on the projector's contexts: how many do now.
-    pub fn stream_opened(&self) -> usize {
-        self.streams.fetch_add(1, Ordering::AcqRel) + 1
-    }
-
-    /// The streams counted on the projector's contexts now.
-    pub fn streams(&self) -> usize {
-        self.streams.load(Ordering::Acquire)
-    }
-
-    /// A stream counted by [`Projector::stream_opened`] has ended.
-    pub fn stream_closed(&self) {
-        self.streams.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Whether its contexts encode on the GPU.
