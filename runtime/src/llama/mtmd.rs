@@ -561,7 +561,7 @@ fn load_context(
     NonNull::new(ptr).ok_or_else(|| Error::File {
         path: path.to_path_buf(),
         reason: format!(
-            "libmtmd could not load it as a projector for {} (wrong file type, or its output width does not match the model's {})",
+            "libmtmd could not load it as a projector for {} (a truncated or other kind of file, or its output width does not match the model's {})",
             model.path().display(),
             model.n_embd()
         ),
