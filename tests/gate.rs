@@ -317,3 +317,25 @@ fn a_square_in_one_tile_encodes_that_tile_and_the_overview() {
     assert_eq!(tiles("exact"), (5 + 2, 3));
     assert_eq!(tiles("off"), (5 + 5, 0));
 }
+
+/// Periodic captions of a still scene: the gate holds every frame after the first, and a
+/// caption is still asked every `caption-interval` (about the picture standing for the held
+/// frames), as of a moving one. On the code before, the held frames asked none: one caption in
+/// 8 s.
+#[test]
+fn a_still_scene_is_captioned_at_every_interval_with_the_gate_on() {
+    let pipeline = launch(
+        "videotestsrc pattern=smpte num-buffers=80 ! video/x-raw,width=160,height=120,framerate=10/1 ! videoconvert \
+         ! vlmencode name=enc mmproj=models/test-mmproj-mlp.gguf min-change=0.001 \
+         ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+         ! vlmquery caption-prompt=\"Describe the scene.\" caption-interval=1000000000 max-tokens=4 ! fakesink",
+    );
+    let run = run_to_eos(&pipeline, 240);
+    let held = pipeline.downcast_ref::<gst::Bin>().unwrap().by_name("enc").unwrap().property::<u64>("frames-unchanged");
+    pipeline.set_state(gst::State::Null).unwrap();
+    assert!(run.errors.is_empty(), "{:?}", run.errors);
+    assert!(held >= 6, "the gate held the still frames: {held}");
+    // Captions at 0, 1, ..., 7 s of running time.
+    assert_eq!(run.answers.len(), 8, "{:?}", run.answers);
+    assert!(run.answers.iter().all(|a| a.get::<String>("status").as_deref() == Ok("answered")), "{:?}", run.answers);
+}

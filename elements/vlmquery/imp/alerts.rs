@@ -26,6 +26,10 @@ use vlm_runtime::{Stream, Watch};
 
 use super::{CAT, OutputFormat, VlmQuery};
 
+/// How often the video's EOS, waiting for the alerts' last evaluations, looks for a stream that
+/// closed meanwhile ([`VlmQuery::alerts_drain`]).
+const DRAIN_POLL: Duration = Duration::from_millis(100);
+
 /// Name of the element message of an alert's state.
 pub const ALERT_MESSAGE: &str = "vlm-alert";
 /// Name of the element message saying frames went unevaluated.
@@ -543,15 +547,17 @@ impl VlmQuery {
     }
 
     /// Wait until every frame scheduled for evaluation has been evaluated (the video's EOS),
-    /// unless a flush or a stop comes first.
+    /// unless a flush or a stop comes first. A closed stream's frame is not waited for (its
+    /// camera is gone: the alert thread lets it go, and nothing else would say so), and the
+    /// streams are looked at again every [`DRAIN_POLL`] for one closing meanwhile.
     pub(super) fn alerts_drain(&self) {
         let mut st = self.alerts.state.lock();
         while st.worker.is_some()
             && !st.flushing
             && !st.stopping
-            && (st.busy || st.streams.values().any(|s| s.next.is_some()))
+            && (st.busy || st.streams.values().any(|s| s.next.is_some() && !s.stream.is_closed()))
         {
-            self.alerts.changed.wait(&mut st);
+            self.alerts.changed.wait_for(&mut st, DRAIN_POLL);
         }
     }
 

@@ -373,7 +373,7 @@ impl VlmQuery {
             shared.video.captured(stream, rt);
         }
         // (A held frame carries the position of the frame that stands for it: not a new frame.)
-        if let Some((stream, number)) = meta.filter(|m| !m.held()).and_then(|m| m.position()) {
+        if let Some((stream, number)) = meta.as_ref().filter(|m| !m.held()).and_then(|m| m.position()) {
             shared.video.switch_to(stream);
             if shared.video.frames.len() == FRAME_HISTORY {
                 shared.video.frames.pop_front();
@@ -381,6 +381,13 @@ impl VlmQuery {
             shared.video.frames.push_back(SeenFrame { stream, rt, pts: buffer.pts(), number });
             self.maybe_caption(&mut shared, rt, buffer.pts(), number);
             self.alert_frame(shared.video.stream().as_ref(), number, buffer.pts(), rt);
+        } else if let Some((stream, number)) = meta.as_ref().and_then(|m| m.position())
+            && shared.video.stream_id == Some(stream)
+        {
+            // A frame the gate held stands for the picture before it: captions go on at their
+            // interval, about that picture (a still camera is captioned as a moving one is);
+            // alerts keep their states (the same picture answers the same).
+            self.maybe_caption(&mut shared, rt, buffer.pts(), number);
         }
         if let Some(rt) = rt {
             shared.video.running_time = Some(rt);
