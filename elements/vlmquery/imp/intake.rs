@@ -383,9 +383,11 @@ impl VlmQuery {
             self.alert_frame(shared.video.stream().as_ref(), number, buffer.pts(), rt);
         } else if let Some((stream, number)) = meta.as_ref().and_then(|m| m.position())
             && shared.video.stream_id == Some(stream)
+            && self.settings.lock().caption_interval > 0
         {
             // A frame the gate held stands for the picture before it: captions go on at their
-            // interval, about that picture (a still camera is captioned as a moving one is);
+            // interval, about that picture (a still camera is captioned as a moving one is; with
+            // `caption-interval=0`, a caption for each frame that joins the history, none);
             // alerts keep their states (the same picture answers the same).
             self.maybe_caption(&mut shared, rt, buffer.pts(), number);
         }
