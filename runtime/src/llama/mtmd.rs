@@ -245,14 +245,19 @@ impl Contexts {
     /// since the last measure, once `window` has passed since it (`None` before); the next
     /// measure starts now.
     fn busy_share(&self, window: Duration) -> Option<f64> {
+        self.busy_share_at(window, Instant::now())
+    }
+
+    /// [`Contexts::busy_share`] measured at `now`.
+    fn busy_share_at(&self, window: Duration, now: Instant) -> Option<f64> {
         let mut pool = self.pool.lock();
-        let since = pool.measured?.elapsed();
+        let since = now.saturating_duration_since(pool.measured?);
         if since < window {
             return None;
         }
         let contexts = self.count.load(Ordering::Acquire).max(1) as f64;
         let share = std::mem::take(&mut pool.busy).as_secs_f64() / (since.as_secs_f64() * contexts);
-        pool.measured = Some(Instant::now());
+        pool.measured = Some(now);
         Some(share)
     }
 }
@@ -997,16 +1002,19 @@ mod tests {
     #[test]
     fn the_busy_share_is_the_leased_time_over_the_contexts_time() {
         let pool = pool(2);
-        assert_eq!(pool.busy_share(Duration::from_secs(3600)), None, "before its window");
-        pool.pool.lock().measured = Some(Instant::now() - Duration::from_secs(10));
-        let lease = pool.lease(Turn::default()).unwrap();
-        drop(lease);
-        pool.pool.lock().busy = Duration::from_secs(15);
-        let share = pool.busy_share(Duration::from_secs(5)).expect("a window has passed");
-        assert!((0.74..=0.75).contains(&share), "15 s busy of 2 contexts x 10 s: {share}");
-        assert_eq!(pool.busy_share(Duration::from_secs(5)), None, "a new window began");
-        pool.pool.lock().measured = Some(Instant::now() - Duration::from_secs(10));
-        assert!(pool.busy_share(Duration::from_secs(5)).unwrap() < 0.01, "nothing leased since");
+        let start = pool.pool.lock().measured.expect("measured from the start");
+        let at = |secs| start + Duration::from_secs(secs);
+        let window = Duration::from_secs(5);
+        assert_eq!(pool.busy_share_at(window, at(4)), None, "before its window");
+        // A lease's time counts when it ends.
+        drop(pool.lease(Turn::default()).unwrap());
+        let leased = pool.pool.lock().busy;
+        pool.pool.lock().busy = leased + Duration::from_secs(15);
+        let share = pool.busy_share_at(window, at(10)).expect("a window has passed");
+        let expected = (leased.as_secs_f64() + 15.0) / 20.0;
+        assert!((share - expected).abs() < 1e-9, "15 s busy of 2 contexts x 10 s: {share}");
+        assert_eq!(pool.busy_share_at(window, at(14)), None, "a new window began at 10 s");
+        assert_eq!(pool.busy_share_at(window, at(20)), Some(0.0), "nothing leased since");
     }
 
     fn waiting(pool: &Contexts, n: usize) {
