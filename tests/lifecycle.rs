@@ -621,3 +621,49 @@ fn a_stop_does_not_wait_for_an_encoder_context_held_by_another_stream() {
         assert_eq!(enc.property::<u64>("frames-encoded"), 0, "round {round}: a frame was encoded on a held context");
     }
 }
+
+/// A forced EOS (`gst-launch-1.0 -e`, Ctrl-C: EOS sent to the pipeline, which hands it to one
+/// source at a time) ends a live pipeline while a subtitle question waits far ahead of the
+/// video, whichever source the description names first: the query pad does not hold its
+/// source's thread for the video, and the questions ahead (more than `max-questions`) are answered about the last frame.
+#[test]
+fn a_forced_eos_ends_the_pipeline_while_a_question_waits_far_ahead() {
+    let srt = std::env::temp_dir().join(format!("vlm-ahead-{}.srt", std::process::id()));
+    // One question now, then more far ahead than `max-questions` (16) takes at once.
+    let ahead = (1..=20).map(|i| format!("{}\n00:59:{i:02},000 --> 00:59:{i:02},500\nAnd now ({i})?\n", i + 1));
+    let cues: Vec<String> =
+        std::iter::once("1\n00:00:00,300 --> 00:00:01,000\nWhat is it?\n".into()).chain(ahead).collect();
+    std::fs::write(&srt, cues.join("\n")).unwrap();
+    let camera = "videotestsrc is-live=true ! video/x-raw,width=64,height=48,framerate=10/1 ! videoconvert \
+                  ! vlmencode mmproj=models/test-mmproj-mlp.gguf interval=0 \
+                  ! vlmcontext model=models/SmolLM2-135M-Instruct.Q4_1.gguf ! vlmquery name=q max-tokens=4 ! fakesink";
+    let questions = format!("filesrc location={} ! subparse ! q.query", srt.display());
+    for (order, text) in
+        [("questions first", format!("{questions} {camera}")), ("camera first", format!("{camera} {questions}"))]
+    {
+        let pipeline = launch(&text);
+        let bus = pipeline.bus().unwrap();
+        pipeline.set_state(gst::State::Playing).unwrap();
+        // The first question's answer: the pipeline runs, and the second question came after it.
+        let first = std::iter::from_fn(|| {
+            bus.timed_pop_filtered(
+                gst::ClockTime::from_seconds(120),
+                &[gst::MessageType::Element, gst::MessageType::Error],
+            )
+        })
+        .find(|m| m.type_() == gst::MessageType::Error || m.structure().is_some_and(|s| s.name() == "vlm-answer"));
+        assert!(first.as_ref().is_some_and(|m| m.type_() == gst::MessageType::Element), "{order}: {first:?}");
+        let (tx, rx) = mpsc::channel();
+        let p = pipeline.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(p.send_event(gst::event::Eos::new()));
+        });
+        let run = run_to_eos(&pipeline, 60);
+        assert!(rx.recv_timeout(Duration::from_secs(10)).is_ok(), "{order}: the EOS was not handed to every source");
+        assert!(run.errors.is_empty(), "{order}: {:?}", run.errors);
+        let statuses: Vec<_> = run.answers.iter().map(|a| a.get::<String>("status").unwrap()).collect();
+        assert_eq!(statuses, ["answered"; 20], "{order}: the questions ahead: {:?}", run.answers);
+        set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), order);
+    }
+    let _ = std::fs::remove_file(&srt);
+}

@@ -337,6 +337,11 @@ struct Shared {
     video_answers: VecDeque<gst::Structure>,
     /// The query pad waits for room (`max-questions` pending).
     query_waiting: bool,
+    /// Timed questions ahead of the video, in arrival order (at most [`WAITING_MAX`]): taken at
+    /// once (the query pad does not hold its source's thread for the video, so a forced EOS
+    /// reaches every source) and accepted, each in its turn, once the video has passed its time
+    /// and a `max-questions` slot is free (`VlmQuery::bind_ahead`).
+    ahead: VecDeque<Ahead>,
     /// Ids of the most recent accepted questions: an id is answered once.
     recent_ids: VecDeque<String>,
     /// JSON lines of `vlm-alert`s (`output-format=json`) for the text pad, with their frames' pts
@@ -364,6 +369,21 @@ impl Shared {
             Some(_) => self.pending.iter().filter(|p| !p.posted.load(Ordering::Acquire)).count(),
         }
     }
+
+    /// Whether the video is known past running time `t`: every frame a question at `t` may
+    /// bind to has come (or none will: EOS, or untimed video, where it binds to the newest).
+    fn video_past(&self, t: gst::ClockTime) -> bool {
+        self.video.eos.is_some() || self.video.untimed || self.video.known_until.is_some_and(|end| end > t)
+    }
+}
+
+/// A timed question waiting for the video to reach its time (`Shared::ahead`).
+struct Ahead {
+    question: Question,
+    at: gst::ClockTime,
+    /// Its stream's frames go first meanwhile (encoded and ingested before other streams' where
+    /// the process shares an encoder or an engine).
+    _watch: Option<vlm_runtime::Watch>,
 }
 
 /// A source pad has sent its stream start and caps (once), and the video's current segment.
@@ -458,6 +478,8 @@ impl VlmQuery {
         for name in changed {
             self.obj().notify(name);
         }
+        // (After `flushing` is set: no question joins them meanwhile.)
+        self.refuse_ahead();
     }
 
     /// Keep an answering thread to join when the element stops (dropping those that ended).

@@ -64,6 +64,11 @@ pub fn parse_alerts(list: &str) -> Result<Vec<AlertSpec>> {
         }
         alerts.push(AlertSpec { id: id.into(), question: question.into() });
     }
+    if alerts.is_empty() && !list.trim().is_empty() {
+        return Err(Error::Config(format!(
+            "{list:?} names no alert: write id:question, alerts separated by ';' (empty for none)"
+        )));
+    }
     Ok(alerts)
 }
 
@@ -398,7 +403,6 @@ mod tests {
         assert_eq!(format_alerts(&a), "door:Is the door open?;person:Is there a person: a human?");
         assert_eq!(parse_alerts(&format_alerts(&a)).unwrap(), a);
         assert!(parse_alerts("").unwrap().is_empty());
-        assert!(parse_alerts(" ; ").unwrap().is_empty());
     }
 
     #[test]
@@ -408,6 +412,7 @@ mod tests {
         assert!(msg("a:x;a:y").contains("\"a\" is used twice"), "{}", msg("a:x;a:y"));
         assert!(msg("a").contains("has no question"), "{}", msg("a"));
         assert!(msg("a:  ").contains("empty question"), "{}", msg("a:  "));
+        assert!(msg(" ;; ").contains("names no alert"), "{}", msg(" ;; "));
     }
 
     #[test]

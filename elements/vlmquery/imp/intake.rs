@@ -197,6 +197,43 @@ impl VlmQuery {
         Ok(id)
     }
 
+    /// Accept the timed questions ahead of the video whose time it has passed, in arrival order,
+    /// while `max-questions` slots are free (called as the video goes on, and while its EOS
+    /// waits). Returns those refused, to be said with no lock held.
+    fn bind_ahead(&self, shared: &mut parking_lot::MutexGuard<'_, Shared>) -> Vec<(Question, Refusal)> {
+        let max = self.settings.lock().max_questions as usize;
+        let mut refused = vec![];
+        while let Some(at) = shared.ahead.front().map(|a| a.at) {
+            if !shared.video_past(at) || (shared.taken_slots() >= max && !shared.flushing) {
+                break;
+            }
+            let Some(ahead) = shared.ahead.pop_front() else { break };
+            let (frames, pts) = if shared.video.untimed { shared.video.newest() } else { shared.video.at(at) };
+            let stream = shared.video.stream();
+            let question = ahead.question.clone();
+            let job = Job { question: ahead.question, stream, frames, pts, at: Some(at) };
+            if let Err(why) = self.accept(shared, job, false) {
+                refused.push((question, why));
+            }
+        }
+        refused
+    }
+
+    /// Refuse every timed question still ahead of the video (a flush, a stop).
+    pub(super) fn refuse_ahead(&self) {
+        let ahead = std::mem::take(&mut self.shared.lock().ahead);
+        for a in ahead {
+            self.refused(&a.question, Refusal::Flushing);
+        }
+    }
+
+    /// Say the refusals `bind_ahead` returned (no lock held).
+    fn refused_all(&self, refused: Vec<(Question, Refusal)>) {
+        for (question, why) in refused {
+            self.refused(&question, why);
+        }
+    }
+
     /// Answer one question (on its own thread): wait for its version (or replay it elsewhere, as
     /// the placer decides), then generate. A question bound to no frame first waits for its
     /// stream's first one (`first_frame`): nothing is answered from no frames.
@@ -321,9 +358,10 @@ impl VlmQuery {
         let quiet = shared.query_quiet_since.map_or(QUERY_EOS_GRACE, |t| t.elapsed());
         // (A source that keeps asking, a question every half second, holds it no longer.)
         let left = QUERY_EOS_LIMIT.saturating_sub(shared.video.eos.map_or(Duration::ZERO, |t| t.elapsed()));
-        if shared.query_eos
-            || !self.querypad.is_linked()
-            || (shared.query_busy == 0 && (quiet >= QUERY_EOS_GRACE || left.is_zero()))
+        if shared.ahead.is_empty()
+            && (shared.query_eos
+                || !self.querypad.is_linked()
+                || (shared.query_busy == 0 && (quiet >= QUERY_EOS_GRACE || left.is_zero())))
         {
             shared.eos = true;
             self.changed.notify_all();
@@ -396,6 +434,7 @@ impl VlmQuery {
             shared.video.known_to(rt, buffer.duration());
         }
         shared.video.untimed = rt.is_none();
+        let refused = self.bind_ahead(&mut shared);
         if let Some(pts) = buffer.pts() {
             shared.video.pts = Some(pts);
             // A frame without a duration lasts one frame of the caps' rate, or a nanosecond, as
@@ -411,6 +450,7 @@ impl VlmQuery {
         // that waits for text at this frame's time is never stuck.
         self.changed.notify_all();
         drop(shared);
+        self.refused_all(refused);
         let video = if self.video_srcpad.is_linked() {
             let mut buffer = buffer;
             if let Some(answer) = answer {
@@ -519,7 +559,10 @@ impl VlmQuery {
             if let (Some(rt), Some(stream)) = (rt, standing.stream.or(video.stream_id)) {
                 video.captured(stream, rt);
                 video.known_to(rt, standing.duration);
+                let refused = self.bind_ahead(&mut shared);
                 self.changed.notify_all();
+                drop(shared);
+                self.refused_all(refused);
             }
             return true;
         }
@@ -572,6 +615,13 @@ impl VlmQuery {
                 loop {
                     if shared.flushing || shared.srcresult.is_some() {
                         break;
+                    }
+                    // (The questions still ahead bind to the last frame as slots free.)
+                    let refused = self.bind_ahead(&mut shared);
+                    if !refused.is_empty() {
+                        drop(shared);
+                        self.refused_all(refused);
+                        shared = self.shared.lock();
                     }
                     let recheck = self.maybe_finish(&mut shared);
                     let done = if linked {
@@ -658,31 +708,33 @@ impl VlmQuery {
         }
         let question = self.question(&shared, &text, None, None);
         let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
-        let (frames, pts) = match t {
-            Some(t) => {
-                // Wait for the video to pass the question's time, so every frame up to it is known;
-                // meanwhile its stream's frames go first (encoded and ingested before other
-                // streams' where the process shares an encoder or an engine).
-                let _waiting = shared.video.stream().map(|s| s.watch());
-                while !shared.flushing
-                    && !shared.query_flushing
-                    && shared.video.eos.is_none()
-                    && !shared.video.untimed
-                    && shared.video.known_until.is_none_or(|end| end <= t)
-                {
-                    self.changed.wait(&mut shared);
-                }
-                if shared.query_flushing {
-                    return Err(gst::FlowError::Flushing);
-                }
-                if shared.flushing {
-                    drop(shared);
-                    self.refused(&question, Refusal::Flushing);
-                    return self.query_flow();
-                }
-                if shared.video.untimed { shared.video.newest() } else { shared.video.at(t) }
+        // A question ahead of the video takes its slot (waiting for one, as backpressure) and
+        // binds when the video passes its time, so that every frame up to it is known; the pad
+        // does not wait for that: a pipeline hands a forced EOS to one source at a time, and
+        // the camera's would wait behind a question source held here.
+        // (Behind the ones ahead: questions are answered in their order.)
+        if let Some(at) = t.filter(|&t| !shared.video_past(t) || !shared.ahead.is_empty()) {
+            while shared.ahead.len() >= super::WAITING_MAX && !shared.flushing && !shared.query_flushing {
+                self.changed.wait(&mut shared);
             }
-            None => shared.video.newest(),
+            if shared.query_flushing {
+                return Err(gst::FlowError::Flushing);
+            }
+            if shared.flushing {
+                drop(shared);
+                self.refused(&question, Refusal::Flushing);
+                return self.query_flow();
+            }
+            let _watch = shared.video.stream().map(|s| s.watch());
+            shared.ahead.push_back(super::Ahead { question, at, _watch });
+            let refused = self.bind_ahead(&mut shared);
+            drop(shared);
+            self.refused_all(refused);
+            return self.query_flow();
+        }
+        let (frames, pts) = match t {
+            Some(t) if !shared.video.untimed => shared.video.at(t),
+            _ => shared.video.newest(),
         };
         let stream = shared.video.stream();
         let refusal = question.clone();
@@ -730,6 +782,8 @@ impl VlmQuery {
                 let mut shared = self.shared.lock();
                 shared.query_flushing = true;
                 self.changed.notify_all();
+                drop(shared);
+                self.refuse_ahead();
             }
             EventView::FlushStop(_) => {
                 let mut shared = self.shared.lock();
