@@ -40,7 +40,9 @@ impl QuestionEvent {
             if text.trim().is_empty() {
                 return Err("vlm-question has an empty 'text'".to_string());
             }
+            // (A blank id is none: the question gets a generated one.)
             let id = s.get_optional::<String>("id").map_err(|e| format!("vlm-question field 'id': {e}"))?;
+            let id = id.filter(|id| !id.trim().is_empty());
             let max_tokens = match s.value("max-tokens") {
                 Err(_) => None,
                 Ok(v) => {

@@ -664,7 +664,8 @@ fn null_from_a_sync_bus_handler_on_a_failed_questions_warning_returns() {
 }
 
 /// An application that names its questions `q<N>` itself: a generated id passes over the ones it
-/// took (the generated question was refused as a duplicate of the application's).
+/// took (the generated question was refused as a duplicate of the application's); a blank id
+/// gets a generated one (it was taken as the id `""`, and the next blank one refused).
 #[test]
 fn generated_question_ids_pass_over_the_applications_own() {
     let _s = serial();
@@ -678,11 +679,18 @@ fn generated_question_ids_pass_over_the_applications_own() {
     }
     let generated = f.ask("Three?").expect("a generated id that is free");
     assert!(![first.clone(), format!("q{}", n + 1), format!("q{}", n + 2)].contains(&generated), "{generated}");
+    // A blank id is none: each such question gets a generated id of its own.
+    for blank in ["", "  "] {
+        assert!(sink.send_event(QuestionEvent::event("Blank?", Some(blank), None)));
+    }
     let bus = f.bus.clone();
-    f.log.pump(&bus, Duration::from_secs(120), |l| l.answers.len() >= 4);
+    f.log.pump(&bus, Duration::from_secs(120), |l| l.answers.len() >= 6);
     let log = f.finish();
-    assert_eq!(log.answers.len(), 4, "{:?}", log.answers);
+    assert_eq!(log.answers.len(), 6, "{:?}", log.answers);
     assert!(log.answers.iter().all(|a| status(a) == "answered"), "{:?}", log.answers);
+    let ids: std::collections::HashSet<String> = log.answers.iter().map(|a| a.get::<String>("id").unwrap()).collect();
+    assert_eq!(ids.len(), 6, "every answer has an id of its own: {ids:?}");
+    assert!(ids.iter().all(|id| !id.trim().is_empty()), "{ids:?}");
     assert_clean(&log);
 }
 

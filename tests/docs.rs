@@ -87,3 +87,29 @@ fn every_property_blurb_is_short() {
     }
     assert!(long.is_empty(), "blurbs over 200 characters: {long:?}");
 }
+
+/// Every enum value's name is a short description (at most 100 characters): PyGObject prints
+/// an enum value through a fixed 256-byte buffer and aborted the process on `slide`'s 277
+/// characters (`print(ctx.props.history_policy)`); the details live in docs/elements.md.
+#[test]
+fn every_enum_value_name_is_short() {
+    init();
+    let mut long = vec![];
+    for factory in ELEMENTS {
+        let element = gst::ElementFactory::make(factory).build().unwrap();
+        for p in element.list_properties() {
+            let Some(e) = p.downcast_ref::<gst::glib::ParamSpecEnum>() else { continue };
+            for v in e.enum_class().values() {
+                if v.name().chars().count() > 100 {
+                    long.push(format!(
+                        "{factory}::{}={} ({} characters)",
+                        p.name(),
+                        v.nick(),
+                        v.name().chars().count()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(long.is_empty(), "enum value names over 100 characters: {long:?}");
+}

@@ -628,9 +628,14 @@ fn a_stop_does_not_wait_for_an_encoder_context_held_by_another_stream() {
 /// source's thread for the video, and the questions ahead (more than `max-questions`) are answered about the last frame.
 #[test]
 fn a_forced_eos_ends_the_pipeline_while_a_question_waits_far_ahead() {
+    const FAR: usize = 70;
     let srt = std::env::temp_dir().join(format!("vlm-ahead-{}.srt", std::process::id()));
-    // One question now, then more far ahead than `max-questions` (16) takes at once.
-    let ahead = (1..=20).map(|i| format!("{}\n00:59:{i:02},000 --> 00:59:{i:02},500\nAnd now ({i})?\n", i + 1));
+    // One question now, then more far ahead than `max-questions` (16) takes at once and than a
+    // first version queued (64).
+    let ahead = (1..=FAR).map(|i| {
+        let (m, s) = ((3000 + i) / 60, (3000 + i) % 60);
+        format!("{}\n00:{m:02}:{s:02},000 --> 00:{m:02}:{s:02},500\nAnd now ({i})?\n", i + 1)
+    });
     let cues: Vec<String> =
         std::iter::once("1\n00:00:00,300 --> 00:00:01,000\nWhat is it?\n".into()).chain(ahead).collect();
     std::fs::write(&srt, cues.join("\n")).unwrap();
@@ -644,7 +649,7 @@ fn a_forced_eos_ends_the_pipeline_while_a_question_waits_far_ahead() {
         let pipeline = launch(&text);
         let bus = pipeline.bus().unwrap();
         pipeline.set_state(gst::State::Playing).unwrap();
-        // The first question's answer: the pipeline runs, and the second question came after it.
+        // The first question's answer: the pipeline runs, and the others came after it.
         let first = std::iter::from_fn(|| {
             bus.timed_pop_filtered(
                 gst::ClockTime::from_seconds(120),
@@ -653,6 +658,9 @@ fn a_forced_eos_ends_the_pipeline_while_a_question_waits_far_ahead() {
         })
         .find(|m| m.type_() == gst::MessageType::Error || m.structure().is_some_and(|s| s.name() == "vlm-answer"));
         assert!(first.as_ref().is_some_and(|m| m.type_() == gst::MessageType::Element), "{order}: {first:?}");
+        // Bound to a frame, maybe the first to come after it (the model loads meanwhile): its pts.
+        let pts = first.as_ref().and_then(|m| m.structure()?.get::<Option<gst::ClockTime>>("pts").ok().flatten());
+        assert!(pts.is_some(), "{order}: {first:?}");
         let (tx, rx) = mpsc::channel();
         let p = pipeline.clone();
         std::thread::spawn(move || {
@@ -662,7 +670,8 @@ fn a_forced_eos_ends_the_pipeline_while_a_question_waits_far_ahead() {
         assert!(rx.recv_timeout(Duration::from_secs(10)).is_ok(), "{order}: the EOS was not handed to every source");
         assert!(run.errors.is_empty(), "{order}: {:?}", run.errors);
         let statuses: Vec<_> = run.answers.iter().map(|a| a.get::<String>("status").unwrap()).collect();
-        assert_eq!(statuses, ["answered"; 20], "{order}: the questions ahead: {:?}", run.answers);
+        assert_eq!(statuses, ["answered"; FAR], "{order}: the questions ahead: {:?}", run.answers);
+        assert!(run.answers.iter().all(|a| a.get::<Option<gst::ClockTime>>("pts").unwrap().is_some()));
         set_state_within(&pipeline, gst::State::Null, Duration::from_secs(10), order);
     }
     let _ = std::fs::remove_file(&srt);

@@ -50,7 +50,7 @@ pub enum HistoryPolicyKind {
     )]
     Stop,
     #[enum_value(
-        name = "Slide: drop the oldest frames until a quarter of context-size is free and shift the rest in place (llama.cpp's K-shift; M-RoPE models leave a gap of positions instead, up to their trained context); in a unified pool it waits up to 2 s for the answers reading the stream's cells",
+        name = "Slide: drop the oldest frames until a quarter of context-size is free, keep the rest in place",
         nick = "slide"
     )]
     Slide,
@@ -64,7 +64,7 @@ pub enum OverloadKind {
     #[enum_value(name = "Block upstream until ingestion catches up (backpressure)", nick = "block")]
     Block,
     #[enum_value(
-        name = "Skip the frame: it passes without joining the history, counted in frames-skipped, with a vlm-overload message",
+        name = "Skip: the frame passes without joining the history (frames-skipped, vlm-overload)",
         nick = "skip"
     )]
     Skip,
@@ -74,19 +74,16 @@ pub enum OverloadKind {
 #[enum_type(name = "GstVlmKvLayout")]
 pub enum KvLayoutKind {
     #[enum_value(
-        name = "Auto: unified on CPU engines and for at most 2 streams on a GPU, per sequence for more streams on a GPU or with a remote engine (resolved at load: active-kv-layout)",
+        name = "Auto: unified on the CPU and for up to 2 GPU streams, else per sequence (active-kv-layout)",
         nick = "auto"
     )]
     Auto,
     #[enum_value(
-        name = "Per sequence: context-size cells for every stream and answer, a branch copies its prefix; bit-identical to a re-prefill",
+        name = "Per sequence: context-size cells a stream and an answer; bit-identical to a re-prefill",
         nick = "per-sequence"
     )]
     PerSequence,
-    #[enum_value(
-        name = "Unified pool sized by need: an answer shares its version's cells and costs its question and tokens; agrees closely with a re-prefill",
-        nick = "unified"
-    )]
+    #[enum_value(name = "Unified pool: an answer shares its version's cells; close to a re-prefill", nick = "unified")]
     Unified,
 }
 

@@ -93,7 +93,7 @@ pub enum TileReuseKind {
     #[enum_value(name = "Exact: a tile whose pixels are identical", nick = "exact")]
     Exact,
     #[enum_value(
-        name = "Threshold: a tile where the change gate sees no change beyond noise since the pixels its embeddings came from",
+        name = "Threshold: a tile with no change beyond noise since its embeddings were made",
         nick = "threshold"
     )]
     Threshold,

@@ -52,15 +52,9 @@ pub enum OutputFormat {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, glib::Enum)]
 #[enum_type(name = "GstVlmDisplay")]
 pub enum Display {
-    #[enum_value(
-        name = "Replace: a newer answer replaces the one on screen as soon as it comes (live views show the newest answer)",
-        nick = "replace"
-    )]
+    #[enum_value(name = "Replace: a newer answer replaces the one on screen at once (live views)", nick = "replace")]
     Replace,
-    #[enum_value(
-        name = "Queue: each answer keeps its whole answer-duration, a newer one waits for it (one text buffer per answer)",
-        nick = "queue"
-    )]
+    #[enum_value(name = "Queue: each answer keeps its whole answer-duration, a newer one waits", nick = "queue")]
     Queue,
 }
 const DEFAULT_DISPLAY: Display = Display::Replace;
@@ -153,6 +147,9 @@ struct Pending {
     /// running time from its frame's capture, which with `vlmencode min-change` includes the
     /// unchanged frames it stood for.
     picture_age_ms: Option<f64>,
+    /// For a question bound to its stream's first frame once one came (`first_frame`): that
+    /// frame's pts and picture age (see `Pending::pts`).
+    late_picture: std::sync::OnceLock<(Option<gst::ClockTime>, Option<f64>)>,
     /// The question's arrival (where `ttft-ms` starts) in running time on the pipeline clock.
     arrival_rt: Option<gst::ClockTime>,
 }
@@ -252,6 +249,12 @@ impl Video {
         self.current_frames().rev().find(|f| f.number == number).and_then(|f| f.rt)
     }
 
+    /// How old registered frame `number`'s picture was at running time `at` (ms; none while the
+    /// frame is not among the recent ones).
+    fn picture_age(&self, number: u64, at: Option<gst::ClockTime>) -> Option<f64> {
+        self.time_of(number).zip(at).map(|(frame, at)| at.saturating_sub(frame).nseconds() as f64 / 1e6)
+    }
+
     /// The capture (running time) of the frame a question is about: the newest sampled frame at
     /// or before its time `at`, held or not (its answer reflects that frame, the picture it was
     /// bound to standing for it); an untimed question's is the capture of its bound frame.
@@ -337,10 +340,10 @@ struct Shared {
     video_answers: VecDeque<gst::Structure>,
     /// The query pad waits for room (`max-questions` pending).
     query_waiting: bool,
-    /// Timed questions ahead of the video, in arrival order (at most [`WAITING_MAX`]): taken at
-    /// once (the query pad does not hold its source's thread for the video, so a forced EOS
-    /// reaches every source) and accepted, each in its turn, once the video has passed its time
-    /// and a `max-questions` slot is free (`VlmQuery::bind_ahead`).
+    /// Timed questions ahead of the video, in arrival order (bounded: [`Shared::ahead_full`]):
+    /// taken at once (the query pad does not hold its source's thread for the video, so a
+    /// forced EOS reaches every source) and accepted, each in its turn, once the video has
+    /// passed its time and a `max-questions` slot is free (`VlmQuery::bind_ahead`).
     ahead: VecDeque<Ahead>,
     /// Ids of the most recent accepted questions: an id is answered once.
     recent_ids: VecDeque<String>,
@@ -370,12 +373,24 @@ impl Shared {
         }
     }
 
+    /// The questions ahead of the video fill their queue: [`AHEAD_MAX`] of them, or
+    /// [`AHEAD_BYTES`] of text (the query pad waits for room then, as textoverlay's text pad
+    /// waits with one).
+    fn ahead_full(&self) -> bool {
+        self.ahead.len() >= AHEAD_MAX || self.ahead.iter().map(|a| a.question.text.len()).sum::<usize>() >= AHEAD_BYTES
+    }
+
     /// Whether the video is known past running time `t`: every frame a question at `t` may
     /// bind to has come (or none will: EOS, or untimed video, where it binds to the newest).
     fn video_past(&self, t: gst::ClockTime) -> bool {
         self.video.eos.is_some() || self.video.untimed || self.video.known_until.is_some_and(|end| end > t)
     }
 }
+
+/// Most timed questions waiting for the video to reach their time, and most text of theirs: an
+/// hour of subtitles, one a second, fits.
+const AHEAD_MAX: usize = 4096;
+const AHEAD_BYTES: usize = 4 << 20;
 
 /// A timed question waiting for the video to reach its time (`Shared::ahead`).
 struct Ahead {

@@ -75,11 +75,13 @@
 //! flushing, before the element starts, or when `max-questions` are pending (`ask` also for
 //! empty text), where the `query` pad blocks instead (the video's own thread never waits for
 //! room, which an overlay may give only once the video passes an answer's time). A question
-//! timed ahead of the video takes its slot at once and binds when the video passes its time
-//! (at the video's EOS, to the last frame); the `query` pad does not wait for the video, so a
-//! forced EOS (`gst-launch-1.0 -e`, Ctrl-C) reaches the camera whatever the order of the
-//! sources. A malformed `vlm-question` (no `text`, a `max-tokens` that is not a positive
-//! integer) is a WARNING.
+//! timed ahead of the video waits inside the element (up to 4,096 questions or 4 MiB of text:
+//! an hour of subtitles, one a second) and is accepted once the video has passed its time and
+//! a `max-questions` slot is free (at the video's EOS, bound to the last frame); the `query` pad
+//! does not wait for the video, so a forced EOS (`gst-launch-1.0 -e`, Ctrl-C) reaches the
+//! camera whatever the order of the sources (beyond that queue the pad waits, as textoverlay's
+//! text pad waits with one subtitle ahead). A malformed `vlm-question` (no `text`, a
+//! `max-tokens` that is not a positive integer) is a WARNING.
 //!
 //! ## Example pipelines
 //!

@@ -46,12 +46,23 @@ const NO_FRAME: &str = "the video ended before any frame was registered";
 /// How often a question waiting for its stream's first frame looks at the stream again (a
 /// frame arriving here wakes it at once; this catches a registration seen nowhere else).
 const FIRST_FRAME_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+/// Longest such a question waits for its first frame to pass this element once it is registered.
+const FIRST_FRAME_PASS: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Pending {
     /// The question's stream: the one it was bound to when accepted, or (accepted before any
     /// stream reached the element) the one whose first frame it waited for.
     pub(super) fn stream(&self) -> Option<&Arc<Stream>> {
         self.job.stream.as_ref().or_else(|| self.late_stream.get())
+    }
+
+    /// The pts of the frame the question is bound to (for one that waited for its stream's
+    /// first frame, that frame's), and how old its picture was at the question's time.
+    pub(super) fn picture(&self) -> (Option<gst::ClockTime>, Option<f64>) {
+        match self.late_picture.get() {
+            Some(&late) if self.job.frames == 0 => late,
+            _ => (self.job.pts, self.picture_age_ms),
+        }
     }
 }
 
@@ -133,11 +144,7 @@ impl VlmQuery {
             job.question.text
         );
         let id = job.question.id.clone();
-        let picture_age_ms = shared
-            .video
-            .time_of(job.frames)
-            .zip(job.at)
-            .map(|(frame, at)| at.saturating_sub(frame).nseconds() as f64 / 1e6);
+        let picture_age_ms = shared.video.picture_age(job.frames, job.at);
         let since_arrival = gst::ClockTime::from_nseconds(job.question.arrival.elapsed().as_nanos() as u64);
         let arrival_rt = self.obj().current_running_time().map(|now| now.saturating_sub(since_arrival));
         let pending = Arc::new(Pending {
@@ -155,6 +162,7 @@ impl VlmQuery {
             commit: CommitTurn::new(),
             thread: Mutex::new(None),
             late_stream: std::sync::OnceLock::new(),
+            late_picture: std::sync::OnceLock::new(),
         });
         // With ordered commits a question sees the answers before it on its stream: it waits for
         // the newest of them (another stream's answer, after a stream switch, is not its history).
@@ -203,11 +211,16 @@ impl VlmQuery {
     fn bind_ahead(&self, shared: &mut parking_lot::MutexGuard<'_, Shared>) -> Vec<(Question, Refusal)> {
         let max = self.settings.lock().max_questions as usize;
         let mut refused = vec![];
-        while let Some(at) = shared.ahead.front().map(|a| a.at) {
-            if !shared.video_past(at) || (shared.taken_slots() >= max && !shared.flushing) {
+        let mut i = 0;
+        while let Some(at) = shared.ahead.get(i).map(|a| a.at) {
+            if !shared.video_past(at) {
+                i += 1; // (one timed earlier, behind it, may be due)
+                continue;
+            }
+            if shared.taken_slots() >= max && !shared.flushing {
                 break;
             }
-            let Some(ahead) = shared.ahead.pop_front() else { break };
+            let Some(ahead) = shared.ahead.remove(i) else { break };
             let (frames, pts) = if shared.video.untimed { shared.video.newest() } else { shared.video.at(at) };
             let stream = shared.video.stream();
             let question = ahead.question.clone();
@@ -302,14 +315,23 @@ impl VlmQuery {
     fn first_frame(&self, p: &Pending) -> Result<(Arc<Stream>, u64), bool> {
         let mut shared = self.shared.lock();
         gst::debug!(CAT, imp = self, "question {} waits for its stream's first frame", p.job.question.id);
+        // When a registered frame was first seen without having passed here yet.
+        let mut registered_at = None;
         loop {
             if p.cancel.load(Ordering::Acquire) || shared.flushing {
                 return Err(true);
             }
             if let Some(stream) = p.job.stream.clone().or_else(|| shared.video.stream()) {
                 let registered = stream.registered();
-                if registered > 0 {
+                // It binds once the frame has passed here too, for its pts and picture age (a
+                // frame dropped on the way, by a leaky queue, is waited for a moment only).
+                let video = &shared.video;
+                let passed = video.time_of(registered).is_some() || video.eos.is_some();
+                if registered > 0
+                    && (passed || registered_at.get_or_insert_with(Instant::now).elapsed() >= FIRST_FRAME_PASS)
+                {
                     gst::debug!(CAT, imp = self, "question {} bound to {registered} frames", p.job.question.id);
+                    let _ = p.late_picture.set((video.pts_up_to(registered), video.picture_age(registered, p.job.at)));
                     return Ok((stream, registered));
                 }
             }
@@ -712,9 +734,8 @@ impl VlmQuery {
         // binds when the video passes its time, so that every frame up to it is known; the pad
         // does not wait for that: a pipeline hands a forced EOS to one source at a time, and
         // the camera's would wait behind a question source held here.
-        // (Behind the ones ahead: questions are answered in their order.)
-        if let Some(at) = t.filter(|&t| !shared.video_past(t) || !shared.ahead.is_empty()) {
-            while shared.ahead.len() >= super::WAITING_MAX && !shared.flushing && !shared.query_flushing {
+        if let Some(at) = t.filter(|&t| !shared.video_past(t)) {
+            while shared.ahead_full() && !shared.flushing && !shared.query_flushing {
                 self.changed.wait(&mut shared);
             }
             if shared.query_flushing {
@@ -725,6 +746,7 @@ impl VlmQuery {
                 self.refused(&question, Refusal::Flushing);
                 return self.query_flow();
             }
+            gst::debug!(CAT, imp = self, "question {} waits for the video to reach {at}", question.id);
             let _watch = shared.video.stream().map(|s| s.watch());
             shared.ahead.push_back(super::Ahead { question, at, _watch });
             let refused = self.bind_ahead(&mut shared);

@@ -285,7 +285,7 @@ impl VlmQuery {
         if !following && let Some(shown) = shared.shown.take() {
             // The video has ended: a whole answer that was never drawn still goes out, once.
             if shown.status == "answered" && !shown.pushed {
-                let at = shared.text_position.max(shared.video.end).or(shown.pending.job.pts);
+                let at = shared.text_position.max(shared.video.end).or(shown.pending.picture().0);
                 let duration = shown.until.zip(at).map(|(until, at)| until.saturating_sub(at));
                 let text = line(format, &shown.pending, &shown.text, "answered");
                 return Some(Self::text(shared, shown.pending, text, at, duration, "answered"));
@@ -316,7 +316,7 @@ impl VlmQuery {
             let status = message.get::<String>("status").unwrap_or_default();
             // An answer is shown from where the video is when it comes: the end of the newest
             // frame (the next frame is the first that can show it).
-            let at = shared.video.end.or(p.job.pts);
+            let at = shared.video.end.or(p.picture().0);
             let duration = output.duration;
             match format {
                 OutputFormat::Json => {
@@ -369,7 +369,7 @@ impl VlmQuery {
             if text.len() > p.text_taken.load(Ordering::Acquire) {
                 if !following {
                     p.text_taken.store(text.len(), Ordering::Release);
-                    let at = shared.video.end.or(p.job.pts);
+                    let at = shared.video.end.or(p.picture().0);
                     let text = line(format, &p, &text, "partial");
                     return Some(Self::text(shared, p, text, at, None, "partial"));
                 }
@@ -447,7 +447,7 @@ impl VlmQuery {
         }
         let text = message.get::<String>("text").unwrap_or_default();
         let duration = gst::ClockTime::from_nseconds(self.settings.lock().answer_duration);
-        let pts = shared.video.end.max(shared.cue_position).or(p.job.pts);
+        let pts = shared.video.end.max(shared.cue_position).or(p.picture().0);
         super::push_bounded(&mut shared.cues, Cue { pending: Arc::clone(p), text, pts, duration });
         self.changed.notify_all();
     }
@@ -726,8 +726,8 @@ impl VlmQuery {
             .field("stream", stream)
             .field("lag-frames", p.lag.frames)
             .field("lag-ms", p.lag.ms)
-            .field("pts", p.job.pts)
-            .field("picture-age-ms", p.picture_age_ms.unwrap_or(-1.0));
+            .field("pts", p.picture().0)
+            .field("picture-age-ms", p.picture().1.unwrap_or(-1.0));
         msg = match &outcome {
             Outcome::Answered(r) => {
                 gst::info!(
