@@ -148,7 +148,7 @@ struct Pending {
     /// unchanged frames it stood for.
     picture_age_ms: Option<f64>,
     /// For a question bound to its stream's first frame once one came (`first_frame`): that
-    /// frame's pts and picture age (see `Pending::pts`).
+    /// frame's pts and picture age (see `Pending::picture`).
     late_picture: std::sync::OnceLock<(Option<gst::ClockTime>, Option<f64>)>,
     /// The question's arrival (where `ttft-ms` starts) in running time on the pipeline clock.
     arrival_rt: Option<gst::ClockTime>,

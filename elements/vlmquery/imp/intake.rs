@@ -730,10 +730,10 @@ impl VlmQuery {
         }
         let question = self.question(&shared, &text, None, None);
         let t = buffer.pts().and_then(|pts| shared.query_segment.as_ref().and_then(|s| s.to_running_time(pts)));
-        // A question ahead of the video takes its slot (waiting for one, as backpressure) and
-        // binds when the video passes its time, so that every frame up to it is known; the pad
-        // does not wait for that: a pipeline hands a forced EOS to one source at a time, and
-        // the camera's would wait behind a question source held here.
+        // A question ahead of the video waits inside (`Shared::ahead`) and binds when the video
+        // passes its time, so that every frame up to it is known; the pad does not wait for
+        // that: a pipeline hands a forced EOS to one source at a time, and the camera's would
+        // wait behind a question source held here.
         if let Some(at) = t.filter(|&t| !shared.video_past(t)) {
             while shared.ahead_full() && !shared.flushing && !shared.query_flushing {
                 self.changed.wait(&mut shared);
@@ -749,9 +749,7 @@ impl VlmQuery {
             gst::debug!(CAT, imp = self, "question {} waits for the video to reach {at}", question.id);
             let _watch = shared.video.stream().map(|s| s.watch());
             shared.ahead.push_back(super::Ahead { question, at, _watch });
-            let refused = self.bind_ahead(&mut shared);
             drop(shared);
-            self.refused_all(refused);
             return self.query_flow();
         }
         let (frames, pts) = match t {
