@@ -212,6 +212,21 @@ impl Video {
         self.end.filter(|_| !self.between_segments)
     }
 
+    /// What stays over a flush: the stream and the caps' rate, and the frames seen before with
+    /// their pts but not their running time (the flush starts it again): a question binds by
+    /// running time to frames after the flush only, and one answered about a frame before it
+    /// (none came since) still names that frame's pts.
+    fn after_flush(self) -> Video {
+        let frames = self.frames.into_iter().map(|f| SeenFrame { rt: None, ..f }).collect();
+        Video {
+            stream: self.stream,
+            stream_id: self.stream_id,
+            frame_duration: self.frame_duration,
+            frames,
+            ..Video::default()
+        }
+    }
+
     /// From now on questions bind to stream `id` (a frame of it came, or its `vlm-stream`).
     fn switch_to(&mut self, id: u64) {
         if self.stream_id != Some(id) || self.stream().is_none() {
@@ -513,12 +528,7 @@ impl VlmQuery {
         *shared = Shared {
             stats: old.stats,
             // (The caps stay: a sticky event is not sent again after a flush.)
-            video: Video {
-                stream: old.video.stream,
-                stream_id: old.video.stream_id,
-                frame_duration: old.video.frame_duration,
-                ..Video::default()
-            },
+            video: old.video.after_flush(),
             query_segment: old.query_segment,
             query_markup: old.query_markup,
             query_eos: old.query_eos,
@@ -1022,6 +1032,26 @@ mod tests {
         assert_eq!(video.question_capture(None, 1), Some(s(0)));
         // Before any frame: none.
         assert_eq!(Video::default().question_capture(Some(s(1)), 1), None);
+    }
+
+    /// After a flush a timed question binds to no frame seen before it (their running times
+    /// start again), and a question answered about one of them (no frame came since: the source
+    /// was spent) names its pts; its picture's age is unknown.
+    #[test]
+    fn frames_seen_before_a_flush_keep_their_pts_not_their_time() {
+        let s = gst::ClockTime::from_seconds;
+        let video = Video {
+            stream_id: Some(1),
+            frames: [SeenFrame { stream: 1, rt: Some(s(2)), pts: Some(s(2)), number: 2 }].into(),
+            known_until: Some(s(3)),
+            ..Video::default()
+        };
+        assert_eq!(video.at(s(3)), (2, Some(s(2))));
+        let flushed = video.after_flush();
+        assert_eq!(flushed.at(s(3)), (0, None));
+        assert_eq!(flushed.known_until, None);
+        assert_eq!(flushed.pts_up_to(2), Some(s(2)));
+        assert_eq!(flushed.picture_age(2, Some(s(3))), None);
     }
 
     /// Two streams reach one vlmquery (a funnel): a question binds to a frame of the stream it

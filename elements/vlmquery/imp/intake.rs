@@ -326,7 +326,7 @@ impl VlmQuery {
                 // It binds once the frame has passed here too, for its pts and picture age (a
                 // frame dropped on the way, by a leaky queue, is waited for a moment only).
                 let video = &shared.video;
-                let passed = video.time_of(registered).is_some() || video.eos.is_some();
+                let passed = video.current_frames().any(|f| f.number == registered) || video.eos.is_some();
                 if registered > 0
                     && (passed || registered_at.get_or_insert_with(Instant::now).elapsed() >= FIRST_FRAME_PASS)
                 {
