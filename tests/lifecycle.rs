@@ -1,8 +1,8 @@
 //! State changes that must always complete: shutdown after a start-up error with every pad
 //! linked (the query pad fed by `subparse` too), fast PLAYING⇄NULL cycles of one pipeline, and
 //! NULL after a stream's `sink_%u` pad was released during ingestion, the model loading in the
-//! background from READY, NULL→PLAYING returning ASYNC while it loads, a stop racing its completion, and a stop while a frame
-//! waits for the encoder context another stream holds. Each is repeated; a state
+//! background from READY, NULL→PLAYING returning ASYNC while it loads, a stop racing its completion, a stop while a frame
+//! waits for the encoder context another stream holds, and a forced EOS while questions wait far ahead. Each is repeated; a state
 //! change that does not return within its bound fails the test instead of hanging it.
 
 mod common;
@@ -623,9 +623,10 @@ fn a_stop_does_not_wait_for_an_encoder_context_held_by_another_stream() {
 }
 
 /// A forced EOS (`gst-launch-1.0 -e`, Ctrl-C: EOS sent to the pipeline, which hands it to one
-/// source at a time) ends a live pipeline while a subtitle question waits far ahead of the
-/// video, whichever source the description names first: the query pad does not hold its
-/// source's thread for the video, and the questions ahead (more than `max-questions`) are answered about the last frame.
+/// source at a time) ends a live pipeline while subtitle questions wait far ahead of the video,
+/// whichever source the description names first: the query pad does not hold its source's
+/// thread for the video, and the questions ahead (more than `max-questions`) are answered
+/// about the last frame.
 #[test]
 fn a_forced_eos_ends_the_pipeline_while_a_question_waits_far_ahead() {
     const FAR: usize = 70;
