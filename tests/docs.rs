@@ -70,21 +70,27 @@ fn every_property_and_signal_is_in_docs_elements_md() {
     );
 }
 
+/// Every property of the four elements, with its element's factory name.
+fn every_property() -> Vec<(&'static str, gst::glib::ParamSpec)> {
+    init();
+    ELEMENTS
+        .iter()
+        .flat_map(|&factory| {
+            let element = gst::ElementFactory::make(factory).build().unwrap();
+            element.list_properties().into_iter().map(move |p| (factory, p))
+        })
+        .collect()
+}
+
 /// `gst-inspect-1.0` reads well: every property's blurb is at most 200 characters (the details
 /// live in docs/elements.md).
 #[test]
 fn every_property_blurb_is_short() {
-    init();
-    let mut long = vec![];
-    for factory in ELEMENTS {
-        let element = gst::ElementFactory::make(factory).build().unwrap();
-        for p in element.list_properties() {
-            let blurb = p.blurb().unwrap_or_default();
-            if blurb.chars().count() > 200 {
-                long.push(format!("{factory}::{} ({} characters)", p.name(), blurb.chars().count()));
-            }
-        }
-    }
+    let long: Vec<_> = every_property()
+        .into_iter()
+        .map(|(factory, p)| (factory, p.name().to_owned(), p.blurb().unwrap_or_default().chars().count()))
+        .filter(|&(_, _, n)| n > 200)
+        .collect();
     assert!(long.is_empty(), "blurbs over 200 characters: {long:?}");
 }
 
@@ -93,22 +99,11 @@ fn every_property_blurb_is_short() {
 /// characters (`print(ctx.props.history_policy)`); the details live in docs/elements.md.
 #[test]
 fn every_enum_value_name_is_short() {
-    init();
     let mut long = vec![];
-    for factory in ELEMENTS {
-        let element = gst::ElementFactory::make(factory).build().unwrap();
-        for p in element.list_properties() {
-            let Some(e) = p.downcast_ref::<gst::glib::ParamSpecEnum>() else { continue };
-            for v in e.enum_class().values() {
-                if v.name().chars().count() > 100 {
-                    long.push(format!(
-                        "{factory}::{}={} ({} characters)",
-                        p.name(),
-                        v.nick(),
-                        v.name().chars().count()
-                    ));
-                }
-            }
+    for (factory, p) in every_property() {
+        let Some(e) = p.downcast_ref::<gst::glib::ParamSpecEnum>() else { continue };
+        for v in e.enum_class().values().iter().filter(|v| v.name().chars().count() > 100) {
+            long.push(format!("{factory}::{}={} ({} characters)", p.name(), v.nick(), v.name().chars().count()));
         }
     }
     assert!(long.is_empty(), "enum value names over 100 characters: {long:?}");

@@ -388,6 +388,11 @@ impl Shared {
         }
     }
 
+    /// Every accepted question's `vlm-answer` is on the bus.
+    fn all_posted(&self) -> bool {
+        self.pending.iter().all(|p| p.posted.load(Ordering::Acquire))
+    }
+
     /// The questions ahead of the video fill their queue: [`AHEAD_MAX`] of them, or
     /// [`AHEAD_BYTES`] of text (the query pad waits for room then, as textoverlay's text pad
     /// waits with one).

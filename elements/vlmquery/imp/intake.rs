@@ -59,10 +59,7 @@ impl Pending {
     /// The pts of the frame the question is bound to (for one that waited for its stream's
     /// first frame, that frame's), and how old its picture was at the question's time.
     pub(super) fn picture(&self) -> (Option<gst::ClockTime>, Option<f64>) {
-        match self.late_picture.get() {
-            Some(&late) if self.job.frames == 0 => late,
-            _ => (self.job.pts, self.picture_age_ms),
-        }
+        self.late_picture.get().copied().unwrap_or((self.job.pts, self.picture_age_ms))
     }
 }
 
@@ -647,8 +644,7 @@ impl VlmQuery {
                     }
                     let recheck = self.maybe_finish(&mut shared);
                     let done = if linked {
-                        (shared.eos || shared.query_waiting)
-                            && shared.pending.iter().all(|p| p.posted.load(Ordering::Acquire))
+                        (shared.eos || shared.query_waiting) && shared.all_posted()
                     } else {
                         shared.all_answered
                     };

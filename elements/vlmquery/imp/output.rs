@@ -501,7 +501,7 @@ impl VlmQuery {
             shared.cue_position = shared.cue_position.max(cue.pts);
             return Some(NextCue::Cue(cue));
         }
-        if shared.eos && shared.pending.iter().all(|p| p.posted.load(Ordering::Acquire)) {
+        if shared.eos && shared.all_posted() {
             return (!shared.cue_eos).then(|| {
                 shared.cue_eos = true;
                 NextCue::Eos
@@ -720,14 +720,15 @@ impl VlmQuery {
     pub(super) fn answer_message(&self, p: &Pending, outcome: Outcome) -> gst::Structure {
         let q = &p.job.question;
         let stream = p.stream().map_or("", |s| s.name());
+        let (pts, picture_age_ms) = p.picture();
         let mut msg = gst::Structure::builder("vlm-answer")
             .field("id", &q.id)
             .field("question", &q.text)
             .field("stream", stream)
             .field("lag-frames", p.lag.frames)
             .field("lag-ms", p.lag.ms)
-            .field("pts", p.picture().0)
-            .field("picture-age-ms", p.picture().1.unwrap_or(-1.0));
+            .field("pts", pts)
+            .field("picture-age-ms", picture_age_ms.unwrap_or(-1.0));
         msg = match &outcome {
             Outcome::Answered(r) => {
                 gst::info!(
