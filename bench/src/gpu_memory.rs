@@ -35,6 +35,11 @@ fn parse(csv: &str) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// This process's GPU memory now (MiB), where `nvidia-smi` sees it use the GPU.
+pub fn own_mib() -> Option<u64> {
+    sample()?.into_iter().find(|&(pid, _)| pid == std::process::id()).map(|(_, mib)| mib)
+}
+
 impl GpuMemory {
     /// Start polling, where `nvidia-smi` answers.
     pub fn watch() -> Option<GpuMemory> {

@@ -178,15 +178,21 @@ pub fn ms(d: Duration) -> f64 {
 
 /// Peak resident set size of a process (VmHWM, KiB), `None` if unreadable.
 pub fn peak_rss_kib(pid: Option<u32>) -> Option<u64> {
+    status_kib(pid, "VmHWM:")
+}
+
+/// This process's resident set size now (VmRSS, KiB), `None` if unreadable.
+pub fn rss_kib() -> Option<u64> {
+    status_kib(None, "VmRSS:")
+}
+
+fn status_kib(pid: Option<u32>, key: &str) -> Option<u64> {
     let path = match pid {
         Some(p) => format!("/proc/{p}/status"),
         None => "/proc/self/status".into(),
     };
     let status = std::fs::read_to_string(path).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    status.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// CPU time (clock ticks) the whole machine was busy, and what this process and the children

@@ -279,7 +279,10 @@ fn encoders_smoke_measures_every_context_and_stream_count() {
         assert_eq!(l["tiles"].as_u64(), Some(frames * tiles), "{l}");
         assert!(f64_of(l, "frames_per_s") > 0.0 && f64_of(l, "encode_p95_ms") > 0.0, "{l}");
         assert_eq!(l["speedup"].is_null(), l["contexts"].as_u64() == Some(1), "{l}");
+        // The CPU encoder: resident memory once the level's contexts are warm.
+        assert!(l["memory_mib"].as_u64().is_some_and(|m| m > 0), "{l}");
     }
     assert!(report["table"].as_str().unwrap().contains("peer: 1 context(s)"));
+    assert!(report["table"].as_str().unwrap().contains("resident MiB"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -231,6 +231,36 @@ fn several_encoder_contexts_give_the_rows_of_one_for_a_frames_tiles_and_for_fram
     assert_eq!((count.encoded, count.reused, count.contexts), (0, 5, 0));
 }
 
+#[test]
+fn a_projectors_encoder_contexts_share_one_copy_of_its_weights_while_the_file_is_unchanged() {
+    let dir = common::models_dir();
+    let model = models::model(&dir.join("test-idefics3-lm.gguf"), &Device::Cpu).expect("model");
+    // A file of this test's own: other tests load the original meanwhile.
+    let tmp = std::env::temp_dir().join(format!("vlm-shared-weights-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mmproj = tmp.join("mmproj.gguf");
+    std::fs::copy(dir.join("test-idefics3-mmproj.gguf"), &mmproj).unwrap();
+    let copies = || vlm_runtime::llama::Projector::weight_copies(&mmproj).unwrap();
+    let load = |contexts: usize| {
+        vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, contexts as i32, contexts)
+    };
+    assert_eq!(copies(), (0, 0));
+    let three = load(3).unwrap();
+    assert_eq!(copies(), (1, 3), "three contexts, one copy of the weights");
+    let one = load(1).unwrap();
+    assert_eq!(copies(), (1, 4), "another projector of the file reads the same copy");
+    drop(three);
+    assert_eq!(copies(), (1, 1));
+    // A file rewritten since is loaded anew (its weights may differ), beside the copy still read.
+    std::thread::sleep(std::time::Duration::from_millis(1100)); // a new mtime on any filesystem
+    std::fs::copy(dir.join("test-idefics3-mmproj.gguf"), &mmproj).unwrap();
+    let rewritten = load(1).unwrap();
+    assert_eq!(copies(), (2, 2));
+    drop((one, rewritten));
+    assert_eq!(copies(), (0, 0), "the last context to go frees the weights");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
 /// A frame's segments as plain data: each text's tokens, each image's rows and positions.
 fn segments_of(segments: &[Segment]) -> Vec<(Vec<i32>, Vec<f32>, i32)> {
     segments

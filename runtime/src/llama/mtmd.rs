@@ -16,8 +16,15 @@ use super::model::c_path;
 use super::{Model, Token, check_readable, init_backend};
 use crate::error::{Error, Result};
 
+// Defined by libmtmd as this project builds it (scripts/llama/mtmd-edits.cmake, which makes the
+// encoder contexts of one projector file share its weights).
+unsafe extern "C" {
+    fn gst_vlm_clip_weight_copies(fname: *const std::ffi::c_char, users: *mut usize) -> usize;
+}
+
 #[derive(Clone, Copy)]
 struct MtmdPtr(NonNull<sys::mtmd_context>);
+
 // SAFETY: an mtmd context is used by one thread at a time: the one holding its lease from the
 // Projector's pool (except through [`DecodeView`]).
 unsafe impl Send for MtmdPtr {}
@@ -660,6 +667,17 @@ impl Projector {
     /// How many encoder contexts are loaded.
     pub fn contexts(&self) -> usize {
         self.contexts.count.load(Ordering::Acquire)
+    }
+
+    /// The copies of the weights of the projector file at `path` loaded in the process (one a
+    /// device while the file is unchanged: every encoder context of it reads the same, whichever
+    /// projector loaded it) and the encoder contexts reading them.
+    pub fn weight_copies(path: &Path) -> Result<(usize, usize)> {
+        let cpath = c_path(path)?;
+        let mut users = 0;
+        // SAFETY: a NUL-terminated path and a place for the count, both alive for the call.
+        let copies = unsafe { gst_vlm_clip_weight_copies(cpath.as_ptr(), &mut users) };
+        Ok((copies, users))
     }
 
     /// Whether a context failed to load (no memory left for another).

@@ -1,0 +1,169 @@
+# libmtmd as gst-vlm builds it: the encoder contexts of one projector share one copy of its
+# weights (issue 31: each context used to load its own, ~190 MiB for SmolVLM-500M's projector on
+# the GPU). A `vlmencode` or vlm-bench process loads 1 to 4 contexts of the same file so that
+# frames encode side by side; each keeps its own backend, scheduler and compute buffers, and now
+# reads the weights of the first (llama.cpp's contexts of one model do the same). One edit, made on
+# a copy of the sources, never on the originals:
+#
+#  - as llama-cpp-sys-2 builds llama.cpp: .cargo/config.toml sets CMAKE_PROJECT_INCLUDE to this
+#    file (the crate forwards CMAKE_* variables to cmake); after llama.cpp's top-level
+#    CMakeLists, the `mtmd` target compiles an edited copy of tools/mtmd from the build directory;
+#  - on a llama.cpp tree (scripts/cuda-libs.sh, the GPU machines' shared libraries):
+#    cmake -DMTMD_DIR=<tree>/tools/mtmd -P this-file edits that tree in place (idempotent).
+#
+# The crate is pinned (Cargo.toml), so sources that do not read as expected are an error: the
+# runtime calls gst_vlm_clip_weight_copies, which only the edit defines.
+
+# One edit of `file` under `dir`: in mode "check", fails where the file has neither `old` nor
+# `new`; in mode "apply", writes `new` in place of `old` (once only).
+function(gst_vlm_edit mode dir file old new)
+    file(READ "${dir}/${file}" text)
+    string(FIND "${text}" "${new}" done)
+    string(FIND "${text}" "${old}" at)
+    if(mode STREQUAL "check")
+        if(done EQUAL -1 AND at EQUAL -1)
+            message(FATAL_ERROR "gst-vlm: ${dir}/${file} is not the libmtmd scripts/llama/mtmd-edits.cmake was written for (llama-cpp-sys-2 0.1.160)")
+        endif()
+    elseif(done EQUAL -1)
+        string(REPLACE "${old}" "${new}" text "${text}")
+        file(WRITE "${dir}/${file}" "${text}")
+    endif()
+endfunction()
+
+# Every edit is checked first, so the sources are either all edited or left alone.
+function(gst_vlm_patch_mtmd dir)
+    foreach(mode check apply)
+        # A context holds the weights it shares (declared after `buf`, so freed before the
+        # weights it may own itself and after its scheduler).
+        gst_vlm_edit(${mode} "${dir}" clip.cpp [=[
+    ggml_backend_buffer_ptr buf;
+]=] [=[
+    ggml_backend_buffer_ptr buf;
+    std::shared_ptr<void> gst_vlm_weights; // gst-vlm: the weights this context shares
+]=])
+        # clip_init loads a vision projector's weights once a process.
+        gst_vlm_edit(${mode} "${dir}" clip.cpp [=[
+            loader.load_hparams(ctx_vision->model, CLIP_MODALITY_VISION);
+            loader.load_tensors(*ctx_vision);
+]=] [=[
+            loader.load_hparams(ctx_vision->model, CLIP_MODALITY_VISION);
+            gst_vlm_load_tensors_shared(loader, *ctx_vision, fname);
+]=])
+        gst_vlm_edit(${mode} "${dir}" clip.cpp [=[
+struct clip_init_result clip_init(const char * fname, struct clip_context_params ctx_params) {
+]=] [=[
+// gst-vlm: the vision contexts of one projector file (unchanged on disk, on one buffer type)
+// share one copy of its weights; the last context to go frees it.
+struct gst_vlm_shared_weights {
+    clip_model model;
+    ggml_context_ptr ctx_data;
+    ggml_backend_buffer_ptr buf;
+};
+
+static std::mutex gst_vlm_weights_mutex;
+static std::map<std::string, std::weak_ptr<gst_vlm_shared_weights>> gst_vlm_weights_loaded;
+
+static std::string gst_vlm_weights_key(const char * fname, const clip_ctx & ctx) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(fname, ec);
+    const auto mtime = std::filesystem::last_write_time(fname, ec).time_since_epoch().count();
+    return string_format("%s|%llu|%lld|%s", fname, (unsigned long long) size, (long long) mtime,
+        ggml_backend_buft_name(ggml_backend_get_default_buffer_type(ctx.backend)));
+}
+
+// Loads `ctx`'s tensors, or points them at a copy already loaded; its hyperparameters (read by
+// load_hparams, with its own image token limits) stay its own.
+static void gst_vlm_load_tensors_shared(clip_model_loader & loader, clip_ctx & ctx, const char * fname) {
+    if (ctx.no_alloc) {
+        loader.load_tensors(ctx);
+        return;
+    }
+    const std::string key = gst_vlm_weights_key(fname, ctx);
+    std::lock_guard<std::mutex> lock(gst_vlm_weights_mutex);
+    if (auto shared = gst_vlm_weights_loaded[key].lock()) {
+        const clip_hparams hparams = ctx.model.hparams;
+        ctx.model = shared->model;
+        ctx.model.hparams = hparams;
+        ctx.gst_vlm_weights = shared;
+        LOG_INF("%s: sharing the weights of %s (%ld contexts)\n", __func__, fname, shared.use_count() - 1);
+        return;
+    }
+    loader.load_tensors(ctx);
+    auto shared = std::make_shared<gst_vlm_shared_weights>();
+    shared->model = ctx.model;
+    shared->ctx_data = std::move(ctx.ctx_data);
+    shared->buf = std::move(ctx.buf);
+    ctx.gst_vlm_weights = shared;
+    gst_vlm_weights_loaded[key] = shared;
+}
+
+// The copies of `fname`'s weights alive in the process (one per buffer type),
+// and in `users` the contexts reading them.
+extern "C" __attribute__((visibility("default"))) size_t gst_vlm_clip_weight_copies(const char * fname, size_t * users) {
+    std::lock_guard<std::mutex> lock(gst_vlm_weights_mutex);
+    const std::string prefix = std::string(fname) + "|";
+    size_t copies = 0;
+    *users = 0;
+    for (auto it = gst_vlm_weights_loaded.begin(); it != gst_vlm_weights_loaded.end();) {
+        if (it->second.expired()) {
+            it = gst_vlm_weights_loaded.erase(it);
+            continue;
+        }
+        if (it->first.rfind(prefix, 0) == 0) {
+            copies += 1;
+            *users += it->second.use_count();
+        }
+        ++it;
+    }
+    return copies;
+}
+
+struct clip_init_result clip_init(const char * fname, struct clip_context_params ctx_params) {
+]=])
+        gst_vlm_edit(${mode} "${dir}" clip.cpp [=[
+#include <map>
+]=] [=[
+#include <map>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+]=])
+    endforeach()
+    message(STATUS "gst-vlm: libmtmd in ${dir} shares a projector's weights between its contexts")
+endfunction()
+
+if(CMAKE_SCRIPT_MODE_FILE)
+    if(NOT MTMD_DIR)
+        message(FATAL_ERROR "usage: cmake -DMTMD_DIR=<llama.cpp>/tools/mtmd -P mtmd-edits.cmake")
+    endif()
+    gst_vlm_patch_mtmd("${MTMD_DIR}")
+    return()
+endif()
+
+# Included after a project() call: only llama.cpp's own, and only once its targets exist.
+if(NOT PROJECT_NAME STREQUAL "llama.cpp" OR NOT CMAKE_CURRENT_SOURCE_DIR STREQUAL CMAKE_SOURCE_DIR)
+    return()
+endif()
+
+function(gst_vlm_mtmd_from_edited_copy)
+    if(NOT TARGET mtmd)
+        return()
+    endif()
+    set(src "${CMAKE_SOURCE_DIR}/tools/mtmd")
+    set(copy "${CMAKE_BINARY_DIR}/gst-vlm-mtmd")
+    file(REMOVE_RECURSE "${copy}")
+    file(COPY "${src}/" DESTINATION "${copy}")
+    gst_vlm_patch_mtmd("${copy}")
+    get_target_property(sources mtmd SOURCES)
+    set(edited "")
+    foreach(s IN LISTS sources)
+        if(NOT IS_ABSOLUTE "${s}")
+            set(s "${src}/${s}")
+        endif()
+        string(REPLACE "${src}/" "${copy}/" s "${s}")
+        list(APPEND edited "${s}")
+    endforeach()
+    set_property(TARGET mtmd PROPERTY SOURCES ${edited})
+    target_include_directories(mtmd BEFORE PRIVATE "${copy}")
+endfunction()
+cmake_language(DEFER DIRECTORY "${CMAKE_SOURCE_DIR}" CALL gst_vlm_mtmd_from_edited_copy)
