@@ -242,15 +242,22 @@ fn a_projectors_encoder_contexts_share_one_copy_of_its_weights_while_the_file_is
     std::fs::copy(dir.join("test-idefics3-mmproj.gguf"), &mmproj).unwrap();
     let copies = || vlm_runtime::llama::Projector::weight_copies(&mmproj).unwrap();
     let load = |contexts: usize| {
-        vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, contexts as i32, contexts)
+        vlm_runtime::llama::Projector::load(&mmproj, Arc::clone(&model), false, contexts as i32, contexts).map(Arc::new)
     };
     assert_eq!(copies(), (0, 0));
     let three = load(3).unwrap();
     assert_eq!(copies(), (1, 3), "three contexts, one copy of the weights");
     let one = load(1).unwrap();
     assert_eq!(copies(), (1, 4), "another projector of the file reads the same copy");
+    let rows = |p: &Arc<vlm_runtime::llama::Projector>| -> Vec<Vec<f32>> {
+        let segments = p.encode(&with_square(4, 4, 12), W, H).unwrap();
+        image_rows(&segments).into_iter().map(<[f32]>::to_vec).collect()
+    };
+    let before = rows(&three);
+    // The projector that loaded the weights goes; the other still reads them, unchanged.
     drop(three);
     assert_eq!(copies(), (1, 1));
+    assert_eq!(rows(&one), before);
     // A file rewritten since is loaded anew (its weights may differ), beside the copy still read.
     std::thread::sleep(std::time::Duration::from_millis(1100)); // a new mtime on any filesystem
     std::fs::copy(dir.join("test-idefics3-mmproj.gguf"), &mmproj).unwrap();
