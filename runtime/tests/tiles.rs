@@ -247,7 +247,10 @@ fn a_projectors_encoder_contexts_share_one_copy_of_its_weights_while_the_file_is
     assert_eq!(copies(), (0, 0));
     let three = load(3).unwrap();
     assert_eq!(copies(), (1, 3), "three contexts, one copy of the weights");
-    let one = load(1).unwrap();
+    // Another projector of the file, named through a link, reads the same copy.
+    let link = tmp.join("link.gguf");
+    std::os::unix::fs::symlink(&mmproj, &link).unwrap();
+    let one = vlm_runtime::llama::Projector::load(&link, Arc::clone(&model), false, 1, 1).map(Arc::new).unwrap();
     assert_eq!(copies(), (1, 4), "another projector of the file reads the same copy");
     let rows = |p: &Arc<vlm_runtime::llama::Projector>| -> Vec<Vec<f32>> {
         let segments = p.encode(&with_square(4, 4, 12), W, H).unwrap();

@@ -52,8 +52,8 @@ function(gst_vlm_patch_mtmd dir)
         gst_vlm_edit(${mode} "${dir}" clip.cpp [=[
 struct clip_init_result clip_init(const char * fname, struct clip_context_params ctx_params) {
 ]=] [=[
-// gst-vlm: the vision contexts of one projector file (unchanged on disk, on one buffer type)
-// share one copy of its weights; the last context to go frees it.
+// gst-vlm: the vision contexts of one projector file (however named, unchanged on disk, on one
+// buffer type) share one copy of its weights; the last context to go frees it.
 struct gst_vlm_shared_weights {
     clip_model model;
     ggml_context_ptr ctx_data;
@@ -63,12 +63,19 @@ struct gst_vlm_shared_weights {
 static std::mutex gst_vlm_weights_mutex;
 static std::map<std::string, std::weak_ptr<gst_vlm_shared_weights>> gst_vlm_weights_loaded;
 
+// The file named however it is (relative, absolute, through links).
+static std::string gst_vlm_canonical(const char * fname) {
+    std::error_code ec;
+    const auto path = std::filesystem::weakly_canonical(fname, ec);
+    return ec ? std::string(fname) : path.string();
+}
+
 static std::string gst_vlm_weights_key(const char * fname, const clip_ctx & ctx) {
     std::error_code ec;
     const auto size = std::filesystem::file_size(fname, ec);
     const auto mtime = std::filesystem::last_write_time(fname, ec).time_since_epoch().count();
-    return string_format("%s|%llu|%lld|%s", fname, (unsigned long long) size, (long long) mtime,
-        ggml_backend_buft_name(ggml_backend_get_default_buffer_type(ctx.backend)));
+    return string_format("%s|%llu|%lld|%s", gst_vlm_canonical(fname).c_str(), (unsigned long long) size,
+        (long long) mtime, ggml_backend_buft_name(ggml_backend_get_default_buffer_type(ctx.backend)));
 }
 
 // Loads `ctx`'s tensors, or points them at a copy already loaded; its hyperparameters (read by
@@ -101,7 +108,7 @@ static void gst_vlm_load_tensors_shared(clip_model_loader & loader, clip_ctx & c
 // and in `users` the contexts reading them.
 extern "C" __attribute__((visibility("default"))) size_t gst_vlm_clip_weight_copies(const char * fname, size_t * users) {
     std::lock_guard<std::mutex> lock(gst_vlm_weights_mutex);
-    const std::string prefix = std::string(fname) + "|";
+    const std::string prefix = gst_vlm_canonical(fname) + "|";
     size_t copies = 0;
     *users = 0;
     for (auto it = gst_vlm_weights_loaded.begin(); it != gst_vlm_weights_loaded.end();) {
