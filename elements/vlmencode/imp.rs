@@ -753,7 +753,7 @@ impl ObjectImpl for VlmEncode {
                     .build(),
                 glib::ParamSpecUInt::builder("active-encoder-contexts")
                     .nick("Active encoder contexts")
-                    .blurb("Encoder contexts the process's projector has loaded (encoder-contexts resolved; 0 before it loads)")
+                    .blurb("Encoder contexts the process's projector has loaded (encoder-contexts resolved; 0 before it loads, the last count after a stop)")
                     .read_only()
                     .build(),
                 glib::ParamSpecDouble::builder("mean-context-wait-ms")

@@ -1,16 +1,17 @@
 //! One loaded copy of a model's weights per device per process, shared by every stream and
-//! every element instance that names the same file; the same for projectors. Entries are weak:
-//! weights are freed when their last owner drops them.
+//! every element instance that names the same file (as it is on disk: a file replaced since is
+//! loaded anew); the same for projectors. Entries are weak: weights are freed when their last
+//! owner drops them.
 
 use std::collections::HashMap;
 use std::hash::Hash;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, LazyLock, Weak};
 
 use parking_lot::Mutex;
 
 use crate::error::Result;
-use crate::llama::{Device, Model, Projector, ProjectorKey};
+use crate::llama::{Device, FileId, Model, Projector, ProjectorKey};
 
 /// A key's copy, and a lock held while it loads, so that two callers never load the same
 /// weights twice while the registry's lock is held only to find the slot (a load of seconds
@@ -22,12 +23,8 @@ struct Slot<V> {
 
 type Registry<K, V> = LazyLock<Mutex<HashMap<K, Arc<Slot<V>>>>>;
 
-static MODELS: Registry<(PathBuf, Device), Model> = LazyLock::new(Default::default);
+static MODELS: Registry<(FileId, Device), Model> = LazyLock::new(Default::default);
 static PROJECTORS: Registry<ProjectorKey, Projector> = LazyLock::new(Default::default);
-
-fn canonical(path: &Path) -> PathBuf {
-    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
-}
 
 /// The copy of `key` in `registry`, loaded by `load` on first use.
 fn shared<K: Eq + Hash, V>(registry: &Registry<K, V>, key: K, load: impl FnOnce() -> Result<V>) -> Result<Arc<V>> {
@@ -50,18 +47,18 @@ fn shared<K: Eq + Hash, V>(registry: &Registry<K, V>, key: K, load: impl FnOnce(
 
 /// The shared model for `path` on `device`, loading it on first use.
 pub fn model(path: &Path, device: &Device) -> Result<Arc<Model>> {
-    shared(&MODELS, (canonical(path), device.clone()), || Model::load(path, device))
+    shared(&MODELS, (FileId::of(path), device.clone()), || Model::load(path, device))
 }
 
 /// A copy of the weights of `path` already loaded on any device (the CPU's first), if any: what
 /// a projector needs of a language model (its vocabulary and width) without loading another
 /// copy of the weights when every engine has its copy on the GPU.
 pub fn any_loaded(path: &Path) -> Option<Arc<Model>> {
-    let path = canonical(path);
+    let path = FileId::of(path).path;
     let copies: Vec<(Device, Arc<Model>)> = MODELS
         .lock()
         .iter()
-        .filter(|((p, _), _)| *p == path)
+        .filter(|((f, _), _)| f.path == path)
         .filter_map(|((_, d), s)| s.copy.lock().upgrade().map(|m| (d.clone(), m)))
         .collect();
     copies.iter().find(|(d, _)| *d == Device::Cpu).or(copies.first()).map(|(_, m)| Arc::clone(m))
@@ -76,7 +73,7 @@ pub fn projector(
     threads: i32,
     contexts: usize,
 ) -> Result<Arc<Projector>> {
-    let key = ProjectorKey { mmproj: canonical(mmproj), model: canonical(model.path()), use_gpu };
+    let key = ProjectorKey { mmproj: FileId::of(mmproj), model: FileId::of(model.path()), use_gpu };
     let p = shared(&PROJECTORS, key, || Projector::load(mmproj, Arc::clone(model), use_gpu, threads, contexts))?;
     p.ensure_contexts(contexts, threads)?;
     Ok(p)
@@ -85,8 +82,8 @@ pub fn projector(
 /// How many owners hold loaded copies of the weights of `path`, on every device (0 when not
 /// loaded): a statistic that shows weights are shared rather than copied.
 pub fn model_owners(path: &Path) -> usize {
-    let path = canonical(path);
-    MODELS.lock().iter().filter(|((p, _), _)| *p == path).map(|(_, s)| s.copy.lock().strong_count()).sum()
+    let path = FileId::of(path).path;
+    MODELS.lock().iter().filter(|((f, _), _)| f.path == path).map(|(_, s)| s.copy.lock().strong_count()).sum()
 }
 
 #[cfg(test)]

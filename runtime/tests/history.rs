@@ -168,6 +168,27 @@ fn weights_are_shared_between_engines() {
     assert!(vlm_runtime::models::model_owners(&model_path()) >= 2);
 }
 
+/// A model file replaced on disk is loaded anew for whoever asks for it now, while the copy of
+/// the old one stays with those holding it (an application updating its models in place).
+#[test]
+fn a_model_file_replaced_on_disk_is_loaded_anew() {
+    let dir = std::env::temp_dir().join(format!("vlm-replaced-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("lm.gguf");
+    let original = common::models_dir().join("test-idefics3-lm.gguf");
+    std::fs::copy(&original, &path).unwrap();
+    let old = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
+    let same = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
+    assert!(Arc::ptr_eq(&old, &same), "one copy while the file is unchanged");
+    std::thread::sleep(std::time::Duration::from_millis(1100)); // a new mtime on any filesystem
+    std::fs::copy(&original, &path).unwrap();
+    let new = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
+    assert!(!Arc::ptr_eq(&old, &new), "the replaced file is loaded anew");
+    assert_eq!(vlm_runtime::models::model_owners(&path), 3, "the old copy held twice, the new once");
+    drop((old, same, new));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A closed stream gives its sequence back at once, though a reader still holds it: a new
 /// stream opens in its place (a camera reconnecting on an engine of `max-streams` streams was
 /// refused while anything downstream held the old stream), and an answer still asked over the

@@ -261,12 +261,19 @@ fn a_projectors_encoder_contexts_share_one_copy_of_its_weights_while_the_file_is
     drop(three);
     assert_eq!(copies(), (1, 1));
     assert_eq!(rows(&one), before);
-    // A file rewritten since is loaded anew (its weights may differ), beside the copy still read.
+    let shared = models::projector(&mmproj, &model, false, 1, 1).unwrap();
+    // A file rewritten since is loaded anew (its weights may differ), beside the copy still read,
+    // and a projector of the old file gains no context from the new one.
     std::thread::sleep(std::time::Duration::from_millis(1100)); // a new mtime on any filesystem
     std::fs::copy(dir.join("test-idefics3-mmproj.gguf"), &mmproj).unwrap();
     let rewritten = load(1).unwrap();
-    assert_eq!(copies(), (2, 2));
-    drop((one, rewritten));
+    assert_eq!(copies(), (2, 3));
+    let err = one.ensure_contexts(2, 2).unwrap_err().to_string();
+    assert!(err.contains("changed on disk"), "{err}");
+    assert_eq!((one.contexts(), one.load_failed()), (1, true));
+    let again = models::projector(&mmproj, &model, false, 1, 1).unwrap();
+    assert!(!Arc::ptr_eq(&shared, &again), "the registry loads the new file");
+    drop((one, rewritten, shared, again));
     assert_eq!(copies(), (0, 0), "the last context to go frees the weights");
     let _ = std::fs::remove_dir_all(&tmp);
 }

@@ -48,7 +48,7 @@ mod token_rows;
 pub use batch::Batch;
 pub use context::{Context, ContextParams, KvType};
 pub use gguf::{projector_type, projector_type_non_causal};
-pub use model::{Model, check_readable};
+pub use model::{FileId, Model, check_readable};
 pub use mtmd::{
     Demand, ImageEmbeddings, MAX_ENCODER_CONTEXTS, Projector, ProjectorKey, Segment, Tile, TileCount, Turn,
     set_projector_flash_attention,

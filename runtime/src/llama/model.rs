@@ -17,6 +17,24 @@ pub(super) fn c_path(path: &Path) -> Result<CString> {
         .map_err(|_| Error::BadInput(format!("path {} contains a NUL byte", path.display())))
 }
 
+/// A weights file as loaded: its canonical path and which version of it (length and modification
+/// time), so that a file replaced on disk is loaded anew rather than the copy of the old one
+/// shared (the `models` registry's keys; a projector grows no encoder context from a file that
+/// changed since it loaded).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct FileId {
+    pub path: PathBuf,
+    version: Option<(u64, std::time::SystemTime)>,
+}
+
+impl FileId {
+    /// The file at `path` now (the path as given where it cannot be resolved or read).
+    pub fn of(path: &Path) -> FileId {
+        let version = std::fs::metadata(path).ok().and_then(|m| Some((m.len(), m.modified().ok()?)));
+        FileId { path: std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()), version }
+    }
+}
+
 /// Fail early, with the file's name, when a model file cannot be read: llama.cpp itself only
 /// logs the reason and returns null.
 pub fn check_readable(path: &Path, what: &str) -> Result<()> {

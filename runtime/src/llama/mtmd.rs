@@ -12,7 +12,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::cut::{Cutter, Layout, Place, Prepared};
 use super::gguf::TileGeometry;
-use super::model::c_path;
+use super::model::{FileId, c_path};
 use super::{Model, Token, check_readable, init_backend};
 use crate::error::{Error, Result};
 
@@ -361,6 +361,8 @@ pub struct Projector {
     contexts: Contexts,
     pub(super) decode_view: DecodeView,
     path: PathBuf,
+    /// The file's version its first context loaded: no context is added from another.
+    file: FileId,
     model: Arc<Model>,
     marker: CString,
     use_gpu: bool,
@@ -373,7 +375,7 @@ pub struct Projector {
     /// CPU threads each context encodes on (0 on a GPU): counted while it encodes
     /// ([`crate::threads::CpuEncode`]).
     cpu_threads: std::sync::atomic::AtomicUsize,
-    /// A context failed to load (no memory left): [`Projector::load_failed`].
+    /// A context failed to load (no memory left, or the file changed): [`Projector::load_failed`].
     load_failed: std::sync::atomic::AtomicBool,
 }
 
@@ -522,8 +524,8 @@ pub enum Segment {
 /// Projector identity: its file plus the language model it is bound to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ProjectorKey {
-    pub mmproj: PathBuf,
-    pub model: PathBuf,
+    pub mmproj: FileId,
+    pub model: FileId,
     pub use_gpu: bool,
 }
 
@@ -587,6 +589,7 @@ impl Projector {
         init_backend();
         check_readable(path, "mmproj")?;
         super::gguf::check_projector(path, &model)?;
+        let file = FileId::of(path);
         let first = load_context(path, &model, use_gpu, threads_each(threads, contexts), None)?;
         // SAFETY: the default marker is a static NUL-terminated string.
         let marker = unsafe { CStr::from_ptr(sys::mtmd_default_marker()) }.to_owned();
@@ -594,6 +597,7 @@ impl Projector {
             contexts: Contexts::new(MtmdPtr(first)),
             decode_view: DecodeView(first),
             path: path.to_path_buf(),
+            file,
             model,
             marker,
             use_gpu,
@@ -622,7 +626,11 @@ impl Projector {
             // others do, and prepares the tiles of a picture cut here ([`Cutter`]).
             let tile_view = self.tiled.filter(|_| loaded.len() == 1).and_then(|g| Some((g.tile, g.tokens?)));
             let max_tokens = tile_view.map(|(_, tokens)| tokens);
-            let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)
+            let ctx = self
+                .unchanged(loaded.len())
+                .and_then(|()| {
+                    load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)
+                })
                 .inspect_err(|_| self.load_failed.store(true, Ordering::Relaxed))?;
             loaded.push(MtmdPtr(ctx));
             self.contexts.count.store(loaded.len(), Ordering::Release);
@@ -632,6 +640,20 @@ impl Projector {
             }
         }
         Ok(())
+    }
+
+    /// Whether the file is still the one the `loaded` contexts came from: a context loaded from a
+    /// file replaced since would encode with other weights than theirs.
+    fn unchanged(&self, loaded: usize) -> Result<()> {
+        if loaded == 0 || FileId::of(&self.path) == self.file {
+            return Ok(());
+        }
+        Err(Error::File {
+            path: self.path.clone(),
+            reason: format!(
+                "changed on disk since this projector loaded it: it keeps its {loaded} encoder context(s) (an encoder started now loads the new file)"
+            ),
+        })
     }
 
     /// Split each picture's resize over `threads` threads (0: leave it to libmtmd, on the
@@ -680,7 +702,7 @@ impl Projector {
         Ok((copies, users))
     }
 
-    /// Whether a context failed to load (no memory left for another).
+    /// Whether a context failed to load (no memory left for another, or the file changed).
     pub fn load_failed(&self) -> bool {
         self.load_failed.load(Ordering::Relaxed)
     }
