@@ -10,7 +10,7 @@ use std::sync::{Arc, LazyLock, Weak};
 
 use parking_lot::Mutex;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::llama::{Device, FileId, Model, Projector, ProjectorKey};
 
 /// A key's copy, and a lock held while it loads, so that two callers never load the same
@@ -47,18 +47,28 @@ fn shared<K: Eq + Hash, V>(registry: &Registry<K, V>, key: K, load: impl FnOnce(
 
 /// The shared model for `path` on `device`, loading it on first use.
 pub fn model(path: &Path, device: &Device) -> Result<Arc<Model>> {
-    shared(&MODELS, (FileId::of(path), device.clone()), || Model::load(path, device))
+    let file = FileId::of(path);
+    shared(&MODELS, (file.clone(), device.clone()), || {
+        let model = Model::load(path, device)?;
+        if *model.file() != file {
+            return Err(Error::File {
+                path: path.to_path_buf(),
+                reason: "the file was replaced while it was being loaded: load it again".into(),
+            });
+        }
+        Ok(model)
+    })
 }
 
-/// A copy of the weights of `path` already loaded on any device (the CPU's first), if any: what
-/// a projector needs of a language model (its vocabulary and width) without loading another
-/// copy of the weights when every engine has its copy on the GPU.
+/// A copy of the weights of `path` (the file there now) already loaded on any device (the CPU's
+/// first), if any: what a projector needs of a language model (its vocabulary and width)
+/// without loading another copy of the weights when every engine has its copy on the GPU.
 pub fn any_loaded(path: &Path) -> Option<Arc<Model>> {
-    let path = FileId::of(path).path;
+    let file = FileId::of(path);
     let copies: Vec<(Device, Arc<Model>)> = MODELS
         .lock()
         .iter()
-        .filter(|((f, _), _)| f.path == path)
+        .filter(|((f, _), _)| *f == file)
         .filter_map(|((_, d), s)| s.copy.lock().upgrade().map(|m| (d.clone(), m)))
         .collect();
     copies.iter().find(|(d, _)| *d == Device::Cpu).or(copies.first()).map(|(_, m)| Arc::clone(m))
@@ -73,7 +83,7 @@ pub fn projector(
     threads: i32,
     contexts: usize,
 ) -> Result<Arc<Projector>> {
-    let key = ProjectorKey { mmproj: FileId::of(mmproj), model: FileId::of(model.path()), use_gpu };
+    let key = ProjectorKey { mmproj: FileId::of(mmproj), model: model.file().clone(), use_gpu };
     let p = shared(&PROJECTORS, key, || Projector::load(mmproj, Arc::clone(model), use_gpu, threads, contexts))?;
     p.ensure_contexts(contexts, threads)?;
     Ok(p)

@@ -180,8 +180,9 @@ fn a_model_file_replaced_on_disk_is_loaded_anew() {
     let old = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
     let same = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
     assert!(Arc::ptr_eq(&old, &same), "one copy while the file is unchanged");
-    std::thread::sleep(std::time::Duration::from_millis(1100)); // a new mtime on any filesystem
-    std::fs::copy(&original, &path).unwrap();
+    // (Replaced as a deployment should: a new file renamed over the path.)
+    std::fs::copy(&original, dir.join("new.gguf")).unwrap();
+    std::fs::rename(dir.join("new.gguf"), &path).unwrap();
     let new = vlm_runtime::models::model(&path, &vlm_runtime::Device::Cpu).unwrap();
     assert!(!Arc::ptr_eq(&old, &new), "the replaced file is loaded anew");
     assert_eq!(vlm_runtime::models::model_owners(&path), 3, "the old copy held twice, the new once");

@@ -262,10 +262,10 @@ fn a_projectors_encoder_contexts_share_one_copy_of_its_weights_while_the_file_is
     assert_eq!(copies(), (1, 1));
     assert_eq!(rows(&one), before);
     let shared = models::projector(&mmproj, &model, false, 1, 1).unwrap();
-    // A file rewritten since is loaded anew (its weights may differ), beside the copy still read,
-    // and a projector of the old file gains no context from the new one.
-    std::thread::sleep(std::time::Duration::from_millis(1100)); // a new mtime on any filesystem
-    std::fs::copy(dir.join("test-idefics3-mmproj.gguf"), &mmproj).unwrap();
+    // A file replaced since (a new one renamed over it) is loaded anew (its weights may differ),
+    // beside the copy still read, and a projector of the old file gains no context from the new.
+    std::fs::copy(dir.join("test-idefics3-mmproj.gguf"), tmp.join("new.gguf")).unwrap();
+    std::fs::rename(tmp.join("new.gguf"), &mmproj).unwrap();
     let rewritten = load(1).unwrap();
     assert_eq!(copies(), (2, 3));
     let err = one.ensure_contexts(2, 2).unwrap_err().to_string();

@@ -3,13 +3,11 @@
 # the GPU). A `vlmencode` or vlm-bench process loads 1 to 4 contexts of the same file so that
 # frames encode side by side; each keeps its own backend, scheduler and compute buffers, and now
 # reads the weights of the first (llama.cpp's contexts of one model do the same). One edit, made on
-# a copy of the sources, never on the originals:
-#
-#  - as llama-cpp-sys-2 builds llama.cpp: .cargo/config.toml sets CMAKE_PROJECT_INCLUDE to this
-#    file (the crate forwards CMAKE_* variables to cmake); after llama.cpp's top-level
-#    CMakeLists, the `mtmd` target compiles an edited copy of tools/mtmd from the build directory;
-#  - on a llama.cpp tree (scripts/cuda-libs.sh, the GPU machines' shared libraries):
-#    cmake -DMTMD_DIR=<tree>/tools/mtmd -P this-file edits that tree in place (idempotent).
+# a copy of the sources in the build directory, never on the originals: .cargo/config.toml sets
+# CMAKE_PROJECT_INCLUDE to this file (llama-cpp-sys-2 forwards CMAKE_* variables to cmake;
+# scripts/cuda-libs.sh passes it too), and after llama.cpp's top-level CMakeLists the `mtmd`
+# target compiles the edited copy. GGML_GST_VLM_EDITS there names this file's hash (the crate
+# rebuilds when a GGML_* variable changes; tests/docs.rs checks the two agree).
 #
 # The crate is pinned (Cargo.toml), so sources that do not read as expected are an error: the
 # runtime calls gst_vlm_clip_weight_copies, which only the edit defines.
@@ -70,10 +68,14 @@ static std::string gst_vlm_canonical(const char * fname) {
     return ec ? std::string(fname) : path.string();
 }
 
+// Empty where the file's version cannot be read (its weights are then not shared).
 static std::string gst_vlm_weights_key(const char * fname, const clip_ctx & ctx) {
-    std::error_code ec;
-    const auto size = std::filesystem::file_size(fname, ec);
-    const auto mtime = std::filesystem::last_write_time(fname, ec).time_since_epoch().count();
+    std::error_code size_ec, mtime_ec;
+    const auto size = std::filesystem::file_size(fname, size_ec);
+    const auto mtime = std::filesystem::last_write_time(fname, mtime_ec).time_since_epoch().count();
+    if (size_ec || mtime_ec) {
+        return "";
+    }
     return string_format("%s|%llu|%lld|%s", gst_vlm_canonical(fname).c_str(), (unsigned long long) size,
         (long long) mtime, ggml_backend_buft_name(ggml_backend_get_default_buffer_type(ctx.backend)));
 }
@@ -81,12 +83,15 @@ static std::string gst_vlm_weights_key(const char * fname, const clip_ctx & ctx)
 // Loads `ctx`'s tensors, or points them at a copy already loaded; its hyperparameters (read by
 // load_hparams, with its own image token limits) stay its own.
 static void gst_vlm_load_tensors_shared(clip_model_loader & loader, clip_ctx & ctx, const char * fname) {
-    if (ctx.no_alloc) {
+    const std::string key = ctx.no_alloc ? "" : gst_vlm_weights_key(fname, ctx);
+    if (key.empty()) {
         loader.load_tensors(ctx);
         return;
     }
-    const std::string key = gst_vlm_weights_key(fname, ctx);
     std::lock_guard<std::mutex> lock(gst_vlm_weights_mutex);
+    for (auto it = gst_vlm_weights_loaded.begin(); it != gst_vlm_weights_loaded.end();) {
+        it = it->second.expired() && it->first != key ? gst_vlm_weights_loaded.erase(it) : std::next(it);
+    }
     if (auto shared = gst_vlm_weights_loaded[key].lock()) {
         const clip_hparams hparams = ctx.model.hparams;
         ctx.model = shared->model;
@@ -111,16 +116,11 @@ extern "C" __attribute__((visibility("default"))) size_t gst_vlm_clip_weight_cop
     const std::string prefix = gst_vlm_canonical(fname) + "|";
     size_t copies = 0;
     *users = 0;
-    for (auto it = gst_vlm_weights_loaded.begin(); it != gst_vlm_weights_loaded.end();) {
-        if (it->second.expired()) {
-            it = gst_vlm_weights_loaded.erase(it);
-            continue;
-        }
-        if (it->first.rfind(prefix, 0) == 0) {
+    for (const auto & [key, weights] : gst_vlm_weights_loaded) {
+        if (!weights.expired() && key.rfind(prefix, 0) == 0) {
             copies += 1;
-            *users += it->second.use_count();
+            *users += weights.use_count();
         }
-        ++it;
     }
     return copies;
 }
@@ -138,14 +138,6 @@ struct clip_init_result clip_init(const char * fname, struct clip_context_params
     endforeach()
     message(STATUS "gst-vlm: libmtmd in ${dir} shares a projector's weights between its contexts")
 endfunction()
-
-if(CMAKE_SCRIPT_MODE_FILE)
-    if(NOT MTMD_DIR)
-        message(FATAL_ERROR "usage: cmake -DMTMD_DIR=<llama.cpp>/tools/mtmd -P mtmd-edits.cmake")
-    endif()
-    gst_vlm_patch_mtmd("${MTMD_DIR}")
-    return()
-endif()
 
 # Included after a project() call: only llama.cpp's own, and only once its targets exist.
 if(NOT PROJECT_NAME STREQUAL "llama.cpp" OR NOT CMAKE_CURRENT_SOURCE_DIR STREQUAL CMAKE_SOURCE_DIR)

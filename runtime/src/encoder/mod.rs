@@ -298,7 +298,13 @@ pub struct MtmdEncoder {
 
 impl MtmdEncoder {
     pub fn new(projector: Arc<Projector>) -> MtmdEncoder {
-        let id = format!("mtmd:{}:{}", projector.path().display(), projector.model().identity());
+        // (The file's version: a projector file replaced on disk encodes other rows.)
+        let id = format!(
+            "mtmd:{}@{}:{}",
+            projector.path().display(),
+            projector.file().version(),
+            projector.model().identity()
+        );
         MtmdEncoder { projector, id, automatic: None }
     }
 

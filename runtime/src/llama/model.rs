@@ -17,21 +17,35 @@ pub(super) fn c_path(path: &Path) -> Result<CString> {
         .map_err(|_| Error::BadInput(format!("path {} contains a NUL byte", path.display())))
 }
 
-/// A weights file as loaded: its canonical path and which version of it (length and modification
-/// time), so that a file replaced on disk is loaded anew rather than the copy of the old one
-/// shared (the `models` registry's keys; a projector grows no encoder context from a file that
-/// changed since it loaded).
+/// A weights file as loaded: its canonical path and which file it is there (device, inode,
+/// length, modification time), so that a file replaced on disk is loaded anew rather than the
+/// copy of the old one shared (the `models` registry's keys; a projector grows no encoder
+/// context from a file that changed since it loaded). Replace a file by renaming a new one over
+/// it: llama.cpp maps the weights, so a file rewritten in place changes what is loaded too.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FileId {
     pub path: PathBuf,
-    version: Option<(u64, std::time::SystemTime)>,
+    version: Option<(u64, u64, u64, std::time::SystemTime)>,
 }
 
 impl FileId {
     /// The file at `path` now (the path as given where it cannot be resolved or read).
     pub fn of(path: &Path) -> FileId {
-        let version = std::fs::metadata(path).ok().and_then(|m| Some((m.len(), m.modified().ok()?)));
+        FileId::opened(path, std::fs::metadata(path).ok().as_ref())
+    }
+
+    /// The file at `path` whose metadata (read from an open handle) is `meta`.
+    fn opened(path: &Path, meta: Option<&std::fs::Metadata>) -> FileId {
+        let version = meta.and_then(|m| Some((m.dev(), m.ino(), m.len(), m.modified().ok()?)));
         FileId { path: std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()), version }
+    }
+
+    /// Which file this is at its path, for identities that must tell versions apart.
+    pub fn version(&self) -> String {
+        self.version.map_or_else(String::new, |(dev, ino, len, modified)| {
+            let ns = modified.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+            format!("{dev}.{ino}.{len}.{ns}")
+        })
     }
 }
 
@@ -59,6 +73,8 @@ pub struct Model {
     ptr: NonNull<sys::llama_model>,
     path: PathBuf,
     device: Device,
+    /// The file it was loaded from (as it was then).
+    file: FileId,
     /// [`Model::identity`], fixed at load: a file replaced on disk while it runs changes neither
     /// prefix keys nor compatibility tags mid-run (the weights in memory are the loaded ones).
     identity: String,
@@ -120,6 +136,7 @@ impl Model {
             ptr,
             path: path.to_path_buf(),
             device: device.clone(),
+            file: FileId::of(path),
             identity: String::new(),
             token_rows: Err(String::new()),
             rows_agree: OnceLock::new(),
@@ -158,6 +175,7 @@ impl Model {
                 reason: "the file was replaced while it was being loaded: load it again".into(),
             });
         }
+        model.file = FileId::opened(path, Some(&opened));
         let size = opened.len();
         let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         model.identity = format!("{name} {} bytes={size} n_embd={}", model.description(), model.n_embd());
@@ -167,6 +185,11 @@ impl Model {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The file it was loaded from, as it was then.
+    pub fn file(&self) -> &FileId {
+        &self.file
     }
 
     pub fn device(&self) -> &Device {

@@ -631,6 +631,15 @@ impl Projector {
                 .and_then(|()| {
                     load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)
                 })
+                // (Replaced while it loaded: libmtmd may have read either file.)
+                .and_then(|ctx| match self.unchanged(loaded.len()) {
+                    Ok(()) => Ok(ctx),
+                    Err(e) => {
+                        // SAFETY: the context was just loaded and is referenced nowhere else.
+                        unsafe { sys::mtmd_free(ctx.as_ptr()) };
+                        Err(e)
+                    }
+                })
                 .inspect_err(|_| self.load_failed.store(true, Ordering::Relaxed))?;
             loaded.push(MtmdPtr(ctx));
             self.contexts.count.store(loaded.len(), Ordering::Release);
@@ -684,6 +693,11 @@ impl Projector {
                 super::resample::resize_lanczos(&picture, rw as usize, rh as usize, tw as usize, th as usize, threads);
         }
         Some((picture, tw, th))
+    }
+
+    /// The file its contexts were loaded from, as it was then.
+    pub fn file(&self) -> &FileId {
+        &self.file
     }
 
     /// How many encoder contexts are loaded.
@@ -1008,6 +1022,21 @@ impl Drop for Projector {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// llama-cpp-sys-2 rebuilds llama.cpp when a GGML_* variable changes, not when the libmtmd
+    /// edit does: `.cargo/config.toml`'s GGML_GST_VLM_EDITS names the edit's hash, so that a
+    /// changed edit cannot leave a target directory with the libmtmd of the one before.
+    #[test]
+    fn the_build_names_the_libmtmd_edit_it_compiles() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let edit = std::fs::read(root.join("scripts/llama/mtmd-edits.cmake")).unwrap();
+        let token = format!("mtmd-edits-{:016x}", xxhash_rust::xxh3::xxh3_64(&edit));
+        let config = std::fs::read_to_string(root.join(".cargo/config.toml")).unwrap();
+        assert!(
+            config.contains(&format!("GGML_GST_VLM_EDITS = \"{token}\"")),
+            "scripts/llama/mtmd-edits.cmake changed: set GGML_GST_VLM_EDITS = \"{token}\" in .cargo/config.toml"
+        );
+    }
 
     #[test]
     fn markers_give_the_grid_and_the_overview() {
