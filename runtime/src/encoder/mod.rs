@@ -401,7 +401,8 @@ fn open_rknn(model: &std::path::Path, _width: usize) -> Result<Arc<dyn VisionEnc
 /// Encoder contexts a projector on a GPU starts with when their number is automatic. Each holds
 /// its compute buffers and reads the one copy of the projector's weights the process loaded
 /// (libmtmd as built here, scripts/llama/mtmd-edits.cmake; until session 34 each context held a
-/// copy: ~320 MiB of GPU memory a context for SmolVLM-500M, 190 of them weights). Measured on an H200 (`vlm-bench encoders`, SmolVLM-500M's shapes, docs/benchmarks.md,
+/// copy: ~320 MiB of GPU memory a context for SmolVLM-500M, 190 of them weights). Measured on an
+/// H200 (`vlm-bench encoders`, SmolVLM-500M's shapes, docs/benchmarks.md,
 /// "Vision encoding that scales"): 2 contexts encode 7.9 frames/s for one stream and 21.2 for
 /// four, against 8.5 and 21.6 on 4 (5.2 and 15.1 on one); W1 on an H100, TTFT from capture 149 ms
 /// mean against 143 on 4 and 196 on 1, at 642 MiB less GPU memory than 4. At 16 live streams of
