@@ -1,9 +1,10 @@
 //! State changes that must always complete: shutdown after a start-up error with every pad
 //! linked (the query pad fed by `subparse` too), fast PLAYING⇄NULL cycles of one pipeline, and
 //! NULL after a stream's `sink_%u` pad was released during ingestion, the model loading in the
-//! background from READY, NULL→PLAYING returning ASYNC while it loads, a stop racing its completion, a stop while a frame
-//! waits for the encoder context another stream holds, and a forced EOS while questions wait far ahead. Each is repeated; a state
-//! change that does not return within its bound fails the test instead of hanging it.
+//! background from READY, NULL→PLAYING returning ASYNC while it loads, a stop racing its
+//! completion, a stop while a frame waits for the encoder context another stream holds, and a
+//! forced EOS while questions wait far ahead. Each is repeated; a state change that does not
+//! return within its bound fails the test instead of hanging it.
 
 mod common;
 

@@ -626,12 +626,8 @@ impl Projector {
             // others do, and prepares the tiles of a picture cut here ([`Cutter`]).
             let tile_view = self.tiled.filter(|_| loaded.len() == 1).and_then(|g| Some((g.tile, g.tokens?)));
             let max_tokens = tile_view.map(|(_, tokens)| tokens);
-            let ctx = self
-                .unchanged(loaded.len())
-                .and_then(|()| {
-                    load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)
-                })
-                // (Replaced while it loaded: libmtmd may have read either file.)
+            let ctx = load_context(&self.path, &self.model, self.use_gpu, threads_each(threads, contexts), max_tokens)
+                // (Checked after the load: a file replaced while it loaded may have been read.)
                 .and_then(|ctx| match self.unchanged(loaded.len()) {
                     Ok(()) => Ok(ctx),
                     Err(e) => {
