@@ -17,9 +17,11 @@ use super::{Model, Token, check_readable, init_backend};
 use crate::error::{Error, Result};
 
 // Defined by libmtmd as this project builds it (scripts/llama/mtmd-edits.cmake, which makes the
-// encoder contexts of one projector file share its weights).
+// encoder contexts of one projector file share its weights and SmolVLM's layers read Q, K and V
+// as one matrix).
 unsafe extern "C" {
     fn gst_vlm_clip_weight_copies(fname: *const std::ffi::c_char, users: *mut usize) -> usize;
+    fn gst_vlm_clip_fused_qkv_layers(fname: *const std::ffi::c_char) -> std::ffi::c_int;
 }
 
 #[derive(Clone, Copy)]
@@ -710,6 +712,14 @@ impl Projector {
         // SAFETY: a NUL-terminated path and a place for the count, both alive for the call.
         let copies = unsafe { gst_vlm_clip_weight_copies(cpath.as_ptr(), &mut users) };
         Ok((copies, users))
+    }
+
+    /// The layers of the loaded weights of the projector file at `path` that read Q, K and V as
+    /// one matrix (0 where none are loaded or none does).
+    pub fn fused_qkv_layers(path: &Path) -> Result<usize> {
+        let cpath = c_path(path)?;
+        // SAFETY: a NUL-terminated path alive for the call.
+        Ok(unsafe { gst_vlm_clip_fused_qkv_layers(cpath.as_ptr()) }.max(0) as usize)
     }
 
     /// Whether a context failed to load (no memory left for another, or the file changed).
