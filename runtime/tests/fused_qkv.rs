@@ -41,12 +41,23 @@ fn a_layer_reading_one_qkv_matrix_encodes_the_rows_of_three_products() {
             })
             .collect()
     };
-    for variant in 0..3 {
-        let (a, b) = (rows(&unfused, variant), rows(&fused, variant));
-        assert_eq!(a.len(), 5, "2x2 tiles and the overview");
-        assert_eq!(a, b, "picture {variant}: one product gives the rows of three");
-    }
-    drop((unfused, fused));
+    let same_rows = |unfused: &Arc<Projector>, fused: &Arc<Projector>, attention: &str| {
+        for variant in 0..3 {
+            let (a, b) = (rows(unfused, variant), rows(fused, variant));
+            assert_eq!(a.len(), 5, "2x2 tiles and the overview");
+            assert_eq!(a, b, "picture {variant}, {attention}: one product gives the rows of three");
+        }
+    };
+    // libmtmd's choice on the CPU: flash attention (K and V from one F16 cast of the product).
+    same_rows(&unfused, &fused, "flash attention");
+    // Without it: contexts loaded now read the same weights (each file's, fused or not).
+    vlm_runtime::llama::set_projector_flash_attention(Some(false));
+    let (unfused_plain, fused_plain) = (load(&three), load(&one));
+    vlm_runtime::llama::set_projector_flash_attention(None);
+    same_rows(&unfused_plain, &fused_plain, "no flash attention");
+    // (The switch took: F16 K and V round otherwise than F32 attention.)
+    assert_ne!(rows(&fused_plain, 0), rows(&fused, 0), "the contexts loaded now compute without flash attention");
+    drop((unfused, fused, unfused_plain, fused_plain));
     assert_eq!(Projector::fused_qkv_layers(&one).unwrap(), 0, "none left loaded");
     std::fs::remove_dir_all(&tmp).ok();
 }

@@ -101,17 +101,28 @@ static void gst_vlm_fuse_qkv(clip_model & model, gst_vlm_shared_weights & holder
     }
     const ggml_init_params params = { (size_t) 2 * n * ggml_tensor_overhead(), NULL, true };
     holder.fused.reset(ggml_init(params));
-    auto over = [&](ggml_tensor * q) {
+    if (!holder.fused) {
+        return;
+    }
+    // A tensor of Q's rows, K's and V's over their bytes (nullptr where the buffer refuses it).
+    auto over = [&](ggml_tensor * q) -> ggml_tensor * {
         ggml_tensor * t = ggml_n_dims(q) == 1
             ? ggml_new_tensor_1d(holder.fused.get(), q->type, 3 * q->ne[0])
             : ggml_new_tensor_2d(holder.fused.get(), q->type, q->ne[0], 3 * q->ne[1]);
-        GGML_ASSERT(ggml_backend_tensor_alloc(q->buffer, t, q->data) == GGML_STATUS_SUCCESS);
-        return t;
+        ggml_format_name(t, "%s+k+v", q->name);
+        return ggml_backend_tensor_alloc(q->buffer, t, q->data) == GGML_STATUS_SUCCESS ? t : nullptr;
     };
+    n = 0;
     for (auto & l : model.layers) {
-        if (fusable(l)) {
-            l.qkv_w = over(l.q_w);
-            l.qkv_b = l.q_b ? over(l.q_b) : nullptr;
+        if (!fusable(l)) {
+            continue;
+        }
+        ggml_tensor * w = over(l.q_w);
+        ggml_tensor * b = l.q_b ? over(l.q_b) : nullptr;
+        if (w && (b || !l.q_b)) {
+            l.qkv_w = w;
+            l.qkv_b = b;
+            n += 1;
         }
     }
     holder.fused_layers = n;
@@ -230,10 +241,11 @@ struct clip_init_result clip_init(const char * fname, struct clip_context_params
 ]=] [=[
                 /* offset */ ggml_row_size(cur->type, 2 * n_head * d_head));
 
-                // gst-vlm: one contiguous cast for flash attention's K and V (build_attn leaves
-                // F16 views as they are) instead of two strided casts after the permutes.
-                if (flash_attn_type == CLIP_FLASH_ATTN_TYPE_ENABLED && cur->type == GGML_TYPE_F32
-                        && !layer.k_norm && !add_pos && proj_type != PROJECTOR_TYPE_GEMMA4V) {
+                // gst-vlm: SmolVLM's K and V for flash attention from one contiguous cast of the
+                // product (build_attn leaves F16 views as they are), not two strided casts after
+                // the permutes (the Q third is cast for nothing: still the cheaper kernel).
+                if (proj_type == PROJECTOR_TYPE_IDEFICS3 && flash_attn_type == CLIP_FLASH_ATTN_TYPE_ENABLED
+                        && cur->type == GGML_TYPE_F32 && !layer.k_norm && !add_pos) {
                     ggml_tensor * kv16 = ggml_cast(ctx0, cur, GGML_TYPE_F16);
                     Kcur = ggml_view_4d(ctx0, kv16, d_head, n_head, n_pos, B,
                         ggml_row_size(kv16->type, d_head), kv16->nb[1], kv16->nb[1] * n_pos,
