@@ -8,10 +8,15 @@ pub const QUESTION: &str = "vlm-question";
 pub const STREAM: &str = "vlm-stream";
 /// Name of the event vlmencode sends before a frame it encodes again though it did not change.
 pub const STANDING: &str = "vlm-standing";
+/// Name of the upstream event vlmcontext sends when an encoded frame did not join the history.
+pub const NOT_TAKEN: &str = "vlm-frame-not-taken";
 /// Name of the query vlmencode sends downstream to learn the language model.
 pub const MODEL_QUERY: &str = "vlm-model";
 /// Name of the query vlmencode sends downstream to learn its stream's demand.
 pub const DEMAND_QUERY: &str = "vlm-demand";
+
+/// The longest question id taken (vlmquery remembers recent ids to refuse duplicates).
+pub const MAX_ID_BYTES: usize = 256;
 
 /// A question, as carried by a serialized custom downstream event named `vlm-question`.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +48,9 @@ impl QuestionEvent {
             // (A blank id is none: the question gets a generated one.)
             let id = s.get_optional::<String>("id").map_err(|e| format!("vlm-question field 'id': {e}"))?;
             let id = id.filter(|id| !id.trim().is_empty());
+            if let Some(id) = id.as_ref().filter(|id| id.len() > MAX_ID_BYTES) {
+                return Err(format!("vlm-question 'id' of {} bytes is longer than {MAX_ID_BYTES}", id.len()));
+            }
             let max_tokens = match s.value("max-tokens") {
                 Err(_) => None,
                 Ok(v) => {
@@ -111,6 +119,23 @@ impl StandingEvent {
             duration: s.get("duration").ok().flatten(),
             stream: s.get("stream").ok(),
         })
+    }
+}
+
+/// The upstream `vlm-frame-not-taken` event: vlmcontext did not take the embeddings of a frame
+/// into its stream's history (skipped under overload, no stream sequence free, the history full)
+/// or got a frame the gate held while nothing stands for it in the history (a new or reopened
+/// stream). vlmencode then encodes its next due frame whether or not the picture changed: the
+/// change gate compares with the last frame encoded, which the history does not have.
+pub struct NotTakenEvent;
+
+impl NotTakenEvent {
+    pub fn event() -> gst::Event {
+        gst::event::CustomUpstream::new(gst::Structure::new_empty(NOT_TAKEN))
+    }
+
+    pub fn is(event: &gst::EventRef) -> bool {
+        event.structure().is_some_and(|s| s.name() == NOT_TAKEN)
     }
 }
 

@@ -27,26 +27,32 @@ unsafe impl Send for VlmFrameMeta {}
 unsafe impl Sync for VlmFrameMeta {}
 
 impl VlmFrameMeta {
-    /// Attach encoded embeddings to `buffer` (vlmencode).
+    /// Attach encoded embeddings to `buffer` (vlmencode), in place of any meta it had (a buffer
+    /// carries one: its readers take the first).
     pub fn add(buffer: &mut gst::BufferRef, frame: Arc<Frame>) -> gst::MetaRefMut<'_, Self, gst::meta::Standalone> {
-        // SAFETY: info() registers a meta whose init writes every field; the returned pointer is
-        // a VlmFrameMeta owned by the buffer.
-        unsafe {
-            let meta =
-                gst::ffi::gst_buffer_add_meta(buffer.as_mut_ptr(), info(), ptr::null_mut()).cast::<VlmFrameMeta>();
-            (*meta).frame = Some(frame);
-            Self::from_mut_ptr(buffer, meta)
-        }
+        let mut meta = Self::fresh(buffer);
+        meta.frame = Some(frame);
+        meta
     }
 
     /// Mark `buffer` as a due frame that did not change since the last encoded one
     /// (`vlmencode min-change`): it carries no embeddings, the last encoded frame stands for it.
     pub fn add_held(buffer: &mut gst::BufferRef) -> gst::MetaRefMut<'_, Self, gst::meta::Standalone> {
-        // SAFETY: as in `add`.
+        let mut meta = Self::fresh(buffer);
+        meta.held = true;
+        meta
+    }
+
+    /// A meta with every field at its initial value, the buffer's only one.
+    fn fresh(buffer: &mut gst::BufferRef) -> gst::MetaRefMut<'_, Self, gst::meta::Standalone> {
+        while let Some(old) = buffer.meta_mut::<Self>() {
+            old.remove().expect("a VlmFrameMeta is not locked");
+        }
+        // SAFETY: info() registers a meta whose init writes every field; the returned pointer is
+        // a VlmFrameMeta owned by the buffer.
         unsafe {
             let meta =
                 gst::ffi::gst_buffer_add_meta(buffer.as_mut_ptr(), info(), ptr::null_mut()).cast::<VlmFrameMeta>();
-            (*meta).held = true;
             Self::from_mut_ptr(buffer, meta)
         }
     }
@@ -122,10 +128,16 @@ unsafe extern "C" fn transform(
     _kind: glib::ffi::GQuark,
     _data: glib::ffi::gpointer,
 ) -> glib::ffi::gboolean {
-    // SAFETY: `meta` is a VlmFrameMeta; the copy gets clones of its shared handles.
+    // SAFETY: `meta` is a VlmFrameMeta; the copy (the one `dest` has already, or a new one) gets
+    // clones of its shared handles.
     unsafe {
         let src = &*meta.cast::<VlmFrameMeta>();
-        let copy = gst::ffi::gst_buffer_add_meta(dest, info(), ptr::null_mut()).cast::<VlmFrameMeta>();
+        let mut copy =
+            gst::ffi::gst_buffer_get_meta(dest, glib::translate::IntoGlib::into_glib(VlmFrameMeta::meta_api()))
+                .cast::<VlmFrameMeta>();
+        if copy.is_null() {
+            copy = gst::ffi::gst_buffer_add_meta(dest, info(), ptr::null_mut()).cast::<VlmFrameMeta>();
+        }
         if copy.is_null() {
             return glib::ffi::GFALSE;
         }

@@ -101,6 +101,34 @@ fn buffers_without_timestamps_join_the_history_and_timed_questions_bind_to_the_n
     assert_clean(&f.finish());
 }
 
+/// One buffer without a timestamp among timed ones does not make the video untimed: a timed
+/// question ahead of the video waits for its time (not bound to the newest frame at once), and a
+/// GAP past its time binds it, as a frame after it would, to the frames up to its time.
+#[test]
+fn a_timed_question_waits_past_an_untimed_buffer_and_binds_at_a_gap() {
+    let _s = serial();
+    let (mut f, questions) = Fed::with_questions();
+    f.push_frames(2);
+    let mut q = gst::Buffer::from_slice(b"What is shown?");
+    q.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(5));
+    assert_eq!(questions.push_buffer(q), Ok(gst::FlowSuccess::Ok));
+    f.push(VideoFormat::Rgb, 64, 48, 2, None);
+    f.frames.wait(3, "the untimed frame");
+    let gap =
+        gst::event::Gap::builder(gst::ClockTime::from_mseconds(200)).duration(gst::ClockTime::from_seconds(10)).build();
+    assert!(f.src.send_event(gap), "appsrc refused the GAP event");
+    let bus = f.bus.clone();
+    assert!(
+        f.log.pump(&bus, Duration::from_secs(60), |l| !l.answers.is_empty()),
+        "not answered at the GAP: {:?}",
+        f.log
+    );
+    let a = f.log.answers[0].clone();
+    assert_eq!((status(&a), field::<u64>(&a, "frames")), ("answered".into(), 2), "{a}");
+    assert_eq!(questions.end_of_stream(), Ok(gst::FlowSuccess::Ok));
+    assert_clean(&f.finish());
+}
+
 /// Periodic captions over untimed video keep their interval on the wall clock: one caption for a
 /// burst of frames (one was asked on every frame, filling the question queue).
 #[test]

@@ -10,7 +10,7 @@ use common::*;
 use gst::prelude::*;
 use gst_check::Harness;
 use gst_video::prelude::*;
-use gst_vlm_elements::events::{DemandQuery, ModelQuery, QuestionEvent, StreamEvent};
+use gst_vlm_elements::events::{DemandQuery, ModelQuery, NotTakenEvent, QuestionEvent, StreamEvent};
 use gst_vlm_elements::meta::VlmFrameMeta;
 use vlm_runtime::encoder::{MtmdEncoder, Picture, PixelLayout, VisionEncoder};
 use vlm_runtime::prompt::{DEFAULT_SYSTEM_PROMPT, Prompt};
@@ -177,6 +177,33 @@ fn vlmcontext_registers_frames_in_order_and_answers_the_model_and_demand_queries
     assert_eq!(demand.load(Ordering::Acquire), 1, "a reader waiting on the stream is not seen");
     drop(watch);
     assert_eq!(demand.load(Ordering::Acquire), 0);
+}
+
+/// A frame the gate held reaching a stream with nothing registered (a new or reopened stream):
+/// vlmcontext asks upstream (`vlm-frame-not-taken`) for the next due frame to be encoded; once a
+/// frame has joined, it stands for the held ones and nothing is asked.
+#[test]
+fn vlmcontext_asks_for_an_encode_when_nothing_stands_for_a_held_frame() {
+    init();
+    let e = gst::ElementFactory::make("vlmcontext").property("model", model()).build().unwrap();
+    let mut h = Harness::with_element(&e, Some("sink_0"), Some("src_0"));
+    h.set_src_caps(caps(gst_video::VideoFormat::Rgb));
+    h.play();
+    let held = || {
+        let mut buf = picture(gst_video::VideoFormat::Rgb, 0);
+        VlmFrameMeta::add_held(buf.get_mut().unwrap());
+        buf
+    };
+    let asked =
+        |h: &mut Harness| std::iter::from_fn(|| h.try_pull_upstream_event()).filter(|e| NotTakenEvent::is(e)).count();
+    let position = |buf: gst::Buffer| buf.meta::<VlmFrameMeta>().and_then(|m| m.position());
+    assert_eq!(position(h.push_and_pull(held()).unwrap()), None);
+    assert_eq!(asked(&mut h), 1);
+    let mut buf = picture(gst_video::VideoFormat::Rgb, 0);
+    VlmFrameMeta::add(buf.get_mut().unwrap(), frame(&encoder(), 0));
+    let stream = position(h.push_and_pull(buf).unwrap()).expect("registered").0;
+    assert_eq!(position(h.push_and_pull(held()).unwrap()), Some((stream, 1)));
+    assert_eq!(asked(&mut h), 0);
 }
 
 #[test]

@@ -108,15 +108,16 @@ fn new_caps_and_a_flush_start_the_gate_afresh() {
 }
 
 /// A buffer smaller than the `VideoMeta` on it says (GStreamer maps such a frame without checking
-/// how far its planes reach) is refused with an error naming its size: it was read past its end.
+/// how far its planes reach) is not read past its end: as GstVideoFilter does with an invalid
+/// buffer, a warning naming its size, and the frame passes without embeddings while the stream
+/// goes on; the next due frame is encoded though its picture did not change.
 #[test]
-fn a_buffer_smaller_than_its_video_meta_says_is_refused() {
+fn a_buffer_smaller_than_its_video_meta_says_passes_with_a_warning() {
     init();
     let bus = gst::Bus::new();
-    let (_e, mut h) = harness("threshold", Some(&bus));
+    let (e, mut h) = harness("threshold", Some(&bus));
     assert_eq!(push(&mut h, gray(100), 0), "encoded");
     let mut short = gst::Buffer::from_mut_slice(vec![0u8; 64]);
-    short.get_mut().unwrap().set_pts(gst::ClockTime::from_seconds(1));
     gst_video::VideoMeta::add_full(
         short.get_mut().unwrap(),
         gst_video::VideoFrameFlags::empty(),
@@ -127,10 +128,28 @@ fn a_buffer_smaller_than_its_video_meta_says_is_refused() {
         &[64 * 3],
     )
     .unwrap();
-    let _ = h.push(short);
-    let error = bus.timed_pop_filtered(gst::ClockTime::from_seconds(60), &[gst::MessageType::Error]).expect("an error");
-    let gst::MessageView::Error(error) = error.view() else { unreachable!() };
-    assert!(error.error().message().contains("64 bytes is smaller than its video meta"), "{}", error.error());
+    assert_eq!(push(&mut h, short, 1), "passed");
+    let warning =
+        bus.timed_pop_filtered(gst::ClockTime::from_seconds(60), &[gst::MessageType::Warning]).expect("a warning");
+    let gst::MessageView::Warning(warning) = warning.view() else { unreachable!() };
+    assert!(warning.error().message().contains("64 bytes is smaller than its video meta"), "{}", warning.error());
+    assert!(bus.pop_filtered(&[gst::MessageType::Error]).is_none(), "no error");
+    assert_eq!(e.property::<u64>("frames-skipped"), 1);
+    assert_eq!(push(&mut h, gray(100), 2), "encoded");
+    assert_eq!(push(&mut h, gray(100), 3), "held");
+}
+
+/// `vlm-frame-not-taken` from downstream (vlmcontext skipped the frame, had no free stream or a
+/// full history): the history lacks the picture the gate compares with, so the next due frame
+/// is encoded whether or not it changed.
+#[test]
+fn a_frame_not_taken_downstream_makes_the_next_due_frame_encoded() {
+    let (_e, mut h) = harness("threshold", None);
+    assert_eq!(push(&mut h, gray(100), 0), "encoded");
+    assert_eq!(push(&mut h, gray(100), 1), "held");
+    assert!(h.push_upstream_event(gst_vlm_elements::events::NotTakenEvent::event()));
+    assert_eq!(push(&mut h, gray(100), 2), "encoded");
+    assert_eq!(push(&mut h, gray(100), 3), "held");
 }
 
 /// A gate turned off and on again starts afresh: it held a frame against the picture encoded

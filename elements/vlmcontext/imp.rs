@@ -221,6 +221,9 @@ pub struct VlmContext {
     opening: Mutex<()>,
     /// The load started at NULL→READY on a worker thread, with the settings it used.
     loading: Mutex<Option<Loading>>,
+    /// Loads abandoned (a stop, changed settings) and maybe still running: the next load waits
+    /// for them, so a state that goes up and down quickly never runs two loads at once.
+    abandoned: Mutex<Vec<std::thread::JoinHandle<load::Loaded>>>,
     pads: Mutex<Vec<Arc<StreamPads>>>,
     /// Kept across sessions (state changes), so a new session with the same history reuses KV.
     prefix_cache: Mutex<Option<Arc<PrefixCache>>>,

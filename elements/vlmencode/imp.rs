@@ -11,6 +11,7 @@ use parking_lot::{Condvar, Mutex};
 use vlm_runtime::encoder::gate::{ChangeGate, Decision, Luma};
 use vlm_runtime::encoder::{FrameEncoder, Picture, PixelFormat, PixelLayout, YuvMatrix};
 
+use crate::events::NotTakenEvent;
 use crate::meta::VlmFrameMeta;
 
 mod encoder;
@@ -145,13 +146,15 @@ impl Default for Settings {
 struct Stats {
     seen: u64,
     encoded: u64,
-    /// Due frames not encoded because of max-rate or, when leaky, a full encoder.
+    /// Due frames not encoded because of max-rate or, when leaky, a full encoder, and frames
+    /// that could not be read (`unreadable` of them).
     skipped: u64,
+    unreadable: u64,
     encode_ms_total: f64,
     /// Of `encode_ms_total`: preparing pictures on the CPU, and waiting for an encoder context.
     prepare_ms_total: f64,
     wait_ms_total: f64,
-    /// The slowest encoding so far (ms): the latency this element reports.
+    /// The slowest encoding so far (ms), refreshes left out: the latency this element reports.
     slowest_ms: f64,
     /// Most due frames ever waiting for the encoder at once.
     peak_pending: usize,
@@ -190,8 +193,6 @@ struct State {
     gate_passed: Option<(Option<gst::ClockTime>, Instant)>,
     /// `tile-reuse` met a projector that encodes a frame as one image (said once).
     untiled_said: bool,
-    /// The demand of the stream downstream (the `vlm-demand` query), once a vlmcontext answered.
-    demand: Option<vlm_runtime::llama::Demand>,
 }
 
 /// A frame to encode: the caps to read it by, and its sampling by the change gate (for tile
@@ -502,6 +503,19 @@ impl VlmEncode {
 
     /// The latency query: upstream's, plus `max-pending` of the slowest encoding seen (a frame
     /// leaves after the due frames ahead of it and its own, up to `max-pending` of them).
+    fn src_event(&self, pad: &gst::Pad, event: gst::Event) -> bool {
+        if NotTakenEvent::is(&event) {
+            gst::debug!(
+                CAT,
+                imp = self,
+                "the last encoded frame did not join the history: the next due frame is encoded"
+            );
+            self.reset_gate();
+            return true;
+        }
+        gst::Pad::event_default(pad, Some(&*self.obj()), event)
+    }
+
     fn src_query(&self, pad: &gst::Pad, query: &mut gst::QueryRef) -> bool {
         let gst::QueryViewMut::Latency(latency) = query.view_mut() else {
             return gst::Pad::query_default(pad, Some(&*self.obj()), query);
@@ -561,6 +575,9 @@ impl ObjectSubclass for VlmEncode {
             .flags(gst::PadFlags::PROXY_CAPS | gst::PadFlags::PROXY_ALLOCATION)
             .build();
         let srcpad = gst::Pad::builder_from_template(&klass.pad_template("src").unwrap())
+            .event_function(|pad, parent, event| {
+                VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.src_event(pad, event))
+            })
             .query_function(|pad, parent, query| {
                 VlmEncode::catch_panic_pad_function(parent, || false, |imp| imp.src_query(pad, query))
             })
@@ -720,7 +737,7 @@ impl ObjectImpl for VlmEncode {
                 glib::ParamSpecUInt64::builder("frames-encoded").nick("Frames encoded").blurb("Frames run through the vision encoder (frames given embeddings from the cache: cache-hits)").read_only().build(),
                 glib::ParamSpecUInt64::builder("frames-skipped")
                     .nick("Frames skipped")
-                    .blurb("Due frames that passed without embeddings because of max-rate or, when leaky, a full encoder or a projector still loading")
+                    .blurb("Due frames that passed without embeddings because of max-rate, a frame that could not be read (a warning says why) or, when leaky, a full encoder or a projector still loading")
                     .read_only()
                     .build(),
                 glib::ParamSpecUInt::builder("peak-pending")

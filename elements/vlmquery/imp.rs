@@ -909,7 +909,13 @@ impl ObjectImpl for VlmQuery {
             "display" => s.display = value.get().unwrap(),
             "caption-prompt" => s.caption_prompt = value.get::<Option<String>>().unwrap().unwrap_or_default(),
             "caption-interval" => s.caption_interval = value.get().unwrap(),
-            "max-questions" => s.max_questions = value.get().unwrap(),
+            "max-questions" => {
+                s.max_questions = value.get().unwrap();
+                drop(s);
+                // A query pad waiting for room looks again.
+                let _shared = self.shared.lock();
+                self.changed.notify_all();
+            }
             "commit-answers" => s.commit_answers = value.get().unwrap(),
             "temp" => s.sampling.temperature = value.get().unwrap(),
             "seed" => s.sampling.seed = value.get().unwrap(),

@@ -22,7 +22,7 @@ pub(super) struct Loading {
 }
 
 /// Engines and prompt loaded for some settings.
-type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
+pub(super) type Loaded = Result<(Vec<Arc<Engine>>, Arc<Prompt>), gst::ErrorMessage>;
 
 /// The KV layout and flash attention the engines get: `kv-layout=auto` is
 /// [`KvLayout::auto`] for the engines and the streams the load sizes (the unified pool on CPU
@@ -55,7 +55,15 @@ impl VlmContext {
         let settings = s.clone();
         let cancel = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&cancel);
-        match std::thread::Builder::new().name("vlmcontext-load".into()).spawn(move || this.load(&settings, &flag)) {
+        let before = std::mem::take(&mut *self.abandoned.lock());
+        let load = move || {
+            // (What an abandoned load holds is freed before this one allocates.)
+            for handle in before {
+                let _ = handle.join();
+            }
+            this.load(&settings, &flag)
+        };
+        match std::thread::Builder::new().name("vlmcontext-load".into()).spawn(load) {
             Ok(handle) => *self.loading.lock() = Some(Loading { settings: s, handle, cancel }),
             Err(e) => gst::warning!(CAT, imp = self, "cannot start the loading thread: {e}; loading at READY->PAUSED"),
         }
@@ -76,8 +84,15 @@ impl VlmContext {
     /// calibration run at its next computation and are dropped on the loading thread.
     pub(super) fn abandon_preload(&self) {
         if let Some(loading) = self.loading.lock().take() {
-            loading.cancel.store(true, Ordering::Release);
+            self.abandon(loading);
         }
+    }
+
+    fn abandon(&self, loading: Loading) {
+        loading.cancel.store(true, Ordering::Release);
+        let mut abandoned = self.abandoned.lock();
+        abandoned.retain(|h| !h.is_finished());
+        abandoned.push(loading.handle);
     }
 
     /// READY→PAUSED: with the engines loaded (or their load failed) at once, finish now;
@@ -88,7 +103,7 @@ impl VlmContext {
         let current = self.load_settings();
         let mut preloaded = self.loading.lock().take();
         if let Some(stale) = preloaded.take_if(|l| l.settings != current) {
-            stale.cancel.store(true, Ordering::Release);
+            self.abandon(stale);
         }
         if preloaded.is_none() {
             // Nothing loading with these settings (set after NULL→READY): start it now.
@@ -244,6 +259,9 @@ impl VlmContext {
         };
         let mut engines = vec![];
         for config in EngineConfig::parse_list(&s.engines, &base).map_err(fail)? {
+            if cancel.load(Ordering::Acquire) {
+                return Err(fail(Error::Cancelled));
+            }
             let engine = Engine::start_cancellable(&PathBuf::from(&s.model), config, cancel).map_err(fail)?;
             gst::info!(
                 CAT,

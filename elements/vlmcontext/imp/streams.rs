@@ -11,7 +11,7 @@ use gst::subclass::prelude::*;
 use vlm_runtime::{DEFAULT_ANSWER_RESERVE, Error, HistoryPolicy, Overload, Stream, StreamConfig};
 
 use super::{CAT, HistoryPolicyKind, OverloadKind, StreamPads, VlmContext};
-use crate::events::{DemandQuery, ModelQuery, StandingEvent, StreamEvent};
+use crate::events::{DemandQuery, ModelQuery, NotTakenEvent, StandingEvent, StreamEvent};
 use crate::meta::VlmFrameMeta;
 
 impl VlmContext {
@@ -51,7 +51,7 @@ impl VlmContext {
         // loading, would both choose the engine with one free sequence).
         // (`stop` and `release_pad` set `cancel` and then take this lock to close the stream:
         // one opened after they looked would be left open.)
-        let _opening = self.opening.lock();
+        let opening = self.opening.lock();
         if let Some(s) = pads.stream.lock().as_ref() {
             return Ok(Some(Arc::clone(s))); // opened meanwhile by another of the pad's threads
         }
@@ -81,6 +81,8 @@ impl VlmContext {
         // has failed does the open below fail.)
         let mut healthy = engines.iter().filter(|e| e.failure().is_none()).peekable();
         if healthy.peek().is_some() && healthy.all(|e| e.stream_slots().1 == 0) {
+            // (Posted once the lock is let go: a sync bus handler may release the pad or stop.)
+            drop(opening);
             if !pads.refused.swap(true, Ordering::AcqRel) {
                 let (used, free) = engine.stream_slots();
                 gst::element_imp_warning!(
@@ -171,13 +173,18 @@ impl VlmContext {
                 if pads.cancel.load(Ordering::Acquire) || pads.stopped.load(Ordering::SeqCst) {
                     return Err(gst::FlowError::Flushing);
                 }
-                return pads.src.push(buffer); // refused: no sequence is free
+                // Refused: no sequence is free.
+                pads.sink.push_event(NotTakenEvent::event());
+                return pads.src.push(buffer);
             };
             self.settle_stream(pads, &stream);
             let lag = stream.lag();
             self.update_stats(pads, |stats| stats.max_lag_ms = stats.max_lag_ms.max(lag.ms));
             match stream.register(frame, &pads.cancel) {
-                Ok(registration) if registration.skipped => self.frame_skipped(pads, &stream, lag),
+                Ok(registration) if registration.skipped => {
+                    self.frame_skipped(pads, &stream, lag);
+                    pads.sink.push_event(NotTakenEvent::event());
+                }
                 Ok(registration) => {
                     let number = registration.number;
                     gst::trace!(CAT, obj = pads.sink, "registered frame {number} ({:?})", buffer.pts());
@@ -188,6 +195,7 @@ impl VlmContext {
                 }
                 Err(Error::Cancelled) => return Err(gst::FlowError::Flushing),
                 Err(e @ (Error::HistoryFull { .. } | Error::EntryTooLarge { .. })) => {
+                    pads.sink.push_event(NotTakenEvent::event());
                     let first = self.update_stats(pads, |stats| {
                         stats.dropped += 1;
                         stats.dropped == 1
@@ -217,9 +225,12 @@ impl VlmContext {
             }
         } else if buffer.meta::<VlmFrameMeta>().is_some_and(|m| m.held()) {
             // A frame the gate held: the last registered one stands for it, and says so.
+            // Nothing stands for it (a new or reopened stream, or its frames not taken): the
+            // next due frame is to be encoded.
             let standing = pads.stream.lock().as_ref().map(|s| (s.id(), s.registered())).filter(|s| s.1 > 0);
-            if let (Some((stream, number)), Some(mut m)) = (standing, buffer.make_mut().meta_mut::<VlmFrameMeta>()) {
-                m.set_position(stream, number);
+            match (standing, buffer.make_mut().meta_mut::<VlmFrameMeta>()) {
+                (Some((stream, number)), Some(mut m)) => m.set_position(stream, number),
+                _ => _ = pads.sink.push_event(NotTakenEvent::event()),
             }
         }
         pads.src.push(buffer)

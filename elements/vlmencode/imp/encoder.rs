@@ -119,7 +119,11 @@ impl VlmEncode {
             let this = self.ref_counted();
             let run = self.runs.load(Ordering::Acquire);
             let load = move || {
-                let loaded = this.encoder();
+                // (A panic in the load is a failed load: the frames waiting for it must hear.)
+                let loaded =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| this.encoder())).unwrap_or_else(|_| {
+                        Err(gst::error_msg!(gst::LibraryError::Init, ["the projector's load panicked"]))
+                    });
                 if this.runs.load(Ordering::Acquire) != run {
                     return; // stopped and started again meanwhile: that run loads its own
                 }
@@ -168,19 +172,37 @@ impl VlmEncode {
         }
     }
 
-    /// The demand of the stream these frames feed, asked downstream (`vlm-demand`) until a
-    /// vlmcontext answers: while a reader waits on it, this element's encodes go first.
-    fn demand(&self) -> Option<vlm_runtime::llama::Demand> {
-        if let Some(d) = self.state.lock().demand.clone() {
-            return Some(d);
+    /// A frame that cannot be read (a buffer smaller than its caps or meta say, a picture the
+    /// projector refuses): as GstVideoFilter treats an invalid buffer, a warning (for the first
+    /// and every 100th) and the frame goes on, without embeddings (`frames-skipped`); the
+    /// stream and the next frames are not its fault. The gate then encodes the next due frame.
+    fn unreadable(&self, why: &str) -> Result<(), gst::FlowError> {
+        let n = {
+            let mut st = self.stats.lock();
+            st.skipped += 1;
+            st.unreadable += 1;
+            st.unreadable
+        };
+        self.reset_gate();
+        if n == 1 || n.is_multiple_of(100) {
+            gst::element_imp_warning!(
+                self,
+                gst::StreamError::Format,
+                ("frame not encoded ({n} so far): {why}; it passes without embeddings")
+            );
         }
+        Ok(())
+    }
+
+    /// The demand of the stream these frames feed, asked downstream (`vlm-demand`) at each
+    /// encode (the pad's stream may have closed and another opened): while a reader waits on
+    /// it, this element's encodes go first.
+    fn demand(&self) -> Option<vlm_runtime::llama::Demand> {
         let mut q = DemandQuery::query();
         if !self.obj().static_pad("src").expect("src pad").peer_query(&mut q) {
             return None;
         }
-        let demand = DemandQuery::demand(&q)?;
-        self.state.lock().demand = Some(demand.clone());
-        Some(demand)
+        DemandQuery::demand(&q)
     }
 
     /// Encode one frame (or take it from the cache, or some of its tiles from the frame before)
@@ -198,21 +220,23 @@ impl VlmEncode {
             (TileReuseKind::Threshold, Some(luma)) => TileReuse::Unchanged(luma),
         };
         let encoded = {
-            let vframe = super::map_frame(buffer.as_ref(), info).map_err(|why| {
-                gst::element_imp_error!(self, gst::StreamError::Format, ("{}", why));
-                gst::FlowError::Error
-            })?;
+            let vframe = match super::map_frame(buffer.as_ref(), info) {
+                Ok(vframe) => vframe,
+                Err(why) => return self.unreadable(&why),
+            };
             let demand = self.demand();
             let flushing = || self.flushing.load(std::sync::atomic::Ordering::Acquire);
             // (A refresh the last encoded frame stands for goes after the other encodes.)
             let turn = Turn { demand: demand.as_ref(), cancelled: Some(&flushing), background: due.stands };
-            encoder.encode_reusing(&super::picture(&vframe, info, format), reuse, turn).map_err(|e| match e {
-                vlm_runtime::Error::Cancelled => gst::FlowError::Flushing,
-                e => {
+            match encoder.encode_reusing(&super::picture(&vframe, info, format), reuse, turn) {
+                Ok(encoded) => encoded,
+                Err(vlm_runtime::Error::Cancelled) => return Err(gst::FlowError::Flushing),
+                Err(e @ vlm_runtime::Error::BadInput(_)) => return self.unreadable(&e.to_string()),
+                Err(e) => {
                     gst::element_imp_error!(self, gst::StreamError::Decode, ("vision encoding failed: {}", e));
-                    gst::FlowError::Error
+                    return Err(gst::FlowError::Error);
                 }
-            })?
+            }
         };
         let (frame, hit, tiles) = (encoded.frame, encoded.hit, encoded.tiles);
         let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -249,9 +273,12 @@ impl VlmEncode {
             st.prepare_ms_total += tiles.prepare_ms;
             st.wait_ms_total += tiles.wait_ms;
             // Frames leave an encoding later: a live pipeline must know, or its sinks drop them.
-            // Grown by a quarter or more, the latency is reported again.
-            let grown = ms > st.slowest_ms * 1.25;
-            st.slowest_ms = st.slowest_ms.max(ms);
+            // Grown by a quarter or more, the latency is reported again. (A refresh waits behind
+            // every other encode on purpose: not a delay of the frames that matter.)
+            let grown = !due.stands && ms > st.slowest_ms * 1.25;
+            if !due.stands {
+                st.slowest_ms = st.slowest_ms.max(ms);
+            }
             drop(st);
             if grown {
                 gst::debug!(CAT, imp = self, "latency now {ms:.1} ms (slowest encoding)");

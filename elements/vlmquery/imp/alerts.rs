@@ -280,7 +280,19 @@ impl VlmQuery {
         if st.worker.is_none() {
             let this = self.ref_counted();
             let generation = st.generation;
-            let worker = move || this.alert_worker(generation);
+            let worker = move || {
+                // (A panic ends the thread, not the alerts: the next frame starts another, and
+                // the video's EOS does not wait for this one.)
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| this.alert_worker(generation))).is_err() {
+                    gst::error!(CAT, imp = this, "panic in the alert thread");
+                    let mut st = this.alerts.state.lock();
+                    if st.generation == generation {
+                        (st.busy, st.worker) = (false, None);
+                        st.waiting_on.clear();
+                    }
+                    this.alerts.changed.notify_all();
+                }
+            };
             match std::thread::Builder::new().name("vlmquery-alerts".into()).spawn(worker) {
                 Ok(t) => st.worker = Some(t),
                 Err(e) => gst::error!(CAT, imp = self, "cannot start the alert thread: {e}"),
@@ -353,9 +365,12 @@ impl VlmQuery {
                 .map(|(stream, _)| if specs.is_empty() { Err(String::new()) } else { self.yes_no(stream) })
                 .collect();
             let results: Vec<_> = match &taken[..] {
-                [(stream, frame)] => {
-                    vec![self.evaluate_frame(stream, *frame, &specs, yes_no.pop().expect("one"), &cancel)]
-                }
+                [(stream, frame)] => vec![
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.evaluate_frame(stream, *frame, &specs, yes_no.pop().expect("one"), &cancel)
+                    }))
+                    .unwrap_or_else(|_| Err(vlm_runtime::Error::Engine("panic in an evaluation".into()))),
+                ],
                 _ => std::thread::scope(|scope| {
                     let handles: Vec<_> = taken
                         .iter()

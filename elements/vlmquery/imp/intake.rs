@@ -96,11 +96,10 @@ impl VlmQuery {
         job: Job,
         block: bool,
     ) -> Result<String, Refusal> {
-        let (max, ordered) = {
-            let s = self.settings.lock();
-            (s.max_questions as usize, s.commit_answers == CommitAnswers::Ordered)
-        };
+        let ordered = self.settings.lock().commit_answers == CommitAnswers::Ordered;
         loop {
+            // (Read again after each wait: `max-questions` may change while playing.)
+            let max = self.settings.lock().max_questions as usize;
             if shared.flushing {
                 return Err(Refusal::Flushing);
             }
@@ -452,7 +451,14 @@ impl VlmQuery {
             shared.video.running_time = Some(rt);
             shared.video.known_to(rt, buffer.duration());
         }
-        shared.video.untimed = rt.is_none();
+        // Untimed video: frames without timestamps since its segment began. One frame without a
+        // time (or outside the segment) among timed ones does not make it so: a timed question
+        // goes on waiting for the video to pass its time.
+        if rt.is_some() {
+            shared.video.untimed = false;
+        } else if buffer.pts().is_none() && shared.video.running_time.is_none() {
+            shared.video.untimed = true;
+        }
         let refused = self.bind_ahead(&mut shared);
         if let Some(pts) = buffer.pts() {
             shared.video.pts = Some(pts);
@@ -566,7 +572,7 @@ impl VlmQuery {
         }
         if let Some(id) = StreamEvent::parse(&event) {
             self.shared.lock().video.switch_to(id);
-            return true;
+            return self.video_srcpad.push_event(event);
         }
         // `vlmencode` encodes a frame again that did not change: the frame encoded last stands
         // for it from its time on, as for a frame the gate held, and the questions about that
@@ -583,7 +589,7 @@ impl VlmQuery {
                 drop(shared);
                 self.refused_all(refused);
             }
-            return true;
+            return self.video_srcpad.push_event(event);
         }
         match event.view() {
             EventView::Caps(c) => {
@@ -661,6 +667,24 @@ impl VlmQuery {
                 drop(shared);
                 self.video_srcpad.push_event(event);
                 true
+            }
+            // A GAP (a live source's lost packets, a source with nothing to send for a while): no
+            // frame comes before its end. Timed questions up to there bind to the frames before,
+            // and the text pads move on to it, as at a frame.
+            EventView::Gap(g) => {
+                let (ts, duration) = g.get();
+                let end = ts.saturating_add(duration.unwrap_or(gst::ClockTime::ZERO));
+                let mut shared = self.shared.lock();
+                if let Some(rt) = shared.video.segment.as_ref().and_then(|s| s.to_running_time(end)) {
+                    shared.video.known_until = shared.video.known_until.max(Some(rt));
+                    shared.video.end = shared.video.end.max(Some(end));
+                    shared.video.between_segments = false;
+                    let refused = self.bind_ahead(&mut shared);
+                    self.changed.notify_all();
+                    drop(shared);
+                    self.refused_all(refused);
+                }
+                self.video_srcpad.push_event(event)
             }
             // As in gst-plugins-rs: flushing first, downstream told (a push blocked there returns),
             // then the task paused; on stop, state reset and downstream told under the task's
@@ -800,6 +824,14 @@ impl VlmQuery {
                 self.changed.notify_all();
                 drop(shared);
                 self.refuse_ahead();
+            }
+            // A question event belongs with the video (it binds to the frames before it there).
+            EventView::CustomDownstream(_) if QuestionEvent::parse(&event).is_some() => {
+                gst::element_imp_warning!(
+                    self,
+                    gst::StreamError::Format,
+                    ("a vlm-question event on the query pad is ignored: send it on the video (the sink pad), or send text here")
+                );
             }
             EventView::FlushStop(_) => {
                 let mut shared = self.shared.lock();
