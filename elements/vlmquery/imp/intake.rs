@@ -746,6 +746,8 @@ impl VlmQuery {
         drop(map);
         if text.is_empty() {
             drop(shared);
+            // (A subtitle with no text, or markup alone: nothing to ask.)
+            gst::debug!(CAT, imp = self, "empty question buffer at {:?} ignored", buffer.pts());
             return self.query_flow();
         }
         let question = self.question(&shared, &text, None, None);
