@@ -22,6 +22,8 @@ pub const QUESTION_DETAILS: &str = "vlm-question";
 /// Why a question cannot be accepted now.
 enum Refusal {
     Flushing,
+    /// The text pad stopped with this flow return (its queue will not drain).
+    Downstream(gst::FlowError),
     Ended,
     Full(usize),
     Duplicate(String),
@@ -115,7 +117,12 @@ impl VlmQuery {
             // The query pad's flush, or a text pad that stopped (the queue will not drain).
             if shared.query_flushing || shared.srcresult.is_some() {
                 shared.query_waiting = false;
-                return Err(Refusal::Flushing);
+                return Err(match shared.srcresult {
+                    Some(flow) if !shared.query_flushing && flow != gst::FlowError::Flushing => {
+                        Refusal::Downstream(flow)
+                    }
+                    _ => Refusal::Flushing,
+                });
             }
             // (The video's EOS does not wait for a question that waits for room.)
             shared.query_waiting = true;
@@ -342,6 +349,7 @@ impl VlmQuery {
     fn refused(&self, question: &Question, why: Refusal) {
         let why = match why {
             Refusal::Flushing => "the element is flushing".to_string(),
+            Refusal::Downstream(flow) => format!("the text pad stopped ({flow:?} from downstream)"),
             Refusal::Ended => "the streams have ended (after EOS)".to_string(),
             Refusal::Full(n) => format!("{n} questions are already pending (max-questions)"),
             Refusal::Duplicate(id) => format!("id {id:?} was already taken by an earlier question"),
