@@ -164,6 +164,8 @@ impl VlmContext {
         // at once must not complete before the bin knows it is waiting for it.
         let _ = self.obj().post_message(gst::message::AsyncStart::builder().src(&*self.obj()).build());
         if let Err(e) = std::thread::Builder::new().name("vlmcontext-start".into()).spawn(finish) {
+            self.state.lock().loading = false;
+            self.loaded.notify_all();
             let _ = self.obj().post_message(gst::message::AsyncDone::builder().src(&*self.obj()).build());
             return Err(gst::error_msg!(gst::CoreError::StateChange, ["cannot start the loading thread: {}", e]));
         }
