@@ -580,7 +580,9 @@ impl Stream {
             return Err(Error::Cancelled);
         }
         // Entries registered but not yet published (the prompt's own prefill not counted).
-        let full = |t: &Timeline| (t.tail.serial - t.published_serial.max(1)) as usize >= self.config.max_pending;
+        // (At least one: none would wait for ever.)
+        let full =
+            |t: &Timeline| (t.tail.serial - t.published_serial.max(1)) as usize >= self.config.max_pending.max(1);
         if new_frame && t.overload == Overload::Skip && full(&t) && t.failed.is_none() && !t.closed {
             t.skipped += 1;
             return Ok(Registration { number: t.registered, restart: None, slid: false, skipped: true });
@@ -693,21 +695,22 @@ impl Stream {
         let _waiting = self.watch();
         let mut t = self.timeline.lock();
         loop {
-            if let Some(e) = &t.failed {
-                return Err(e.clone());
-            }
-            if number > t.registered && t.closed {
-                return Err(Error::BadInput(format!("stream {} has no frame {number}", self.name())));
-            }
             // The newest record of that frame: with its committed answers, once every one
             // registered before the next frame is published (before the oldest frame still
             // counted, for a frame older than all of them; every one so far for the newest).
+            // A published version stays readable after the stream failed.
             let last_serial = t.frame_serials.iter().find(|(n, _)| *n > number).map_or(t.tail.serial, |(_, s)| s - 1);
             if number <= t.published && t.published_serial >= last_serial {
                 let r = t.versions.iter().rev().find(|r| r.number == number).ok_or_else(|| {
                     Error::BadInput(format!("version {number} of stream {} is no longer retained", self.name()))
                 })?;
                 return Ok(self.pin(r));
+            }
+            if let Some(e) = &t.failed {
+                return Err(e.clone());
+            }
+            if number > t.registered && t.closed {
+                return Err(Error::BadInput(format!("stream {} has no frame {number}", self.name())));
             }
             if cancel.load(Ordering::Acquire) {
                 return Err(Error::Cancelled);

@@ -43,6 +43,22 @@ fn open_pending(engine: &Arc<Engine>, name: &str, max_pending: usize, overload: 
     Stream::open(engine, prompt, config).unwrap()
 }
 
+/// `max_pending: 0` is taken as one: a blocking stream's frames are registered and published
+/// instead of waiting for ever, a skipping one's not all skipped.
+#[test]
+fn a_max_pending_of_zero_is_one() {
+    let _alone = serial();
+    let engine = engine("cpu");
+    let enc = encoder();
+    for overload in [Overload::Block, Overload::Skip] {
+        let stream = open_pending(&engine, "zero", 0, overload);
+        let registration = stream.register(frame(&enc, 0), &AtomicBool::new(false)).unwrap();
+        assert!(!registration.skipped, "{overload:?}: the first frame was skipped");
+        assert_eq!(stream.wait_version(1, &AtomicBool::new(false)).unwrap().frames(), 1);
+        stream.close();
+    }
+}
+
 #[test]
 fn exact_length_answers_generate_exactly_max_tokens() {
     let _alone = serial();

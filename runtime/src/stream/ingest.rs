@@ -34,8 +34,13 @@ pub(super) enum Rebuild {
 /// with nowhere to go fails with `error` (the other streams go on).
 pub(super) fn move_resident(engine: &Arc<Engine>, error: &Error) {
     let streams: Vec<Arc<Stream>> = STREAMS.lock().values().filter_map(Weak::upgrade).collect();
-    // (A closed stream gave its sequence back: nothing of it is resident to move.)
-    for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine(), engine) && !s.gave_back()) {
+    for stream in streams.iter().filter(|s| Arc::ptr_eq(&s.engine(), engine)) {
+        // A closed stream gave its sequence back: nothing of it is resident to move, but what
+        // still waits on a frame it registered (never to be ingested now) hears why.
+        if stream.gave_back() {
+            stream.publish(Err(error.clone()));
+            continue;
+        }
         if let Err(e) = stream.move_home(engine) {
             let why = format!("{error}; stream {} could not move to another engine: {e}", stream.name());
             crate::llama::log(crate::llama::LogLevel::Error, &why);
@@ -194,8 +199,9 @@ impl Stream {
 
     /// [`Stream::move_home`] under the timeline lock.
     fn move_home_locked(self: &Arc<Self>, t: &mut Timeline, failed: &Arc<Engine>) -> Result<()> {
-        // (Moved already: by its own refused entry, before the failure handler came to it.)
-        if !Arc::ptr_eq(&self.home.lock().engine, failed) {
+        // (Moved already: by its own refused entry, before the failure handler came to it; or
+        // closed meanwhile: a sequence taken now would not be given back.)
+        if t.closed || !Arc::ptr_eq(&self.home.lock().engine, failed) {
             return Ok(());
         }
         let others: Vec<Arc<Engine>> =
